@@ -1,0 +1,1 @@
+"""The ``llmctl`` command line: one module per subcommand, registered in ``app``."""

@@ -1,0 +1,1 @@
+"""GGUF, llama.cpp's file format: reading (import) and writing (export)."""

@@ -1,0 +1,176 @@
+"""Read a GGUF file into Hugging Face terms: a config dict and float tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmctl.errors import GGUFError, ModelNotFoundError
+from llmctl.models.architectures import (
+    GGUF_CONFIG_KEYS,
+    Architecture,
+    architecture_for_gguf,
+    expand_tensor_names,
+    rope_unpermute,
+)
+
+# Large arrays that are not worth materialising for metadata display.
+_BULKY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+               "tokenizer.ggml.scores")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    type: str
+    shape: tuple[int, ...]  # in PyTorch order (rows first)
+    n_bytes: int
+
+
+def open_reader(path: Path):
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"no such GGUF file: {path}", "check the path")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError/struct.error/... on bad files
+        raise GGUFError(
+            f"cannot read {path} as GGUF: {exc}",
+            "the file is damaged or not a GGUF; re-download or re-export it",
+        ) from None
+
+
+def field_value(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def read_metadata(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
+    """All key/values (bulky tokenizer arrays summarised) and the tensor table."""
+    reader = open_reader(path)
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if key in _BULKY_KEYS:
+            meta[key] = f"[{len(field.data)} items]"
+        else:
+            meta[key] = field.contents()
+    tensors = [
+        TensorEntry(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                    int(t.n_bytes))
+        for t in reader.tensors
+    ]
+    return meta, tensors
+
+
+@dataclass
+class GGUFCheckpoint:
+    """A GGUF file seen as a Hugging Face model: config plus named float tensors."""
+
+    path: Path
+    reader: Any
+    arch: Architecture
+    config: dict[str, Any]
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.reader.tensors)
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, float32 array) in file order, dequantized and un-permuted."""
+        import gguf
+
+        to_hf = {g: h for h, g in expand_tensor_names(
+            self.arch, self.config["num_hidden_layers"]).items()}
+        n_head = self.config["num_attention_heads"]
+        n_kv = self.config["num_key_value_heads"]
+        for t in self.reader.tensors:
+            hf_name = to_hf.get(t.name)
+            if hf_name is None:
+                raise GGUFError(
+                    f"{self.path.name}: unexpected tensor {t.name!r} for a "
+                    f"{self.arch.gguf_arch} model",
+                    "this GGUF variant is not supported; convert from the HF checkpoint",
+                )
+            try:
+                array = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise GGUFError(
+                    f"{self.path.name}: tensor {t.name} uses {t.tensor_type.name}, which "
+                    "the gguf package cannot dequantize",
+                    "re-export the model with a Q4_0..Q8_0, K-quant or float type",
+                ) from None
+            array = np.asarray(array, dtype=np.float32).reshape(
+                tuple(int(d) for d in reversed(t.shape)))
+            if self.arch.rope_permute and hf_name.endswith("q_proj.weight"):
+                array = rope_unpermute(array, n_head)
+            elif self.arch.rope_permute and hf_name.endswith("k_proj.weight"):
+                array = rope_unpermute(array, n_kv)
+            # F32 tensors are views of a read-only memmap: copy so torch may own them.
+            yield hf_name, np.array(array, copy=not array.flags.writeable, order="C")
+
+
+def _rope_parameters(reader, arch_name: str, theta: float) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    kind = field_value(reader, f"{arch_name}.rope.scaling.type")
+    factor = field_value(reader, f"{arch_name}.rope.scaling.factor")
+    if kind and kind != "none" and factor:
+        params["rope_type"] = {"linear": "linear", "yarn": "yarn"}.get(kind, kind)
+        params["factor"] = float(factor)
+        original = field_value(reader, f"{arch_name}.rope.scaling.original_context_length")
+        if original:
+            params["original_max_position_embeddings"] = int(original)
+    return params
+
+
+def open_checkpoint(path: Path) -> GGUFCheckpoint:
+    reader = open_reader(path)
+    gguf_arch = field_value(reader, "general.architecture")
+    if gguf_arch is None:
+        raise GGUFError(f"{path} has no general.architecture key", "it is not a model GGUF")
+    arch = architecture_for_gguf(gguf_arch)
+    config: dict[str, Any] = {}
+    for key, hf_key in GGUF_CONFIG_KEYS.items():
+        value = field_value(reader, key.format(arch=gguf_arch))
+        if isinstance(value, float):
+            # GGUF stores float32: 1e-5 reads back as 9.9999997e-06. Print it short.
+            value = float(f"{value:.7g}")
+        if value is not None:
+            config[hf_key] = value
+    missing = {"num_hidden_layers", "hidden_size", "num_attention_heads"} - config.keys()
+    if missing:
+        raise GGUFError(f"{path} lacks {sorted(missing)} in its metadata",
+                        "the file is incomplete; re-export it")
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    names = {t.name for t in reader.tensors}
+    if "vocab_size" not in config:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        config["vocab_size"] = len(tokens.data) if tokens else None
+    theta = float(config.pop("rope_theta", 10000.0))
+    config.update(
+        model_type=arch.model_type,
+        architectures=[arch.causal_lm_class],
+        hidden_act="silu",
+        tie_word_embeddings="output.weight" not in names,
+        rope_parameters=_rope_parameters(reader, gguf_arch, theta),
+        # transformers 4.x ignores rope_parameters and silently falls back to 10000.
+        rope_theta=theta,
+        torch_dtype="float32",
+    )
+    for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                             ("padding_token_id", "pad_token_id")):
+        value = field_value(reader, f"tokenizer.ggml.{gguf_key}")
+        if value is not None:
+            config[hf_key] = int(value)
+    return GGUFCheckpoint(Path(path), reader, arch, config)

@@ -1,0 +1,123 @@
+"""What ``llmctl info`` reports about a checkpoint, read without loading weights."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# Tensors that hold quantization parameters rather than model parameters.
+_AUX_SUFFIXES = ("_scale", "_zero_point", "_g_idx", "weight_shape", "input_global_scale",
+                 "weight_global_scale")
+_DTYPE_BITS = {"F64": 64, "F32": 32, "BF16": 16, "F16": 16, "F8_E4M3": 8, "F8_E5M2": 8,
+               "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8}
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    source: str
+    model_type: str
+    architecture: str
+    parameters: int
+    layers: int
+    hidden_size: int
+    intermediate_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    rope_theta: float | None
+    tied_embeddings: bool
+    dtype: str
+    size_on_disk: int
+    tokenizer: str | None
+    chat_template: bool
+    eos_token: str | None
+    quantization: dict[str, Any] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return json.loads(handle.read(length))
+
+
+def _count_parameters(directory: Path, quant: dict | None) -> tuple[int, str]:
+    """Logical parameter count (packed low-bit weights unpacked) and the main dtype."""
+    total = 0
+    dtypes: dict[str, int] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        for name, entry in safetensors_header(file).items():
+            if name == "__metadata__" or name.endswith(_AUX_SUFFIXES):
+                continue
+            numel = 1
+            for dim in entry["shape"]:
+                numel *= dim
+            if name.endswith("weight_packed"):
+                # compressed-tensors packs 32 // num_bits values per int32.
+                numel = numel * _DTYPE_BITS[entry["dtype"]] // _packed_bits(quant)
+            total += numel
+            dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + numel
+    main = max(dtypes, key=dtypes.get) if dtypes else "unknown"
+    return total, main
+
+
+def _packed_bits(quant: dict | None) -> int:
+    for group in (quant or {}).get("config_groups", {}).values():
+        bits = (group.get("weights") or {}).get("num_bits")
+        if bits:
+            return int(bits)
+    return 4
+
+
+def _tokenizer_summary(directory: Path) -> tuple[str | None, bool, str | None]:
+    config_path = directory / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None, False, None
+    config = json.loads(config_path.read_text())
+    template = bool(config.get("chat_template")) or (directory / "chat_template.jinja").is_file()
+    eos = config.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return config.get("tokenizer_class"), template, eos
+
+
+def model_info(directory: Path, source: str = "local") -> ModelInfo:
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text())
+    text = config.get("text_config", config)
+    quant = config.get("quantization_config")
+    params, dtype = _count_parameters(directory, quant)
+    heads = text["num_attention_heads"]
+    rope = text.get("rope_parameters") or {}
+    tokenizer, template, eos = _tokenizer_summary(directory)
+    return ModelInfo(
+        path=str(directory),
+        source=source,
+        model_type=config.get("model_type", "?"),
+        architecture=(config.get("architectures") or ["?"])[0],
+        parameters=params,
+        layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        intermediate_size=text.get("intermediate_size", 0),
+        heads=heads,
+        kv_heads=text.get("num_key_value_heads", heads),
+        head_dim=text.get("head_dim") or text["hidden_size"] // heads,
+        vocab_size=text["vocab_size"],
+        context_length=text.get("max_position_embeddings", 0),
+        rope_theta=rope.get("rope_theta", text.get("rope_theta")),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        size_on_disk=sum(p.stat().st_size for p in directory.iterdir() if p.is_file()),
+        tokenizer=tokenizer,
+        chat_template=template,
+        eos_token=eos,
+        quantization=quant,
+    )

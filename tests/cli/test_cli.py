@@ -1,0 +1,128 @@
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from llmctl.cli.app import build_app
+
+runner = CliRunner()
+app = build_app()
+
+
+def run(*args, env=None):
+    return runner.invoke(app, list(args), env=env)
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from llmctl.cli.app import build_app; build_app(); "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_help_lists_every_command():
+    result = run("--help")
+    assert result.exit_code == 0
+    for name in ("info", "generate", "quantize", "build-engine", "serve", "bench", "eval"):
+        assert name in result.output
+
+
+@pytest.mark.parametrize("command,issue", [
+    (["quantize", "m"], 3), (["build-engine", "m"], 9), (["serve", "m"], 5),
+    (["bench"], 6), (["eval", "m"], 7),
+])
+def test_planned_commands_exit_2_with_one_line(command, issue):
+    result = run(*command)
+    assert result.exit_code == 2
+    assert f"issue #{issue}" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_info_json(tiny_llama):
+    result = run("info", str(tiny_llama), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["layers"] == 2 and data["vocab_size"] == 512 and data["source"] == "local"
+
+
+def test_info_human(tiny_llama):
+    result = run("info", str(tiny_llama))
+    assert result.exit_code == 0
+    assert "LlamaForCausalLM" in result.output and "parameters" in result.output
+
+
+def test_info_of_a_gguf_shows_metadata_and_tensors(tiny_gguf):
+    result = run("info", str(tiny_gguf), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["metadata"]["general.architecture"] == "llama"
+    assert data["metadata"]["llama.block_count"] == 2
+    assert len(data["tensors"]) == 3 + 2 * 9
+    assert data["bits_per_weight"] == pytest.approx(32.0)
+    human = run("info", str(tiny_gguf), "--tensors")
+    assert "blk.1.ffn_down.weight" in human.output
+
+
+def test_generate_equals_transformers_greedy(tiny_llama):
+    from llmctl.models.hf_generate import hf_generate
+    from llmctl.models.loading import load_model, load_tokenizer
+
+    tok = load_tokenizer(tiny_llama)
+    ids = tok("The file object")["input_ids"]
+    expected = hf_generate(load_model(tiny_llama), tok, ids, max_tokens=12)
+    result = run("generate", str(tiny_llama), "--prompt", "The file object", "--max-tokens",
+                 "12", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["token_ids"] == expected
+    assert data["completion_tokens"] == len(expected)
+
+
+@pytest.mark.parametrize("make_input,expected", [
+    (lambda p: str(p / "missing"), "no model at"),
+    (lambda p: str(p), "not a model directory"),
+    (lambda p: (p / "config.json").write_text('{"model_type": "bert"}') and str(p),
+     "'bert' is not supported"),
+    (lambda p: (p / "bad.gguf").write_bytes(b"GGUF\x00junk") and str(p / "bad.gguf"),
+     "cannot read"),
+])
+def test_bad_model_references_give_one_line_errors(tmp_path, make_input, expected):
+    result = run("info", make_input(tmp_path))
+    assert result.exit_code == 1
+    assert expected in result.output
+    assert "hint:" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_hub_offline_error(tmp_path):
+    result = run("info", "nosuchorg/nosuchmodel",
+                 env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    assert result.exit_code == 1
+    assert "not reachable" in result.output
+
+
+def test_usage_errors_exit_2(tiny_llama):
+    result = run("generate", str(tiny_llama), "--prompt", "x", "--max-tokens", "0")
+    assert result.exit_code == 2
+
+
+def test_debug_env_shows_the_real_exception(tmp_path):
+    result = run("info", str(tmp_path / "missing"), env={"LLMCTL_DEBUG": "1"})
+    assert result.exit_code == 1
+    assert type(result.exception).__name__ == "ModelNotFoundError"
+
+
+def test_chat_without_template_is_a_usage_error(tiny_llama, tmp_path):
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_llama, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    result = run("generate", str(plain), "--prompt", "x", "--chat")
+    assert result.exit_code == 2
+    assert "no chat template" in result.output

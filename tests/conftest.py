@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _llmctl_home(tmp_path_factory):
+    """Tests never touch the user's cache: one fresh LLMCTL_HOME per session."""
+    home = tmp_path_factory.mktemp("llmctl-home")
+    old = os.environ.get("LLMCTL_HOME")
+    os.environ["LLMCTL_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("LLMCTL_HOME", None)
+    else:
+        os.environ["LLMCTL_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    from tests.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory) -> Path:
+    from tests.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama-tied", tie=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_llama, tmp_path_factory) -> Path:
+    from llmctl.gguf.writer import export_gguf
+
+    return export_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / "tiny.gguf", "F32")
+
+
+@pytest.fixture(scope="session")
+def smollm2(_llmctl_home) -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted once per test session."""
+    from llmctl.models.resolve import resolve_model
+
+    return resolve_model("smollm2-135m").path

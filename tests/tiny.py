@@ -1,0 +1,67 @@
+"""Tiny random Llama checkpoints for fast tests (seconds, not minutes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def corpus() -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [text for _, text in sorted(topics.items())]
+
+
+def build_tokenizer(out: Path, vocab_size: int = 512):
+    """A byte-level BPE trained on stdlib prose, with ChatML specials (ids 0, 1, 2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus()[:200], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", pad_token="<|im_end|>",
+                                   unk_token=None)
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def build_tiny_llama(out: Path, *, seed: int = 0, tie: bool = False, layers: int = 2,
+                     model_type: str = "llama", **overrides) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    config_kwargs = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    config_kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **config_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    # Random init gives near-uniform logits; widen them so greedy decoding is decisive
+    # and comparisons between implementations are not decided by float noise.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(str(out))
+    json.loads((out / "config.json").read_text())
+    return out

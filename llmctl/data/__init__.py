@@ -1,0 +1,1 @@
+"""Text sources shared by calibration (quantize) and evaluation (eval)."""

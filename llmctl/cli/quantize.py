@@ -1,11 +1,56 @@
-"""``llmctl quantize`` (planned): GPTQ, AWQ, FP8, INT8, RTN and GGUF from YAML recipes."""
+"""``llmctl quantize``: GPTQ, AWQ, FP8, INT8 and RTN from YAML recipes (and GGUF)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-from llmctl.cli.errors import guarded, not_available
+from llmctl.cli.errors import guarded
 from llmctl.cli.options import JsonOpt, ModelArg
+
+
+def _is_gguf(format_: str, recipe: str | None) -> bool:
+    if format_ == "gguf":
+        return True
+    if format_ != "compressed-tensors":
+        from llmctl.errors import UsageError
+
+        raise UsageError(f"unknown output format {format_!r}", "use compressed-tensors or gguf")
+    if recipe:
+        from llmctl.quant.recipe import recipe_format
+
+        return recipe_format(recipe) == "gguf"
+    return False
+
+
+def _gguf(model: str, output: str | None, recipe: str | None, calibration: str | None,
+          gguf_type: str | None, imatrix: str | None, dry_run: bool, threads: int | None, out) -> None:
+    """Hand over to the GGUF exporter (llmctl.gguf.export.quantize_to_gguf)."""
+    import inspect
+
+    from llmctl.errors import NotAvailableYet, UsageError
+
+    try:
+        from llmctl.gguf.export import quantize_to_gguf
+    except ImportError:
+        raise NotAvailableYet("GGUF export is not available yet",
+                              "use --format compressed-tensors; GGUF export is issue #8") from None
+    from llmctl.models.resolve import resolve_model
+
+    if not output and not dry_run:
+        raise UsageError("--output is required", "pass -o model.gguf")
+    resolved = resolve_model(model)
+    offered = {"model_dir": resolved.path, "out_path": Path(output) if output else None,
+               "gguf_type": gguf_type, "recipe_overrides": recipe, "imatrix": imatrix,
+               "calibration": calibration, "dry_run": dry_run, "threads": threads}
+    accepted = inspect.signature(quantize_to_gguf).parameters
+    kwargs = {k: v for k, v in offered.items() if k in accepted and v is not None}
+    with out.progress("exporting GGUF") as update:
+        if "progress" in accepted:
+            kwargs["progress"] = update
+        data = quantize_to_gguf(**kwargs)
+    out.result(data)
 
 
 def register(app: typer.Typer) -> None:
@@ -13,14 +58,109 @@ def register(app: typer.Typer) -> None:
     @guarded
     def quantize(
         model: ModelArg,
-        recipe: str = typer.Option(None, "--recipe", "-r", help="YAML recipe (see recipes/)."),
+        recipe: str = typer.Option(None, "--recipe", "-r",
+                                   help="YAML recipe, or a name from recipes/ (e.g. w4a16-gptq)."),
         calibration: str = typer.Option(None, "--calibration", "-c",
-                                        help="Calibration text: file, hf:NAME or built-in."),
+                                        help="Calibration text: file, hf:NAME or built-in "
+                                             "(default builtin:pydoc-calib)."),
         output: str = typer.Option(None, "--output", "-o", help="Output directory or .gguf."),
         format_: str = typer.Option("compressed-tensors", "--format",
                                     help="compressed-tensors | gguf."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan, run nothing."),
+        samples: int = typer.Option(128, "--samples", help="Calibration windows."),
+        seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
+        seed: int = typer.Option(0, "--seed", help="Seed for drawing calibration windows."),
+        field: str = typer.Option("text", "--field", help="Text field of .jsonl/.parquet/hf: data."),
+        chat_template: bool = typer.Option(False, "--chat-template",
+                                           help="Format each document through the chat template."),
+        strict_group_size: bool = typer.Option(
+            False, "--strict-group-size",
+            help="Fail when a group size does not divide a layer (default: use the largest "
+                 "valid size below it)."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
+        device: str = typer.Option(None, "--device", help="cpu | cuda (default: cuda if present)."),
+        calib_dtype: str = typer.Option("bfloat16", "--calib-dtype",
+                                        help="Dtype of calibration activations: bfloat16 | float32."),
+        threads: int = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
+        gguf_type: str = typer.Option(None, "--type", help="GGUF file type, e.g. Q4_K_M (--format gguf)."),
+        imatrix: str = typer.Option(None, "--imatrix", help="GGUF importance matrix: auto or a file."),
         json_: JsonOpt = False,
     ) -> None:
         """Quantize a model from a recipe into a checkpoint other tools load."""
-        not_available("quantize", 3)
+        from llmctl.cli.output import Output
+        from llmctl.errors import UsageError
+
+        out = Output(json_)
+        if _is_gguf(format_, recipe):
+            _gguf(model, output, recipe, calibration, gguf_type, imatrix, dry_run, threads, out)
+            return
+        if not recipe:
+            raise UsageError("--recipe is required", "pass e.g. --recipe w4a16-gptq (see recipes/)")
+        import torch
+
+        from llmctl.models.loading import torch_dtype
+        from llmctl.quant.calibration import DEFAULT_SOURCE, CalibrationSpec
+        from llmctl.quant.pipeline import PipelineOptions
+
+        if threads:
+            torch.set_num_threads(threads)
+        spec = CalibrationSpec(calibration or DEFAULT_SOURCE, field, samples, seq_len, seed,
+                               chat_template)
+        options = PipelineOptions(compute_dtype=torch_dtype(calib_dtype), device=device)
+        if dry_run:
+            _dry_run(out, model, recipe, spec, options, strict_group_size)
+            return
+        if not output:
+            raise UsageError("--output is required", "pass -o DIR for the quantized checkpoint")
+        from llmctl.quant.run import QuantizeRequest
+        from llmctl.quant.run import quantize as run_quantize
+
+        request = QuantizeRequest(model, recipe, Path(output), spec, options, strict_group_size,
+                                  overwrite)
+        with out.progress("quantizing layers") as update:
+            report = run_quantize(request, progress=update, warn=out.warn, status=out.status)
+        out.result(_summary(report) if json_ else report, _render_report(report))
+
+
+def _dry_run(out, model, recipe, spec, options, strict) -> None:
+    from llmctl.quant.report import render_plan
+    from llmctl.quant.run import memory_estimate, prepare
+
+    prep = prepare(model, recipe, strict_group_size=strict)
+    estimate = memory_estimate(prep, spec, options)
+    data = {"dry_run": True, "model": str(prep.path), "recipe": prep.recipe.path,
+            "plan": prep.plan.to_dict(), "calibration": {"source": spec.source,
+                                                        "samples": spec.samples,
+                                                        "seq_len": spec.seq_len},
+            "memory_estimate": estimate.to_dict()}
+
+    def render(console) -> None:
+        render_plan(console, prep.plan)
+        gib = 1 << 30
+        console.print(f"peak memory estimate: {estimate.peak / gib:.2f} GiB "
+                      f"({estimate.needed / gib:.2f} GiB for the run"
+                      + (f", {estimate.available / gib:.1f} GiB available)" if estimate.available
+                         else ")"))
+
+    out.result(data, render)
+
+
+def _summary(report: dict) -> dict:
+    """The JSON answer: the report without the per-linear detail (that is in the file)."""
+    return {k: v for k, v in report.items() if k not in ("linears",)}
+
+
+def _render_report(report: dict):
+    from llmctl.quant.report import render_layers
+
+    def render(console) -> None:
+        render_layers(console, report["layers"])
+        mib = 1 << 20
+        sizes, times = report["sizes"], report["timings"]
+        console.print(f"[bold]{report['method']}[/bold] -> {report['output']} "
+                      f"({report['format']}): {sizes['before_bytes'] / mib:,.1f} MiB -> "
+                      f"{sizes['after_bytes'] / mib:,.1f} MiB in {times['total_seconds']:.1f} s "
+                      f"(calibration {report['calibration']['tokens']:,} tokens, "
+                      f"{report['device']}{', emulated arithmetic' if report['emulated'] else ''})")
+
+    return render

@@ -18,9 +18,8 @@ from llmctl.models.architectures import (
     rope_unpermute,
 )
 
-# Large arrays that are not worth materialising for metadata display.
-_BULKY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-               "tokenizer.ggml.scores")
+# Arrays longer than this (token lists, merges, scores) are shown as "[N items]".
+_MAX_ARRAY_ITEMS = 32
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ def open_reader(path: Path):
         raise ModelNotFoundError(f"no such GGUF file: {path}", "check the path")
     try:
         return gguf.GGUFReader(path)
-    except Exception as exc:  # gguf raises ValueError/struct.error/... on bad files
+    except Exception as exc:  # noqa: BLE001 (gguf raises ValueError/struct.error/...)
         raise GGUFError(
             f"cannot read {path} as GGUF: {exc}",
             "the file is damaged or not a GGUF; re-download or re-export it",
@@ -55,13 +54,16 @@ def field_value(reader, key: str, default: Any = None) -> Any:
 
 
 def read_metadata(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
-    """All key/values (bulky tokenizer arrays summarised) and the tensor table."""
+    """All key/values (long arrays summarised) and the tensor table, of any GGUF."""
+    import gguf
+
     reader = open_reader(path)
     meta: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
             continue
-        if key in _BULKY_KEYS:
+        is_array = field.types and field.types[0] == gguf.GGUFValueType.ARRAY
+        if is_array and len(field.data) > _MAX_ARRAY_ITEMS:
             meta[key] = f"[{len(field.data)} items]"
         else:
             meta[key] = field.contents()

@@ -1,113 +1,356 @@
-"""Write a Hugging Face Llama-family checkpoint as a GGUF file llama.cpp loads."""
+"""Write a Hugging Face Llama-family checkpoint as a GGUF file llama.cpp loads.
+
+The writer streams: tensor infos go into the header first, then each tensor is read
+from the safetensors (memory-mapped), converted/quantized and written before the
+next is touched, so memory stays at about one tensor. The per-tensor types come from
+a plan (:func:`plan_tensors`) that ``--dry-run`` can print before anything runs.
+
+A *skeleton* is the same file with the data section left as a sparse hole: a valid
+GGUF of the right size that llama.cpp's quantizer can dry-run on without llmctl
+reading or writing any weights.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from llmctl.errors import UsageError
-from llmctl.gguf.tokenizer import read_hf_vocab, write_vocab
+from llmctl.errors import NotAModelError, UsageError
+from llmctl.gguf import quants
+from llmctl.gguf.tokenizer import GGUFVocab, read_hf_vocab, write_vocab
+from llmctl.gguf.types import file_type
 from llmctl.models.architectures import (
     GGUF_CONFIG_KEYS,
+    Architecture,
     expand_tensor_names,
     get_architecture,
     rope_permute,
 )
 from llmctl.utils.atomic import atomic_path
 
-# Output type name -> (GGML tensor type, general.file_type). Quantized types only
-# apply to 2-D weights; norms and other 1-D tensors stay F32, as llama.cpp does.
-FILE_TYPES: dict[str, tuple[str, int]] = {
-    "F32": ("F32", 0),
-    "F16": ("F16", 1),
-    "BF16": ("BF16", 32),
-    "Q8_0": ("Q8_0", 7),
-    "Q4_0": ("Q4_0", 2),
-    "Q4_1": ("Q4_1", 3),
-    "Q5_0": ("Q5_0", 8),
-    "Q5_1": ("Q5_1", 9),
-}
-
-_FLOAT_KEYS = {"rope_theta", "rms_norm_eps"}
-
 Progress = Callable[[int, int], None]
 
-
-def _load_state(directory: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    state: dict[str, np.ndarray] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(str(file)))
-    return state
+_FLOAT_KEYS = {"rope_theta", "rms_norm_eps"}
+# ggml types llmctl can produce itself: floats plus the legacy block quantizers.
+WRITABLE = ("F32", "F16", *quants.QUANTS)
 
 
-def _tensor_bytes(array: np.ndarray, type_name: str):
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str  # GGUF tensor name
+    source: str | None  # HF parameter name (None for generated tensors)
+    shape: tuple[int, ...]  # PyTorch order, rows first
+    type: str  # ggml type
+    n_bytes: int
+    note: str = ""  # why this type: override, fallback, 1-D, ...
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    hf_name: str
+    gguf_name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without "torch."
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise NotAModelError(f"{directory} has no config.json",
+                             "pass a Hugging Face checkpoint directory")
+    return json.loads(path.read_text())
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise NotAModelError(f"{directory} has no *.safetensors weights",
+                             "save the model with safetensors (save_pretrained does by default)")
+    return files
+
+
+def _header(file: Path) -> dict[str, Any]:
+    """A safetensors header without touching the data (8-byte length + JSON)."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))
+
+
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
+                   ) -> list[SourceTensor]:
+    """The checkpoint's tensors in GGUF order (embeddings, blocks, norm, output)."""
+    names = expand_tensor_names(arch, config["num_hidden_layers"])
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in _safetensors_files(directory):
+        for key, info in _header(file).items():
+            if key != "__metadata__":
+                found[key] = (tuple(info["shape"]), _ST_DTYPES.get(info["dtype"], info["dtype"]))
+    unknown = sorted(k for k in found if k not in names and not k.endswith("rotary_emb.inv_freq"))
+    if unknown:
+        raise NotAModelError(
+            f"{directory} has tensors llmctl cannot map to GGUF: {unknown[:3]}"
+            + (" ..." if len(unknown) > 3 else ""),
+            f"llmctl converts the plain {arch.model_type} layout; merge adapters first",
+        )
+    tied = bool(config.get("tie_word_embeddings"))
+    out = []
+    for hf_name, gguf_name in names.items():
+        if hf_name in found and not (tied and hf_name == "lm_head.weight"):
+            shape, dtype = found[hf_name]
+            out.append(SourceTensor(hf_name, gguf_name, shape, dtype))
+    return sorted(out, key=_file_order)
+
+
+def _file_order(t: SourceTensor) -> tuple[int, int]:
+    """token_embd, then block by block, then output_norm/output (convert_hf_to_gguf's
+    order; llama-quantize counts layers in file order for its mixtures)."""
+    m = re.match(r"blk\.(\d+)\.", t.gguf_name)
+    if m:
+        return 1, int(m[1])
+    return (0, 0) if t.gguf_name.startswith("token_embd") else (2, 0)
+
+
+def source_dtype(tensors: list[SourceTensor]) -> str:
+    """The dtype most of the weights are stored in."""
+    counts: dict[str, int] = {}
+    for t in tensors:
+        counts[t.dtype] = counts.get(t.dtype, 0) + math.prod(t.shape)
+    return max(counts, key=counts.get) if counts else "float32"
+
+
+def type_nbytes(shape: tuple[int, ...], type_name: str) -> int:
     import gguf
 
-    qtype = gguf.GGMLQuantizationType[type_name]
-    if qtype == gguf.GGMLQuantizationType.F32:
-        return array.astype(np.float32), None
-    if qtype == gguf.GGMLQuantizationType.F16:
-        return array.astype(np.float16), None
-    return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    return math.prod(shape) // block * size
+
+
+def _fits(shape: tuple[int, ...], type_name: str) -> bool:
+    import gguf
+
+    block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    return shape[-1] % block == 0
+
+
+def plan_tensors(tensors: list[SourceTensor], default_type: str, *,
+                 overrides: list[tuple[str, str]] = (), output_type: str | None = None,
+                 token_embd_type: str | None = None, tied: bool = False,
+                 extra: list[TensorPlan] = ()) -> list[TensorPlan]:
+    """Per-tensor types for a file llmctl writes itself.
+
+    Mirrors llama-quantize's rules where they apply to the types llmctl writes:
+    1-D tensors (norms, biases) stay F32; ``output_type``/``token_embd_type`` win
+    (with tied embeddings token_embd *is* the output and takes ``output_type``);
+    then the first override whose regex is found in the name; a row length that does
+    not fit the type's block falls back to F16.
+    """
+    plans = []
+    for t in tensors:
+        note = ""
+        if len(t.shape) < 2:
+            kind, note = "F32", "1-D"
+        elif t.gguf_name == "output.weight" and output_type:
+            kind, note = output_type, "output_type"
+        elif t.gguf_name == "token_embd.weight" and tied and output_type and not token_embd_type:
+            kind, note = output_type, "output_type (tied embeddings)"
+        elif t.gguf_name == "token_embd.weight" and token_embd_type:
+            kind, note = token_embd_type, "token_embd_type"
+        else:
+            kind = default_type
+            for pattern, type_name in overrides:
+                if re.search(pattern, t.gguf_name):
+                    kind, note = type_name, f"override {pattern!r}"
+                    break
+        if kind not in WRITABLE:
+            raise UsageError(f"llmctl cannot write {kind} tensors itself ({t.gguf_name})",
+                             "use engine llama.cpp (installed with llama-cpp-python) for "
+                             "K-quant and i-quant types")
+        if not _fits(t.shape, kind):
+            note = f"fallback: {t.shape[-1]} columns do not fit {kind} blocks"
+            kind = "F16"
+        plans.append(TensorPlan(t.gguf_name, t.hf_name, t.shape, kind,
+                                type_nbytes(t.shape, kind), note))
+    return plans + list(extra)
+
+
+def rope_freqs(config: dict[str, Any]) -> np.ndarray | None:
+    """Llama 3.1's frequency-dependent RoPE scaling, as the ``rope_freqs`` tensor
+    llama.cpp multiplies into its rotation (same formula as transformers'
+    ``_compute_llama3_parameters``)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if str(params.get("rope_type", params.get("type", ""))).lower() != "llama3":
+        return None
+    base = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor = params.get("factor", 8.0)
+    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    old_ctx = params.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, mid))
+    return out.astype(np.float32)
+
+
+def generated_tensors(config: dict[str, Any]) -> dict[str, np.ndarray]:
+    freqs = rope_freqs(config)
+    return {} if freqs is None else {"rope_freqs.weight": freqs}
+
+
+def _rope_theta(config: dict[str, Any]) -> float | None:
+    params = config.get("rope_parameters") or {}
+    return params.get("rope_theta", config.get("rope_theta"))
+
+
+def _write_metadata(writer, config: dict[str, Any], arch: Architecture, name: str,
+                    ftype: int, vocab: GGUFVocab) -> None:
+    import gguf
+
+    writer.add_name(name)
+    writer.add_file_type(ftype)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, hf_key in GGUF_CONFIG_KEYS.items():
+        value = _rope_theta(config) if hf_key == "rope_theta" else config.get(hf_key)
+        if value is None:
+            continue
+        full = key.format(arch=arch.gguf_arch)
+        if hf_key in _FLOAT_KEYS:
+            writer.add_float32(full, float(value))
+        else:
+            writer.add_uint32(full, int(value))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)
+    # llama.cpp derives the V head size from hidden/heads unless told (Qwen3: 128 != 64/4).
+    writer.add_value_length(head_dim)
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = str(params.get("rope_type", params.get("type", "default"))).lower()
+    if kind in ("linear", "yarn") and params.get("factor"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType[kind.upper()])
+        writer.add_rope_scaling_factor(float(params["factor"]))
+        if kind == "yarn" and params.get("original_max_position_embeddings"):
+            writer.add_rope_scaling_orig_ctx_len(int(params["original_max_position_embeddings"]))
+    write_vocab(writer, vocab)
+
+
+def _load_array(handle, hf_name: str) -> np.ndarray:
+    # framework="pt": numpy has no bfloat16, and most HF checkpoints are stored in it.
+    return handle.get_tensor(hf_name).float().numpy()
+
+
+def _encode(array: np.ndarray, type_name: str, threads: int | None) -> np.ndarray:
+    if type_name == "F32":
+        return np.ascontiguousarray(array, dtype=np.float32)
+    if type_name == "F16":
+        return np.ascontiguousarray(array, dtype=np.float16)
+    return quants.quantize(array, type_name, threads=threads)
+
+
+def _open_sources(directory: Path) -> Iterator[tuple[str, Any]]:
+    from safetensors import safe_open
+
+    for file in _safetensors_files(directory):
+        handle = safe_open(str(file), framework="pt")
+        for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+            yield key, handle
+
+
+def write_gguf(directory: Path, out: Path, plan: list[TensorPlan], ftype: int, *,
+               vocab: GGUFVocab | None = None, progress: Progress | None = None,
+               skeleton: bool = False, threads: int | None = None) -> Path:
+    """Write ``directory``'s model to ``out`` with the types in ``plan`` (atomically)."""
+    import gguf
+
+    directory = Path(directory)
+    config = read_config(directory)
+    arch = get_architecture(config["model_type"])
+    vocab = vocab or read_hf_vocab(directory, config)
+    extra = generated_tensors(config)
+    n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads")
+    with atomic_path(Path(out)) as tmp:
+        writer = gguf.GGUFWriter(None, arch.gguf_arch)
+        _write_metadata(writer, config, arch, directory.name, ftype, vocab)
+        for p in plan:
+            qtype = gguf.GGMLQuantizationType[p.type]
+            if p.type in ("F32", "F16"):
+                dtype = np.float32 if p.type == "F32" else np.float16
+                writer.add_tensor_info(p.name, p.shape, np.dtype(dtype), p.n_bytes)
+            else:
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                byte_shape = (*p.shape[:-1], p.shape[-1] // block * size)
+                writer.add_tensor_info(p.name, byte_shape, np.dtype(np.uint8), p.n_bytes,
+                                       raw_dtype=qtype)
+        writer.open_output_file(tmp)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        if skeleton:
+            fout = writer.fout[0]
+            align = writer.data_alignment
+            end = writer.ggml_pad(fout.tell(), align)
+            end += sum(writer.ggml_pad(p.n_bytes, align) for p in plan)
+            fout.truncate(end)  # a sparse hole: no weights read, no disk used
+            writer.close()
+            return Path(out)
+        handles = dict(_open_sources(directory))
+        for done, p in enumerate(plan, start=1):
+            if p.source is None:
+                array = extra[p.name]
+            else:
+                array = _load_array(handles[p.source], p.source)
+                if arch.rope_permute and p.source.endswith("q_proj.weight"):
+                    array = rope_permute(array, n_head)
+                elif arch.rope_permute and p.source.endswith("k_proj.weight"):
+                    array = rope_permute(array, n_kv or n_head)
+            data = _encode(array, p.type, threads)
+            writer.write_tensor_data(data)
+            del array, data
+            if progress:
+                progress(done, len(plan))
+        writer.close()
+    return Path(out)
+
+
+def build_plan(directory: Path, default_type: str, **rules: Any
+               ) -> tuple[dict[str, Any], list[SourceTensor], list[TensorPlan]]:
+    """Config, source tensors and the per-tensor plan for a file llmctl writes."""
+    config = read_config(directory)
+    arch = get_architecture(config["model_type"])
+    tensors = source_tensors(directory, config, arch)
+    extra = [TensorPlan(name, None, a.shape, "F32", a.nbytes, "generated")
+             for name, a in generated_tensors(config).items()]
+    plan = plan_tensors(tensors, default_type, tied=bool(config.get("tie_word_embeddings")),
+                        extra=extra, **rules)
+    return config, tensors, plan
 
 
 def export_gguf(directory: Path, out: Path, out_type: str = "F32",
-                progress: Progress | None = None, pre: str = "default") -> Path:
-    import gguf
+                progress: Progress | None = None, pre: str | None = None) -> Path:
+    """Convert with one type for every 2-D weight (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1)."""
+    ft = file_type(out_type)
+    if ft.writer != "llmctl":
+        raise UsageError(f"{ft.name} is written by llama.cpp, not by export_gguf",
+                         "use llmctl.gguf.export.quantize_to_gguf")
+    directory = Path(directory)
+    config, _, plan = build_plan(directory, ft.tensor_type)
+    vocab = read_hf_vocab(directory, config, pre=pre)
+    return write_gguf(directory, out, plan, ft.ftype, vocab=vocab, progress=progress)
 
-    if out_type not in FILE_TYPES:
-        raise UsageError(f"unknown GGUF type {out_type!r}",
-                         f"llmctl writes: {', '.join(FILE_TYPES)}")
-    config = json.loads((directory / "config.json").read_text())
-    arch = get_architecture(config["model_type"])
-    state = _load_state(directory)
-    n_blocks = config["num_hidden_layers"]
-    names = expand_tensor_names(arch, n_blocks)
-    tensor_type, file_type = FILE_TYPES[out_type]
-    with atomic_path(out) as tmp:
-        writer = gguf.GGUFWriter(str(tmp), arch.gguf_arch)
-        writer.add_name(directory.name)
-        writer.add_file_type(file_type)
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for key, hf_key in GGUF_CONFIG_KEYS.items():
-            value = config.get(hf_key)
-            if hf_key == "rope_theta":
-                value = (config.get("rope_parameters") or {}).get("rope_theta", value)
-            if value is None:
-                continue
-            full = key.format(arch=arch.gguf_arch)
-            if hf_key in _FLOAT_KEYS:
-                writer.add_float32(full, float(value))
-            else:
-                writer.add_uint32(full, int(value))
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        writer.add_rope_dimension_count(head_dim)
-        write_vocab(writer, read_hf_vocab(directory, config, pre=pre))
-        n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads")
-        items = [(n, state[n]) for n in names if n in state]
-        if config.get("tie_word_embeddings"):
-            items = [(n, a) for n, a in items if n != "lm_head.weight"]
-        for done, (hf_name, array) in enumerate(items, start=1):
-            array = array.astype(np.float32)
-            if arch.rope_permute and hf_name.endswith("q_proj.weight"):
-                array = rope_permute(array, n_head)
-            elif arch.rope_permute and hf_name.endswith("k_proj.weight"):
-                array = rope_permute(array, n_kv or n_head)
-            kind = tensor_type if array.ndim == 2 else "F32"
-            data, raw = _tensor_bytes(array, kind)
-            if raw is None:
-                writer.add_tensor(names[hf_name], data)
-            else:
-                writer.add_tensor(names[hf_name], data, raw_dtype=raw)
-            if progress:
-                progress(done, len(items))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-    return out
+

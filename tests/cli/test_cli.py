@@ -29,15 +29,12 @@ def test_help_lists_every_command():
         assert name in result.output
 
 
-@pytest.mark.parametrize("command,issue", [
-    (["quantize", "m"], 3), (["build-engine", "m"], 9), (["serve", "m"], 5),
-    (["bench"], 6), (["eval", "m"], 7),
-])
-def test_planned_commands_exit_2_with_one_line(command, issue):
-    result = run(*command)
-    assert result.exit_code == 2
-    assert f"issue #{issue}" in result.output
-    assert "Traceback" not in result.output
+@pytest.mark.parametrize("command", ["info", "generate", "quantize", "build-engine", "serve",
+                                     "bench", "eval"])
+def test_every_command_answers_help(command):
+    result = run(command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.output
 
 
 def test_info_json(tiny_llama):

@@ -70,3 +70,22 @@ def test_quantized_export_reads_back_within_one_step(tiny_llama, tmp_path, qtype
         # Per 32-value block the step is absmax / (levels / 2); use the worst block.
         bound = {"F16": 1e-3, "Q8_0": 1 / 127, "Q4_0": 1 / 7}[qtype] * np.abs(ref).max()
         assert np.abs(array - ref).max() <= bound + 1e-6, name
+
+
+@pytest.mark.parametrize("gguf_type, step", [("F32", 0.0), ("Q8_0", 1 / 127), ("Q4_1", 1 / 15)])
+def test_export_then_resolve_model_gives_back_the_weights(tiny_llama, tmp_path, gguf_type, step):
+    """llmctl export -> `resolve_model(FILE.gguf)` (the path every command takes) -> weights."""
+    from llmctl.gguf.export import quantize_to_gguf
+    from llmctl.models.resolve import resolve_model
+
+    summary = quantize_to_gguf(tiny_llama, tmp_path / f"m-{gguf_type}.gguf", gguf_type)
+    resolved = resolve_model(summary["path"])
+    assert resolved.source == "gguf"
+    original, back = _state(tiny_llama), _state(resolved.path)
+    assert original.keys() == back.keys()
+    for name, ref in original.items():
+        if step == 0.0:
+            np.testing.assert_array_equal(back[name], ref, err_msg=name)
+        else:
+            bound = step * 2 * np.abs(ref).max() + 1e-6  # one step of the widest block
+            assert np.abs(back[name] - ref).max() <= bound, name

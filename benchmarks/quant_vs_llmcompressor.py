@@ -1,0 +1,138 @@
+"""llmctl vs llm-compressor 0.14: GPTQ and AWQ, W4 group 64, same model, same calibration
+tokens, time and held-out perplexity, all measured in one run.
+
+Targets (issue #3): llmctl's GPTQ at least 2x faster than llm-compressor's with held-out
+perplexity no worse; the same for AWQ. llm-compressor runs in its own venv (it pins
+transformers <= 5.17 and compressed-tensors 0.19):
+
+    python3 -m venv /work/venvs/llmcompressor
+    /work/venvs/llmcompressor/bin/pip install torch==2.13.0
+    /work/venvs/llmcompressor/bin/pip install 'llmcompressor==0.14.*'
+    .venv/bin/python benchmarks/quant_vs_llmcompressor.py [--samples 32 --seq-len 256]
+
+Both tools get the same token windows: llmctl draws them (seeded) and they are handed to
+llm-compressor as a tokenized dataset; the SHA-256 of the windows is checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.quant_common import (
+    ROOT,
+    command_line,
+    heldout_perplexity,
+    llmctl_quantize,
+    run_child,
+    thread_env,
+    write_recipe,
+    write_results,
+)
+
+LLMCOMPRESSOR_PY = Path("/work/venvs/llmcompressor/bin/python")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--methods", default="gptq,awq")
+    parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--python", default=str(LLMCOMPRESSOR_PY))
+    parser.add_argument("--name", default="quant-vs-llmcompressor-w4g64-smollm2")
+    args = parser.parse_args()
+
+    import numpy as np
+
+    from llmctl.models.loading import load_tokenizer
+    from llmctl.models.resolve import resolve_model
+    from llmctl.quant.calibration import CalibrationSpec, build_calibration
+    from llmctl.report import run_metadata
+
+    model_dir = resolve_model(args.model).path
+    work = Path(tempfile.mkdtemp(prefix="quant-vs-llmc-"))
+    calib = build_calibration(load_tokenizer(model_dir),
+                              CalibrationSpec(samples=args.samples, seq_len=args.seq_len))
+    windows = work / "windows.json"
+    windows.write_text(json.dumps(calib.ids.tolist()))
+    rows = {}
+    for method in args.methods.split(","):
+        recipe = write_recipe(work, method, 4, args.group_size)
+        ours = work / f"llmctl-{method}"
+        print(f"[llmctl {method}] ...", flush=True)
+        run = llmctl_quantize(str(model_dir), recipe, ours, samples=args.samples,
+                              seq_len=args.seq_len, threads=args.threads,
+                              log=work / f"llmctl-{method}.log")
+        if run["report"]["calibration"]["tokens_sha256"] != calib.sha256:
+            raise SystemExit("llmctl drew different calibration windows than the benchmark")
+        theirs = work / f"llmcompressor-{method}"
+        print(f"[llm-compressor {method}] ...", flush=True)
+        cmd = [args.python, str(ROOT / "benchmarks" / "quant_llmcompressor_child.py"),
+               "--model", str(model_dir), "--windows", str(windows), "--method", method,
+               "--group-size", str(args.group_size), "--out", str(theirs)]
+        other = run_child(cmd, thread_env(args.threads), work / f"llmcompressor-{method}.log")
+        if other["exit_code"] != 0:
+            raise SystemExit(f"llm-compressor {method} failed, see {other['log']}")
+        other["tool"] = json.loads((theirs / "llmcompressor-run.json").read_text())
+        rows[method] = {"llmctl": run, "llmcompressor": other,
+                        "llmctl_recipe": recipe.read_text()}
+    print("evaluating held-out perplexity ...", flush=True)
+    ppl = {"float": heldout_perplexity(model_dir, args.eval_windows)}
+    for method, row in rows.items():
+        row["ppl_llmctl"] = ppl[f"llmctl-{method}"] = heldout_perplexity(
+            work / f"llmctl-{method}", args.eval_windows)
+        row["ppl_llmcompressor"] = ppl[f"llmcompressor-{method}"] = heldout_perplexity(
+            work / f"llmcompressor-{method}", args.eval_windows)
+        row["speedup"] = row["llmcompressor"]["wall_seconds"] / row["llmctl"]["wall_seconds"]
+        row["targets"] = {"at_least_2x_faster": row["speedup"] >= 2.0,
+                          "ppl_no_worse": row["ppl_llmctl"] <= row["ppl_llmcompressor"]}
+    data = {"benchmark": "quant_vs_llmcompressor", "command": command_line(),
+            "model": str(model_dir), "group_size": args.group_size, "samples": args.samples,
+            "seq_len": args.seq_len, "threads": args.threads,
+            "calibration_tokens_sha256": calib.sha256,
+            "eval": {"source": "builtin:pydoc-heldout", "windows": args.eval_windows,
+                     "seq_len": 512},
+            "perplexity": ppl, "methods": rows,
+            "windows_sha256": hashlib.sha256(np.asarray(calib.ids).tobytes()).hexdigest(),
+            "metadata": run_metadata(command="benchmarks/quant_vs_llmcompressor.py")}
+    table = "\n".join(
+        f"| {m} | {r['llmctl']['wall_seconds']:.0f} | {r['llmcompressor']['wall_seconds']:.0f} | "
+        f"{r['speedup']:.2f}x | {r['ppl_llmctl']:.3f} | {r['ppl_llmcompressor']:.3f} | "
+        f"{'/'.join(f'{x:.1f}' for x in r['llmctl']['load_before'])} ; "
+        f"{'/'.join(f'{x:.1f}' for x in r['llmcompressor']['load_before'])} |"
+        for m, r in rows.items())
+    md = f"""# llmctl vs llm-compressor: W4 group {args.group_size} on {args.model}
+
+Command: `{data['command']}`
+
+Same model, group size, scheme (int4 symmetric, `lm_head` kept) and calibration windows
+({args.samples} x {args.seq_len} tokens of builtin:pydoc-calib, SHA-256
+`{calib.sha256[:16]}...`); GPTQ with static act-order on both sides, AWQ with a 20-point
+grid. Held-out perplexity on {args.eval_windows} x 512 tokens of builtin:pydoc-heldout,
+both checkpoints loaded by transformers (float model: {ppl['float']:.3f}).
+Threads: {args.threads}. Commit: {data['metadata']['llmctl_commit']}.
+
+| method | llmctl s | llm-compressor s | speedup | llmctl ppl | llm-compressor ppl | load avg before (llmctl ; llm-compressor) |
+|---|---|---|---|---|---|---|
+{table}
+
+Wall times are whole child processes (imports, model load, calibration, writing).
+The machine is shared with other jobs; the load averages show how busy it was.
+"""
+    json_path, md_path = write_results(args.name, data, md)
+    print(md)
+    print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()

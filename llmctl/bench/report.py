@@ -1,0 +1,224 @@
+"""The run report: JSON (flat vLLM keys + raw arrays + metadata), Rich tables, Markdown.
+
+A report's file name carries its configuration, as vLLM's do:
+``{label}-{rate}qps-c{concurrency}-{model}-{datetime}.json``. The JSON follows
+``results/bench-schema.json``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from llmctl.bench.metrics import LATENCIES, percentile_key
+from llmctl.utils.atomic import write_text
+
+SCHEMA = "llmctl-bench/1"
+DEFINITIONS = {
+    "ttft": "send -> first streamed chunk carrying text (client side)",
+    "tpot": "(e2el - ttft) / (output tokens - 1), requests with > 1 output token (vLLM); "
+            "guidellm's time_per_output_token divides by all output tokens instead",
+    "itl": "gaps between consecutive text chunks, pooled over requests",
+    "e2el": "send -> end of the stream",
+    "request_goodput": "completed requests meeting every SLO, per second",
+    "max_output_tokens_per_s": "most text chunks in one 1-second bucket (vLLM)",
+    "max_concurrent_requests": "most requests active in one 1-second bucket (vLLM)",
+    "peak_concurrency": "most requests in flight at one instant",
+    "output_tokens": "server usage when streamed, else re-tokenised text, else chunks",
+}
+LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
+SUMMARY_ROWS = (
+    ("completed", "Successful requests", "{:d}"),
+    ("failed", "Failed requests", "{:d}"),
+    ("duration", "Benchmark duration (s)", "{:.2f}"),
+    ("total_input_tokens", "Total input tokens", "{:d}"),
+    ("total_output_tokens", "Total generated tokens", "{:d}"),
+    ("request_throughput", "Request throughput (req/s)", "{:.2f}"),
+    ("request_goodput", "Request goodput (req/s)", "{:.2f}"),
+    ("output_throughput", "Output token throughput (tok/s)", "{:.2f}"),
+    ("total_token_throughput", "Total token throughput (tok/s)", "{:.2f}"),
+    ("max_output_tokens_per_s", "Peak output token throughput (tok/s)", "{:.2f}"),
+    ("peak_concurrency", "Peak concurrent requests", "{:d}"),
+)
+
+
+def rate_text(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def slug(text: str) -> str:
+    name = Path(text.rstrip("/")).name or text
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "model"
+
+
+def timestamp(when: _dt.datetime | None = None) -> str:
+    return (when or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
+
+
+def default_filename(label: str, rate: float, concurrency: int | None, model: str,
+                     when: str | None = None) -> str:
+    conc = "inf" if not concurrency else str(concurrency)
+    return (f"{slug(label)}-{rate_text(rate)}qps-c{conc}-{slug(model)}-"
+            f"{when or timestamp()}.json")
+
+
+def _finite(value):
+    """JSON has no inf/nan: inf -> "inf" (a request rate), nan -> null."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json(path: Path, report: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(_finite(report), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def load_json(path: Path) -> dict:
+    from llmctl.errors import ConfigError
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no report at {path}", "check the path") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not JSON: {exc}", "pass a report written by llmctl bench "
+                          "or vllm bench serve") from None
+    if not isinstance(data, dict) or "completed" not in data:
+        raise ConfigError(f"{path} is not a benchmark report (no 'completed' key)",
+                          "pass a report written by llmctl bench or vllm bench serve")
+    return data
+
+
+def _fmt(value, spec: str = "{:.2f}") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and spec == "{:d}":
+        value = int(value)
+    try:
+        return spec.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def summary_rows(report: dict) -> list[tuple[str, str]]:
+    rows = [(title, _fmt(report.get(key), spec)) for key, title, spec in SUMMARY_ROWS
+            if key != "request_goodput" or report.get(key) is not None]
+    return rows
+
+
+def latency_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    percentiles = report.get("percentiles") or []
+    header = ["metric (ms)", "mean", "median", "std"] + [percentile_key(p) for p in percentiles]
+    rows = []
+    for name in LATENCIES:
+        keys = [f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms"] + [
+            f"{percentile_key(p)}_{name}_ms" for p in percentiles]
+        rows.append([LATENCY_NAMES[name]] + [_fmt(report.get(k)) for k in keys])
+    return header, rows
+
+
+def render(console, report: dict) -> None:
+    """vLLM-like result block as two Rich tables, plus the run's warnings."""
+    from rich.table import Table
+
+    title = (f"{report.get('label')} @ {rate_text_of(report)} req/s, concurrency "
+             f"{report.get('max_concurrency') or 'inf'}, {report.get('model_id')}")
+    summary = Table(title=title, show_header=False, title_justify="left")
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    for name, value in summary_rows(report):
+        summary.add_row(name, value)
+    console.print(summary)
+    header, rows = latency_rows(report)
+    table = Table(title="Latency (TPOT excludes the first token)", title_justify="left")
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    for note in notes(report):
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def rate_text_of(report: dict) -> str:
+    rate = report.get("request_rate")
+    return rate if isinstance(rate, str) else rate_text(float(rate or math.inf))
+
+
+def notes(report: dict) -> list[str]:
+    out = []
+    if report.get("interrupted"):
+        out.append("interrupted (Ctrl-C): this is a partial run")
+    if report.get("target_down"):
+        out.append(f"the target went down: {report['target_down']}; "
+                   f"{report.get('not_sent', 0)} requests were not sent (counted as failed)")
+    if report.get("failed"):
+        errors = [e for e in report.get("errors", []) if e]
+        if errors:
+            out.append(f"{report['failed']} failed; first error: {errors[0][:200]}")
+    if report.get("warmup_failed"):
+        out.append(f"{report['warmup_failed']} warm-up requests failed")
+    return out
+
+
+def markdown(report: dict, command: str | None = None) -> str:
+    meta = report.get("metadata", {})
+    machine = meta.get("machine", {})
+    load = machine.get("load_average")
+    lines = [f"# llmctl bench: {report.get('label')} / {report.get('model_id')}", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += [
+        f"- date: {meta.get('date')}; llmctl {meta.get('versions', {}).get('llmctl')} "
+        f"({meta.get('llmctl_commit')})",
+        f"- target: {report.get('target')} ({report.get('backend')}, {report.get('endpoint')})",
+        f"- workload: {report.get('dataset', {}).get('name')}, {report.get('num_prompts')} "
+        f"prompts, rate {rate_text_of(report)} req/s, burstiness {report.get('burstiness')}, "
+        f"max concurrency {report.get('max_concurrency') or 'inf'}, seed {report.get('seed')}",
+        f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores, load average "
+        f"{', '.join(f'{x:.2f}' for x in load) if load else 'n/a'}",
+        "",
+        "| metric | value |", "|---|---:|",
+    ]
+    lines += [f"| {name} | {value} |" for name, value in summary_rows(report)]
+    header, rows = latency_rows(report)
+    lines += ["", "| " + " | ".join(header) + " |",
+              "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    server = report.get("server_metrics") or {}
+    if server.get("available"):
+        keep = {k: v for k, v in server.items() if k not in ("available",) and v is not None}
+        lines += ["", "Server-side (/metrics, after - before): " +
+                  ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in keep.items())]
+    lines += ["", "TPOT = (E2E - TTFT) / (output tokens - 1), as vLLM; "
+              "guidellm's time_per_output_token includes the first token."]
+    lines += [f"\n> {n}" for n in notes(report)]
+    return "\n".join(lines) + "\n"
+
+
+def sweep_markdown(param: str, rows: Sequence[dict], command: str | None = None) -> str:
+    keys = ["request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "p99_tpot_ms", "p99_e2el_ms", "request_goodput", "failed"]
+    lines = [f"# llmctl bench sweep over {param}", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += ["| " + " | ".join([param] + keys) + " |", "|" + "---:|" * (len(keys) + 1)]
+    for row in rows:
+        cells = [str(row["level"])] + [_fmt(row.get(k), "{:g}" if k == "failed" else "{:.2f}")
+                                       for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

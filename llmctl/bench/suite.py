@@ -1,0 +1,276 @@
+"""A whole ``llmctl bench`` invocation: set up the target, then for every sweep level
+run the workload ``--repeat`` times and write one report (JSON, Markdown, CDF plot);
+for a sweep also a summary with the throughput/latency trade-off plot.
+
+A partial result is still a result: after Ctrl-C or a dead target the report of the
+level in progress is written and the remaining levels are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmctl.bench import plots
+from llmctl.bench.backends import RequestSettings, get_backend
+from llmctl.bench.compare import aggregate_repeats
+from llmctl.bench.config import BenchOptions
+from llmctl.bench.datasets import build_dataset, fingerprint
+from llmctl.bench.launcher import LaunchedServer, free_port, server_command
+from llmctl.bench.metrics import compute_metrics, raw_arrays
+from llmctl.bench.records import SampleRequest
+from llmctl.bench.report import (
+    DEFINITIONS,
+    SCHEMA,
+    default_filename,
+    markdown,
+    rate_text,
+    slug,
+    sweep_markdown,
+    timestamp,
+    write_json,
+)
+from llmctl.bench.runner import RunPlan, RunResult, fill_output_tokens, probe, run_sync
+from llmctl.bench.server_metrics import flat as server_flat
+from llmctl.bench.target import ModelInfo, model_info
+from llmctl.errors import MissingDependencyError, UsageError
+from llmctl.utils.atomic import write_text
+
+SWEEP_ROW_KEYS = ("request_throughput", "output_throughput", "total_token_throughput",
+                  "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                  "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms",
+                  "p99_e2el_ms", "completed", "failed")
+
+
+@dataclass
+class LevelResult:
+    level: float | None
+    report: dict
+    path: Path
+
+
+@dataclass
+class SuiteResult:
+    levels: list[LevelResult] = field(default_factory=list)
+    sweep_path: Path | None = None
+    interrupted: bool = False
+    target_down: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Target:
+    base_url: str
+    served_model: str
+    probe: dict
+    launched: LaunchedServer | None
+    command: list[str] | None
+
+
+def _served_name(opts: BenchOptions, models: list[str]) -> str:
+    if opts.served_model_name:
+        return opts.served_model_name
+    if opts.model and opts.model in models:
+        return opts.model
+    if len(models) == 1:
+        return models[0]  # one model served: whatever it is called, that is the one
+    return opts.model or ""
+
+
+def _start_target(opts: BenchOptions, stack: contextlib.ExitStack, out,
+                  api_key: str | None) -> _Target:
+    launched = command = None
+    if opts.target:
+        base_url = opts.target.rstrip("/")
+    else:
+        port = free_port()
+        command = server_command(opts.model or "", port, opts.server_command, opts.serve_args)
+        base_url = f"http://127.0.0.1:{port}"
+        out.status(f"starting the server: {shlex.join(command)}")
+        launched = stack.enter_context(LaunchedServer(command, base_url,
+                                                      timeout=opts.server_timeout))
+        out.status(f"server ready after {launched.startup_seconds:.1f} s")
+    info = asyncio.run(probe(base_url, api_key))
+    return _Target(base_url, _served_name(opts, info["models"]), info, launched, command)
+
+
+def _level_options(opts: BenchOptions, level: float | None) -> tuple[float, int | None]:
+    rate, concurrency = opts.request_rate, opts.max_concurrency
+    if opts.sweep is not None and level is not None:
+        if opts.sweep.param == "rate":
+            rate = level
+        else:
+            concurrency = int(level)
+    return rate, concurrency
+
+
+def _report(opts: BenchOptions, runs: list[RunResult], *, rate: float,
+            concurrency: int | None, target: _Target, info: ModelInfo,
+            samples: list[SampleRequest], load_start: list[float] | None) -> dict:
+    from llmctl.report import run_metadata
+
+    per_run = []
+    for result in runs:
+        metrics = compute_metrics(result.records, result.duration, opts.percentiles, opts.slos)
+        metrics.update(server_flat(result.server_summary))
+        per_run.append(metrics)
+    last = runs[-1]
+    flat = per_run[0] if len(runs) == 1 else aggregate_repeats(per_run)["median"]
+    arrays: dict[str, list] = {}
+    for result in runs:
+        for key, values in raw_arrays(result.records).items():
+            arrays.setdefault(key, []).extend(values)
+    engine = {"launched": target.launched is not None, "command": target.command,
+              "serve_args": opts.serve_args, "target": target.base_url,
+              "server_header": target.probe.get("server"),
+              "served_models": target.probe.get("models"),
+              "startup_seconds": target.launched.startup_seconds if target.launched else None}
+    dataset = {**opts.dataset.model_dump(), "fingerprint": fingerprint(samples),
+               "mean_prompt_len": sum(s.prompt_len for s in samples) / len(samples),
+               "mean_output_len": sum(s.output_len for s in samples) / len(samples)}
+    report = {
+        "schema": SCHEMA,
+        "date": timestamp(),
+        "label": opts.run_label,
+        "backend": opts.backend,
+        "endpoint": opts.endpoint or get_backend(opts.backend).path,
+        "target": target.base_url,
+        "model_id": target.served_model,
+        "tokenizer_id": info.tokenizer_id,
+        "num_prompts": len(samples),
+        "request_rate": rate_text(rate) if math.isinf(rate) else rate,
+        "burstiness": "inf" if math.isinf(opts.burstiness) else opts.burstiness,
+        "max_concurrency": concurrency,
+        "warmup": opts.warmup,
+        "duration_limit": opts.duration,
+        "ignore_eos": opts.ignore_eos,
+        "seed": opts.dataset.seed,
+        "dataset": dataset,
+        "percentiles": opts.percentiles,
+        "slos": opts.slos,
+        "interrupted": any(r.interrupted for r in runs),
+        "target_down": last.target_down,
+        "not_sent": sum(r.not_sent for r in runs),
+        "warmup_failed": sum(r.warmup_failed for r in runs),
+        "load_average_start": load_start,
+        **flat,
+        "server_metrics": last.server_summary,
+        "definitions": DEFINITIONS,
+        "config": opts.model_dump(mode="json"),
+        "metadata": run_metadata(model=info.to_dict(), engine=engine, dataset=dataset,
+                                 seed=opts.dataset.seed),
+        **arrays,
+    }
+    if len(runs) > 1:
+        report["repeat"] = {**aggregate_repeats(per_run), "runs": per_run}
+    return report
+
+
+def _paths(opts: BenchOptions, rate: float, concurrency: int | None, model: str,
+           when: str, level: float | None) -> Path:
+    directory = Path(opts.result_dir).expanduser()
+    if opts.result_filename:
+        name = Path(opts.result_filename)
+        if level is not None and opts.sweep is not None:
+            name = name.with_name(f"{name.stem}-{opts.sweep.param}{opts.sweep.label(level)}"
+                                  f"{name.suffix or '.json'}")
+        return name if name.is_absolute() else directory / name
+    return directory / default_filename(opts.run_label, rate, concurrency, model, when)
+
+
+def _plot(fn, *args, warnings: list[str]) -> None:
+    try:
+        fn(*args)
+    except MissingDependencyError as exc:
+        if str(exc) not in warnings:
+            warnings.append(str(exc))
+
+
+def run_suite(opts: BenchOptions, out, *, command: str, api_key: str | None = None
+              ) -> SuiteResult:
+    backend = get_backend(opts.backend)
+    if not opts.target and not opts.model and not opts.server_command:
+        raise UsageError("nothing to benchmark",
+                         "pass --target URL of a running server, or --model MODEL to start "
+                         "llmctl's own server for the run")
+    info = model_info(opts.model, opts.tokenizer)
+    out.status(f"building the {opts.dataset.name} workload ({opts.dataset.num_prompts} prompts)")
+    samples = build_dataset(opts.dataset, info.tokenizer)
+    tok = info.tokenizer
+    count = (lambda text: len(tok(text, add_special_tokens=False)["input_ids"])) if tok else None
+    result = SuiteResult()
+    when = timestamp()
+    with contextlib.ExitStack() as stack:
+        target = _start_target(opts, stack, out, api_key)
+        settings = RequestSettings(target.base_url, target.served_model, opts.endpoint, api_key,
+                                   opts.ignore_eos, opts.temperature)
+        alive = target.launched.alive if target.launched else None
+        levels = opts.sweep.levels if opts.sweep else [None]
+        for level in levels:
+            rate, concurrency = _level_options(opts, level)
+            plan = RunPlan(samples, request_rate=rate, burstiness=opts.burstiness,
+                           max_concurrency=concurrency, warmup=opts.warmup,
+                           duration=opts.duration, seed=opts.dataset.seed,
+                           request_timeout=opts.request_timeout,
+                           metrics_interval=opts.metrics_interval)
+            try:
+                load_start = list(os.getloadavg())
+            except OSError:
+                load_start = None
+            runs: list[RunResult] = []
+            for repeat in range(opts.repeat):
+                what = f"rate {rate_text(rate)}, concurrency {concurrency or 'inf'}" + (
+                    f", run {repeat + 1}/{opts.repeat}" if opts.repeat > 1 else "")
+                out.status(f"benchmarking {target.base_url} ({what})")
+                with out.progress("requests") as update:
+                    run = run_sync(plan, backend, settings, alive=alive, progress=update)
+                fill_output_tokens(run.records, count)
+                runs.append(run)
+                if run.interrupted or run.target_down:
+                    break
+            report = _report(opts, runs, rate=rate, concurrency=concurrency, target=target,
+                             info=info, samples=samples, load_start=load_start)
+            path = write_json(_paths(opts, rate, concurrency, target.served_model or
+                                     opts.model or "model", when, level), report)
+            write_text(path.with_suffix(".md"), markdown(report, command))
+            if opts.plots:
+                _plot(plots.latency_cdfs, report, path.with_name(path.stem + "-cdf.png"),
+                      warnings=result.warnings)
+            result.levels.append(LevelResult(level, report, path))
+            result.interrupted = report["interrupted"]
+            result.target_down = report["target_down"]
+            if result.interrupted or result.target_down:
+                break
+    if opts.sweep is not None and result.levels:
+        result.sweep_path = _write_sweep(opts, result, command, when, target.served_model)
+    return result
+
+
+def sweep_rows(opts: BenchOptions, levels: list[LevelResult]) -> list[dict]:
+    return [{"level": opts.sweep.label(lv.level), **{k: lv.report.get(k) for k in SWEEP_ROW_KEYS},
+             "report": lv.path.name} for lv in levels]
+
+
+def _write_sweep(opts: BenchOptions, result: SuiteResult, command: str, when: str,
+                 model: str) -> Path:
+    from llmctl.report import run_metadata
+
+    rows = sweep_rows(opts, result.levels)
+    directory = result.levels[0].path.parent
+    path = directory / (f"{slug(opts.run_label)}-sweep-{opts.sweep.param}-"
+                        f"{slug(model or opts.model or 'model')}-{when}.json")
+    write_json(path, {"schema": "llmctl-bench-sweep/1", "param": opts.sweep.param,
+                      "levels": [r["level"] for r in rows], "slos": opts.slos, "rows": rows,
+                      "interrupted": result.interrupted, "target_down": result.target_down,
+                      "metadata": run_metadata()})
+    write_text(path.with_suffix(".md"), sweep_markdown(opts.sweep.param, rows, command))
+    if opts.plots:
+        _plot(plots.sweep_tradeoff, opts.sweep.param, rows, opts.slos,
+              path.with_name(path.stem + ".png"), warnings=result.warnings)
+    return path
+

@@ -1,0 +1,366 @@
+"""The eval pipeline: reference store -> candidate, window by window -> tasks -> report.
+
+Memory stays bounded by one window: the reference's top-k rows are read back one
+window at a time and each candidate window's logits are reduced to a few numbers
+per token before the next window runs. What grows with the text is O(N) floats of
+per-token statistics (kept for the percentiles) and, while the store is built,
+O(N k) kept rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmctl.errors import ConfigError
+from llmctl.eval.candidates import Candidate, CandidateOptions, HFCandidate, open_candidate
+from llmctl.eval.memory import pin_mmap_threshold
+from llmctl.eval.metrics import (
+    PositionStats,
+    comparison_summary,
+    perplexity_summary,
+    position_stats,
+)
+from llmctl.eval.reference_store import ReferenceStore, build_store, load_store, store_key
+from llmctl.eval.tasks import TaskResult, expand_task_names, load_task, score_task
+from llmctl.eval.windows import Windowing, WindowPlan, plan_windows, resolve_bos
+
+REPORT_SCHEMA = "llmctl.eval/1"
+DEFAULT_DATA = "builtin:pydoc-heldout"
+
+
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    candidate: str
+    reference: str | None = None
+    data: str | None = DEFAULT_DATA
+    field: str = "text"
+    windowing: Windowing = Field(default_factory=Windowing)
+    top_k: int = Field(64, ge=1)
+    tasks: list[str] = Field(default_factory=list)
+    task_dir: Path | None = None
+    task_limit: int | None = Field(None, ge=1)
+    reference_tasks: bool = True
+    seed: int = 0
+    dtype: str = "float32"
+    backend: str = "auto"
+    server_model: str | None = None
+    tokenizer: str | None = None
+    threads: int | None = Field(None, ge=1)
+    cache_dir: Path | None = None
+
+
+class _Quiet:
+    """The runner's view of the CLI's Output: status lines and progress bars."""
+
+    def status(self, message: str) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def progress(self, description: str) -> Iterator[Callable[[int, int], None]]:
+        yield lambda done, total: None
+
+
+def default_cache_dir() -> Path:
+    from llmctl.home import llmctl_home
+
+    return llmctl_home() / "eval" / "reference"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(text).name or text).strip("-")[:40] or "model"
+
+
+def _data_info(source, ids: list[int]) -> dict[str, Any]:
+    return {"spec": source.spec, "sha256": source.sha256, "documents": len(source.texts),
+            "characters": source.characters, "tokens": len(ids)}
+
+
+def _tokenizer_info(tokenizer) -> dict[str, Any]:
+    return {"class": type(tokenizer).__name__,
+            "name_or_path": getattr(tokenizer, "name_or_path", None),
+            "vocab_size": len(tokenizer) if hasattr(tokenizer, "__len__") else None}
+
+
+def _plan(tokenizer, config: EvalConfig) -> tuple[WindowPlan, dict[str, Any]]:
+    from llmctl.data.sources import load_text_source, token_stream
+
+    source = load_text_source(config.data, config.field)
+    ids = token_stream(tokenizer, source)
+    plan = plan_windows(ids, config.windowing, resolve_bos(config.windowing, tokenizer))
+    return plan, _data_info(source, ids)
+
+
+def _windows_info(plan: WindowPlan, windowing: Windowing) -> dict[str, Any]:
+    return {**windowing.model_dump(), "windows": len(plan.inputs), "bos_id": plan.bos_id,
+            "scored_tokens": plan.scored_tokens, "stream_tokens": plan.stream_tokens}
+
+
+# -- reference ------------------------------------------------------------------------
+
+
+def is_store(spec: str) -> bool:
+    return spec.endswith(".safetensors") and Path(spec).is_file()
+
+
+def prepare_reference(config: EvalConfig, ui) -> tuple[ReferenceStore, Any, HFCandidate | None]:
+    """Load or build the reference store; returns it, the tokenizer and the (lazy) model."""
+    spec = config.reference
+    if is_store(spec):
+        store = load_store(Path(spec))
+        tokenizer = None
+        model_path = store.meta.get("model", {}).get("path")
+        if model_path and Path(model_path).is_dir():
+            from llmctl.models.loading import load_tokenizer
+
+            tokenizer = load_tokenizer(Path(model_path))
+        return store, tokenizer, None
+    reference = HFCandidate(spec, CandidateOptions(dtype=config.dtype, threads=config.threads))
+    plan, data = _plan(reference.tokenizer, config)
+    described = reference.describe()
+    key = store_key(described["sha256_quick"], data["sha256"], config.windowing.model_dump(),
+                    config.top_k, plan.bos_id)
+    path = (config.cache_dir or default_cache_dir()) / f"{_slug(spec)}-{key}.safetensors"
+    if path.is_file():
+        try:
+            store = load_store(path)
+            ui.status(f"reference: reusing {path}")
+            return store, reference.tokenizer, reference
+        except ConfigError as exc:
+            ui.status(f"reference store unusable ({exc.message}); rebuilding")
+    ui.status(f"reference: scoring {len(plan.inputs)} windows with {spec} (once; cached at {path})")
+    meta = {"model": described, "data": data, "windowing": _windows_info(plan, config.windowing),
+            "tokenizer": _tokenizer_info(reference.tokenizer), "dtype": config.dtype}
+    with ui.progress("reference windows") as update:
+        store = build_store(reference.logits, plan, config.top_k, path, meta, update)
+    return store, reference.tokenizer, reference
+
+
+def _check_same_vocabulary(candidate: Candidate, store: ReferenceStore, ref_tokenizer) -> None:
+    vocab = store.meta.get("vocab_size")
+    if vocab is not None and candidate.vocab_size != vocab:
+        raise ConfigError(
+            f"the candidate has {candidate.vocab_size} output tokens, the reference {vocab}",
+            "KL divergence needs the same tokenizer; run without --reference for perplexity only")
+    cand_tok = candidate.tokenizer
+    if (ref_tokenizer is not None and cand_tok is not ref_tokenizer
+            and hasattr(cand_tok, "get_vocab") and cand_tok.get_vocab() != ref_tokenizer.get_vocab()):
+        raise ConfigError("the candidate's tokenizer differs from the reference's",
+                          "KL divergence compares the same token ids; use the same tokenizer")
+
+
+def compare_windows(candidate: Candidate, store: ReferenceStore,
+                    update: Callable[[int, int], None]) -> tuple[PositionStats, list[dict]]:
+    """Per-token statistics of the candidate against the stored reference.
+
+    The output arrays are allocated once (see build_store on heap fragmentation).
+    """
+    plan = store.plan
+    n = int(store.offsets[-1])
+    out = PositionStats(*(np.empty(n) for _ in range(4)), np.empty(n, dtype=bool))
+    per_window = []
+    for w in range(store.windows):
+        ref = store.window(w)
+        cand = candidate.rows(plan.inputs[w], plan.rows[w], plan.targets(w), ref.top_ids)
+        stats = position_stats(ref, cand)
+        lo, hi = int(store.offsets[w]), int(store.offsets[w + 1])
+        for name in ("nll", "nll_ref", "kld", "p_diff", "same_top"):
+            getattr(out, name)[lo:hi] = getattr(stats, name)
+        per_window.append({"tokens": hi - lo, "nll": float(stats.nll.mean()),
+                           "ref_nll": float(stats.nll_ref.mean()),
+                           "mean_kld": float(np.nanmean(stats.kld)) if hi > lo else None})
+        del ref, cand, stats
+        update(w + 1, store.windows)
+    return out, per_window
+
+
+def perplexity_windows(candidate: Candidate, plan: WindowPlan,
+                       update: Callable[[int, int], None]) -> tuple[np.ndarray, list[dict]]:
+    parts, per_window = [], []
+    for w in range(len(plan.inputs)):
+        rows = candidate.rows(plan.inputs[w], plan.rows[w], plan.targets(w))
+        nll = -rows.target_logprob.astype(np.float64)
+        parts.append(nll)
+        per_window.append({"tokens": len(nll), "nll": float(nll.mean())})
+        update(w + 1, len(plan.inputs))
+    return np.concatenate(parts), per_window
+
+
+# -- tasks ----------------------------------------------------------------------------
+
+
+def run_tasks(candidate: Candidate, config: EvalConfig, ui, label: str) -> list[TaskResult]:
+    names = expand_task_names(config.tasks)
+    harness = [n.split(":", 1)[1] for n in names if n.startswith("lm_eval:")]
+    results = []
+    for name in (n for n in names if not n.startswith("lm_eval:")):
+        task = load_task(name)
+        with ui.progress(f"{label}: {task.name}") as update:
+            results.append(score_task(candidate, task, config.task_limit, update))
+    if harness:
+        from llmctl.eval.lm_eval_bridge import run_lm_eval
+
+        ui.status(f"{label}: lm-eval tasks {', '.join(harness)}")
+        results.extend(run_lm_eval(candidate, harness, config.task_dir, limit=config.task_limit,
+                                   seed=config.seed))
+    return results
+
+
+def _reference_tasks(reference: HFCandidate, config: EvalConfig, ui) -> list[TaskResult]:
+    """The reference's task scores, cached next to its store (keyed like it)."""
+    names = expand_task_names(config.tasks)
+    hashes = [load_task(n).sha256 if not n.startswith("lm_eval:") else n for n in names]
+    key = store_key(reference.describe()["sha256_quick"], json.dumps(hashes), {
+        "limit": config.task_limit, "task_dir": str(config.task_dir)}, 0, None)
+    path = (config.cache_dir or default_cache_dir()) / f"tasks-{_slug(config.reference)}-{key}.json"
+    if path.is_file():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return [TaskResult(**r) for r in json.loads(path.read_text())]
+    results = run_tasks(reference, config, ui, "reference tasks")
+    from llmctl.utils.atomic import write_text
+
+    write_text(path, json.dumps([r.__dict__ for r in results]))
+    return results
+
+
+# -- the whole run --------------------------------------------------------------------
+
+
+def _comparison_keys() -> set[str]:
+    fake = PositionStats(*(np.zeros(12) for _ in range(4)), np.ones(12, dtype=bool))
+    return set(comparison_summary(fake))
+
+
+def comparison_only_metrics() -> set[str]:
+    """Metrics that exist only when a reference is given."""
+    return _comparison_keys() - set(perplexity_summary(np.zeros(2)))
+
+
+def expected_metrics(config: EvalConfig) -> set[str]:
+    """Metric names this configuration will produce (to reject gates before running)."""
+    names: set[str] = set()
+    if config.data:
+        if config.reference:
+            names.update(_comparison_keys())
+        names.update(perplexity_summary(np.zeros(2)))
+    from llmctl.eval.tasks import task_metric_name
+
+    for name in expand_task_names(config.tasks):
+        tm = task_metric_name(name)
+        names.update(f"task.{tm}.{m}" for m in ("acc", "acc_se", "acc_norm", "acc_norm_se", "n"))
+    return names
+
+
+def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
+    from llmctl.report import run_metadata
+
+    ui = ui or _Quiet()
+    pin_mmap_threshold()
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    timings: dict[str, float] = {}
+    metrics: dict[str, Any] = {}
+    reference_metrics: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    per_window: list[dict] = []
+    store = ref_tokenizer = reference = None
+    data_info = windows_info = None
+
+    if config.reference and config.data:
+        start = time.perf_counter()
+        store, ref_tokenizer, reference = prepare_reference(config, ui)
+        timings["reference_s"] = round(time.perf_counter() - start, 2)
+        reference_metrics.update(perplexity_summary(-store.target_logprobs().astype(np.float64)))
+        data_info, windows_info = store.meta["data"], store.meta["windowing"]
+    if config.reference and config.tasks and config.reference_tasks and not is_store(config.reference):
+        if reference is None:
+            reference = HFCandidate(config.reference, CandidateOptions(dtype=config.dtype))
+        start = time.perf_counter()
+        for result in _reference_tasks(reference, config, ui):
+            reference_metrics.update(result.metrics())
+        timings["reference_tasks_s"] = round(time.perf_counter() - start, 2)
+    if reference is not None:
+        reference.close()  # free its weights before the candidate loads
+    tokenizer = ref_tokenizer
+    if tokenizer is None and config.tokenizer:
+        from llmctl.models.loading import load_tokenizer
+        from llmctl.models.resolve import resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(config.tokenizer).path)
+    candidate = open_candidate(config.candidate, CandidateOptions(
+        dtype=config.dtype, threads=config.threads, backend=config.backend,
+        server_model=config.server_model, tokenizer=tokenizer))
+    try:
+        start = time.perf_counter()
+        if store is not None:
+            _check_same_vocabulary(candidate, store, ref_tokenizer)
+            ui.status(f"candidate: {len(store.plan.inputs)} windows against the reference")
+            with ui.progress("candidate windows") as update:
+                stats, per_window = compare_windows(candidate, store, update)
+            metrics.update(perplexity_summary(stats.nll))
+            metrics.update(comparison_summary(stats))
+            counts["same_top_p"] = len(stats.nll)
+        elif config.data:
+            plan, data_info = _plan(candidate.tokenizer, config)
+            highest = max(max(w) for w in plan.inputs)
+            if highest >= candidate.vocab_size:
+                raise ConfigError(f"the tokenizer produced id {highest}, beyond the model's "
+                                  f"{candidate.vocab_size} output tokens",
+                                  "the checkpoint's tokenizer does not belong to its model")
+            windows_info = _windows_info(plan, config.windowing)
+            with ui.progress("candidate windows") as update:
+                nll, per_window = perplexity_windows(candidate, plan, update)
+            metrics.update(perplexity_summary(nll))
+        timings["candidate_s"] = round(time.perf_counter() - start, 2)
+        tasks_out = {}
+        if config.tasks:
+            start = time.perf_counter()
+            for result in run_tasks(candidate, config, ui, "tasks"):
+                metrics.update(result.metrics())
+                counts.update(result.counts())
+                tasks_out[result.name] = {"n": result.n, "acc": result.acc,
+                                          "acc_norm": result.acc_norm, "source": result.source,
+                                          **{k: v for k, v in result.details.items() if k != "items"},
+                                          "items": result.details.get("items")}
+            timings["tasks_s"] = round(time.perf_counter() - start, 2)
+        described = candidate.describe()
+    finally:
+        candidate.close()
+
+    reference_info = None
+    if store is not None:
+        reference_info = {**store.meta["model"], "store": str(store.path),
+                          "top_k": store.top_k, "vocab_size": store.meta.get("vocab_size")}
+    elif config.reference:
+        reference_info = {"reference": config.reference}
+    metadata = run_metadata(
+        command="eval", candidate=described, reference=reference_info, data=data_info,
+        windows=windows_info, top_k=config.top_k if store is not None else None,
+        seed=config.seed, dtype=config.dtype, threads=config.threads,
+        tasks=expand_task_names(config.tasks), task_limit=config.task_limit,
+        definitions=DEFINITIONS)
+    return {"schema": REPORT_SCHEMA, "metadata": metadata, "metrics": metrics,
+            "reference_metrics": reference_metrics, "counts": counts, "tasks": tasks_out,
+            "per_window": per_window, "timings_s": timings}
+
+
+DEFINITIONS = {
+    "ppl": "exp(mean NLL) over scored tokens (see windows); ppl_se = ppl * se(NLL), tokens "
+           "treated as independent",
+    "kld": "KL(P_ref || Q_cand) per token over the reference's top-k tokens plus one lumped "
+           "tail bucket: a lower bound of the full-vocabulary KL",
+    "dp": "p_cand(actual token) - p_ref(actual token), as a fraction (llama.cpp prints percent)",
+    "same_top_p": "fraction of tokens where both models rank the same token first",
+    "acc_norm": "argmax of log-likelihood / len(choice in characters), as lm-evaluation-harness",
+}

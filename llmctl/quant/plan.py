@@ -1,0 +1,329 @@
+"""Resolve a recipe against a checkpoint: the scheme of every linear, before running.
+
+Matching follows compressed-tensors (and so transformers and vLLM, which load the
+output): a module's targets are tried exact name first, then ``re:`` regexes (in sorted
+order), then class names (``Linear``); the first match wins, and ``ignore`` (same
+syntax) removes a module. Group sizes must divide a layer's input features; the valid
+sizes are the powers of two from 16 up that do (what GPU kernels accept). Unless
+``strict`` is set, a layer whose requested size does not divide gets the largest valid
+size below it; either way the dry run shows it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmctl.errors import ConfigError
+from llmctl.quant.checkpoint import Checkpoint
+from llmctl.quant.recipe import Recipe
+from llmctl.quant.rtn import IntGrid
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+_LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+MIN_GROUP = 16
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    type: str  # "int" | "float"
+    bits: int
+    symmetric: bool
+    strategy: str  # "tensor" | "channel" | "group"
+    group_size: int | None  # the effective group size (groups only)
+    observer: str = "minmax"
+    actorder: str | None = None
+
+    @property
+    def grid(self) -> IntGrid:
+        size = {"tensor": None, "channel": -1}.get(self.strategy, self.group_size)
+        return IntGrid(self.bits, self.symmetric, size)
+
+    def label(self) -> str:
+        kind = "fp8" if self.type == "float" else f"int{self.bits}"
+        where = {"tensor": "tensor", "channel": "channel"}.get(self.strategy, f"g{self.group_size}")
+        sym = "" if self.type == "float" else (" sym" if self.symmetric else " asym")
+        return f"{kind}{sym} {where}"
+
+
+@dataclass(frozen=True)
+class ActSpec:
+    type: str
+    bits: int
+    symmetric: bool
+    strategy: str  # "token" | "tensor"
+    dynamic: bool
+
+    def label(self) -> str:
+        kind = "fp8" if self.type == "float" else f"int{self.bits}"
+        how = "dynamic" if self.dynamic else "static"
+        return f"{kind} {how} per-{self.strategy}"
+
+
+@dataclass
+class ModulePlan:
+    name: str
+    layer: int | None  # None: lm_head
+    kind: str
+    in_features: int
+    out_features: int
+    group: str | None = None  # output config group; None = kept in float
+    weight: WeightSpec | None = None
+    act: ActSpec | None = None
+    format: str = "dense"
+    note: str = ""
+    bytes_before: int = 0
+    bytes_after: int = 0
+    scheme: Any = None  # compressed-tensors QuantizationScheme (effective)
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": [self.out_features, self.in_features],
+                "group": self.group, "weight": self.weight.label() if self.weight else None,
+                "activations": self.act.label() if self.act else None, "format": self.format,
+                "note": self.note, "bytes_before": self.bytes_before,
+                "bytes_after": self.bytes_after}
+
+
+@dataclass
+class QuantPlan:
+    method: str
+    modules: list[ModulePlan]
+    groups: dict[str, Any]  # output config_groups: name -> QuantizationScheme
+    ignore: list[str]
+    format: str
+    bytes_before: int
+    bytes_after: int
+    dtype: str
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> list[ModulePlan]:
+        return [m for m in self.modules if m.quantized]
+
+    def module(self, name: str) -> ModulePlan | None:
+        return next((m for m in self.modules if m.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "format": self.format, "dtype": self.dtype,
+                "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
+                "modules": [m.to_dict() for m in self.modules], "warnings": self.warnings,
+                "ignore": self.ignore,
+                "config_groups": {k: v.model_dump(mode="json") for k, v in self.groups.items()}}
+
+
+# --- matching (compressed-tensors' precedence) -------------------------------------------
+
+def name_matches(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def _matches(name: str, target: str, cls: str) -> bool:
+    return name_matches(name, target) or target == cls
+
+
+def resolve_target(name: str, cls: str, groups: dict[str, Any]) -> str | None:
+    """The config group a module falls in, or None."""
+    target_to_group: dict[str, str] = {}
+    for gname, scheme in groups.items():
+        for target in scheme.targets:
+            target_to_group[target] = gname  # a later group wins a repeated target
+    ordered = sorted(target_to_group, key=lambda t: ("re:" in t, t))
+    for target in ordered:
+        if name_matches(name, target):
+            return target_to_group[target]
+    for target in ordered:
+        if target == cls:
+            return target_to_group[target]
+    return None
+
+
+def valid_group_sizes(in_features: int) -> list[int]:
+    sizes, g = [], MIN_GROUP
+    while g <= in_features:
+        if in_features % g == 0:
+            sizes.append(g)
+        g *= 2
+    return sizes
+
+
+def effective_group_size(name: str, in_features: int, requested: int, strict: bool) -> int:
+    if in_features % requested == 0:
+        return requested
+    valid = valid_group_sizes(in_features)
+    below = [g for g in valid if g <= requested]
+    if strict or not below:
+        raise ConfigError(
+            f"group size {requested} does not divide {name}'s {in_features} input features",
+            f"valid group sizes for it: {', '.join(map(str, valid)) or 'none'}"
+            + ("" if strict else f" (none at or below {requested})")
+            + "; set group_size accordingly" + (", or drop --strict-group-size" if strict else ""))
+    return below[-1]
+
+
+# --- schemes -> specs ---------------------------------------------------------------------
+
+def _weight_spec(args, actorder_default: str | None) -> WeightSpec:
+    strategy = str(args.strategy)
+    if strategy not in ("tensor", "channel", "group"):
+        raise ConfigError(f"weight strategy {strategy!r} is not supported",
+                          "use tensor, channel or group")
+    kind = str(args.type)
+    if kind == "float" and args.num_bits != 8:
+        raise ConfigError(f"float weights of {args.num_bits} bits are not supported", "use FP8 (8 bits)")
+    if kind == "float" and strategy == "group":
+        raise ConfigError("FP8 weights per group are not supported", "use tensor or channel")
+    if kind == "int" and not 2 <= args.num_bits <= 8:
+        raise ConfigError(f"int{args.num_bits} weights are not supported", "use 2 to 8 bits")
+    actorder = args.actorder if args.actorder is not None else actorder_default
+    actorder = {"weight": "static", "dynamic": "group"}.get(actorder, actorder)
+    if actorder == "group":
+        raise ConfigError("actorder: group needs a g_idx tensor, which compressed-tensors "
+                          ">= 0.20 no longer stores",
+                          "use actorder: static (same kernels, no g_idx)")
+    return WeightSpec(kind, args.num_bits, bool(args.symmetric) or kind == "float", strategy,
+                      args.group_size if strategy == "group" else None,
+                      args.observer or "minmax", actorder)
+
+
+def _act_spec(args) -> ActSpec | None:
+    if args is None:
+        return None
+    strategy = str(args.strategy)
+    if strategy not in ("token", "tensor"):
+        raise ConfigError(f"activation strategy {strategy!r} is not supported",
+                          "use token (dynamic) or tensor (static or dynamic)")
+    if args.num_bits != 8:
+        raise ConfigError(f"{args.num_bits}-bit activations are not supported", "use 8-bit activations")
+    return ActSpec(str(args.type), args.num_bits, bool(args.symmetric), strategy, bool(args.dynamic))
+
+
+def _linears(ckpt: Checkpoint) -> list[tuple[str, int | None, str, int, int]]:
+    found = []
+    for name in ckpt.names():
+        m = _LAYER.match(name)
+        if m and m.group(2) in _LINEAR_KINDS:
+            out, inp = ckpt.shape(name)
+            found.append((name[: -len(".weight")], int(m.group(1)), m.group(2), inp, out))
+    if ckpt.has("lm_head.weight"):
+        out, inp = ckpt.shape("lm_head.weight")
+        found.append(("lm_head", None, "lm_head", inp, out))
+    order = {k: i for i, k in enumerate(_LINEAR_KINDS)}
+    return sorted(found, key=lambda f: (f[1] if f[1] is not None else 1 << 30, order.get(f[2], 99)))
+
+
+def _packed_bytes(m: ModulePlan, dtype_bytes: int) -> int:
+    w, rows, cols = m.weight, m.out_features, m.in_features
+    n_scales = {"tensor": 1, "channel": rows}.get(w.strategy, rows * (cols // (w.group_size or cols)))
+    total = n_scales * dtype_bytes
+    if m.format == "pack-quantized":
+        total += rows * math.ceil(cols * w.bits / 32) * 4 + 16
+        if not w.symmetric:
+            total += math.ceil(rows * w.bits / 32) * 4 * max(n_scales // rows, 1)
+    else:
+        total += rows * cols  # one byte per int8 / fp8 code
+        if not w.symmetric:
+            total += n_scales
+    if m.act is not None and not m.act.dynamic:
+        total += dtype_bytes * (1 if m.act.symmetric else 2)
+    return total
+
+
+def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = False) -> QuantPlan:
+    from compressed_tensors.compressors.format import infer_module_format
+    from torch import nn
+
+    modifier = recipe.weight_modifier
+    groups = modifier.resolved_groups()
+    actorder_default = getattr(modifier, "actorder", None)
+    dtype = str(ckpt.weight_dtype).replace("torch.", "")
+    dtype_bytes = _DTYPE_BYTES.get(dtype, 4)
+    tied = bool(ckpt.text_config.get("tie_word_embeddings", ckpt.config.get("tie_word_embeddings")))
+    warnings: list[str] = []
+    modules: list[ModulePlan] = []
+    for name, layer, kind, inp, out in _linears(ckpt):
+        plan = ModulePlan(name, layer, kind, inp, out,
+                          bytes_before=ckpt.nbytes(f"{name}.weight"))
+        plan.bytes_after = plan.bytes_before
+        modules.append(plan)
+        if any(_matches(name, ign, "Linear") for ign in modifier.ignore):
+            continue
+        gname = resolve_target(name, "Linear", groups)
+        if gname is None or groups[gname].weights is None:
+            continue
+        scheme = groups[gname]
+        spec = _weight_spec(scheme.weights, actorder_default)
+        if spec.strategy == "group":
+            eff = effective_group_size(name, inp, spec.group_size, strict_group_size)
+            if eff != spec.group_size:
+                plan.note = f"group {spec.group_size} -> {eff}"
+                spec = WeightSpec(spec.type, spec.bits, spec.symmetric, spec.strategy, eff,
+                                  spec.observer, spec.actorder)
+        plan.weight = spec
+        plan.act = _act_spec(scheme.input_activations)
+        if scheme.output_activations is not None:
+            raise ConfigError(f"config group {gname!r} quantizes output activations",
+                              "remove output_activations: only weights and inputs are supported")
+        plan.group = gname if spec.group_size == scheme.weights.group_size else f"{gname}_g{spec.group_size}"
+        eff_args = scheme.weights.model_copy(update={"group_size": spec.group_size}) \
+            if spec.strategy == "group" else scheme.weights
+        plan.scheme = scheme.model_copy(update={"weights": eff_args})
+        plan.format = str(getattr(infer_module_format(nn.Linear, plan.scheme), "value",
+                                  infer_module_format(nn.Linear, plan.scheme)))
+        plan.bytes_after = _packed_bytes(plan, dtype_bytes)
+    if tied and any(name_matches("lm_head", t) or t == "Linear" for g in groups.values()
+                    for t in g.targets) and not any(name_matches("lm_head", i) for i in modifier.ignore):
+        warnings.append("lm_head is tied to the embeddings and stays in float")
+    if not any(m.quantized for m in modules):
+        raise ConfigError("the recipe's targets match no linear layer of this model",
+                          "check `targets` / `ignore` (module names look like "
+                          "model.layers.0.self_attn.q_proj)")
+    adjusted = sorted({m.note for m in modules if m.note})
+    if adjusted:
+        warnings.append("group size changed where it does not divide the input features: "
+                        + "; ".join(f"{sum(1 for m in modules if m.note == a)} layers {a}"
+                                    for a in adjusted))
+    out_groups = _output_groups(groups, modules)
+    # Every Linear the loader would match but llmctl kept in float must be ignored by
+    # name, or transformers / vLLM would expect quantized tensors for it.
+    ignore = list(modifier.ignore)
+    candidates = [m.name for m in modules if not m.quantized] + (["lm_head"] if tied else [])
+    for name in candidates:
+        if not any(_matches(name, i, "Linear") for i in ignore) and \
+                resolve_target(name, "Linear", out_groups) is not None:
+            ignore.append(name)
+    formats = {m.format for m in modules if m.quantized}
+    fmt = formats.pop() if len(formats) == 1 else "mixed-precision"
+    linear_bytes = {f"{m.name}.weight": (m.bytes_before, m.bytes_after) for m in modules}
+    before = sum(ckpt.nbytes(n) for n in ckpt.names())
+    after = before - sum(b - a for b, a in linear_bytes.values())
+    return QuantPlan(recipe.method, modules, out_groups, ignore, fmt, before,
+                     after, dtype, warnings)
+
+
+def _output_groups(groups: dict[str, Any], modules: list[ModulePlan]) -> dict[str, Any]:
+    """The recipe's groups as written, except that a group whose group size had to change
+    for some layers is split into groups that name their modules exactly (a broad target
+    next to exact ones makes loaders warn, as they try targets in file order)."""
+    out: dict[str, Any] = {}
+    for gname, scheme in groups.items():
+        subs = sorted({m.group for m in modules if m.group and m.group.startswith(f"{gname}_g")})
+        parts = ([gname] if any(m.group == gname for m in modules) else []) + subs
+        if not subs:
+            members = [m for m in modules if m.group == gname]
+            out[gname] = scheme.model_copy(update={"format": members[0].format}) if members else scheme
+            continue
+        for part in parts:
+            members = [m for m in modules if m.group == part]
+            out[part] = members[0].scheme.model_copy(
+                update={"targets": [m.name for m in members], "format": members[0].format})
+    return out

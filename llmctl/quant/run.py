@@ -1,0 +1,169 @@
+"""One quantization run end to end: resolve, plan, calibrate, check memory, execute, write.
+
+The output directory is built under a temporary name and renamed at the end, so an
+interrupted run (Ctrl-C, an exception, a kill) never leaves a directory that looks like
+a finished checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmctl.quant.calibration import CalibrationSpec
+from llmctl.quant.pipeline import PipelineOptions
+from llmctl.quant.plan import QuantPlan
+
+REPORT_FILE = "llmctl-quant.json"
+RECIPE_FILE = "recipe.yaml"
+
+
+@dataclass
+class Prepared:
+    reference: str
+    path: Path
+    ckpt: Any
+    recipe: Any
+    plan: QuantPlan
+
+
+@dataclass
+class QuantizeRequest:
+    model: str
+    recipe: str
+    output: Path
+    calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
+    options: PipelineOptions = field(default_factory=PipelineOptions)
+    strict_group_size: bool = False
+    overwrite: bool = False
+
+
+def prepare(model: str, recipe: str, *, strict_group_size: bool = False) -> Prepared:
+    from llmctl.models.resolve import resolve_model
+    from llmctl.quant.checkpoint import Checkpoint
+    from llmctl.quant.plan import build_plan
+    from llmctl.quant.recipe import load_recipe
+
+    resolved = resolve_model(model)
+    ckpt = Checkpoint(resolved.path)
+    from llmctl.models.architectures import get_architecture
+
+    get_architecture(ckpt.config.get("model_type", ""))
+    parsed = load_recipe(recipe)
+    plan = build_plan(ckpt, parsed, strict_group_size=strict_group_size)
+    return Prepared(model, resolved.path, ckpt, parsed, plan)
+
+
+def memory_estimate(prep: Prepared, calib: CalibrationSpec, options: PipelineOptions):
+    from llmctl.quant import block, memory
+
+    cfg = prep.ckpt.text_config
+    shape = block.BlockShape.from_config(cfg)
+    prefix = "model.layers.0."
+    layer_params = sum(_numel(prep.ckpt.shape(n)) for n in prep.ckpt.names() if n.startswith(prefix))
+    uses_h = prep.recipe.method in ("gptq", "awq")
+    inter = cfg.get("intermediate_size", 4 * shape.hidden)
+    dims = [shape.hidden, shape.heads * shape.head_dim, shape.hidden, inter] if uses_h else []
+    rows = max((shape.heads + 2 * shape.kv_heads) * shape.head_dim, 2 * inter, shape.hidden)
+    compute_bytes = 2 if str(options.compute_dtype).endswith(("bfloat16", "float16")) else 4
+    return memory.estimate(cfg, samples=calib.samples, seq_len=calib.seq_len,
+                           compute_bytes=compute_bytes, chunk_tokens=options.chunk_tokens,
+                           layer_params=layer_params, hessian_dims=dims, max_rows=rows,
+                           smoothing=prep.recipe.method == "awq" or prep.recipe.smoothquant is not None)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def quantize(request: QuantizeRequest, *, progress: Callable[[int, int], None] | None = None,
+             warn: Callable[[str], None] | None = None,
+             status: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the request and return the report that is also written as llmctl-quant.json."""
+    import torch
+
+    from llmctl.models.loading import load_tokenizer
+    from llmctl.quant import memory
+    from llmctl.quant.calibration import build_calibration
+    from llmctl.quant.pipeline import LayerQuantizer
+    from llmctl.quant.report import per_layer_rows
+    from llmctl.quant.writer import copy_side_files, write_config
+    from llmctl.report import run_metadata
+    from llmctl.utils.atomic import atomic_dir
+
+    say = status or (lambda message: None)
+    started = time.perf_counter()
+    output = Path(request.output)
+    if output.exists() and not request.overwrite:
+        raise FileExistsError(output)
+    prep = prepare(request.model, request.recipe, strict_group_size=request.strict_group_size)
+    for note in prep.plan.warnings:
+        (warn or say)(note)
+    say(f"calibration: {request.calibration.samples} x {request.calibration.seq_len} tokens "
+        f"from {request.calibration.source}")
+    tokenizer = load_tokenizer(prep.path)
+    calib = build_calibration(tokenizer, request.calibration)
+    estimate = memory_estimate(prep, request.calibration, request.options)
+    memory.check(estimate)
+    calib_seconds = time.perf_counter() - started
+    quantizer = LayerQuantizer(prep.ckpt, prep.plan, prep.recipe, calib, request.options, warn=warn)
+    device = str(quantizer.device)
+    # No FP8 / int8-activation kernels run here: both are emulated by quantize-dequantize.
+    emulated = device == "cpu" and any(m.weight.type == "float" or m.act is not None
+                                       for m in prep.plan.quantized)
+    say(f"quantizing {prep.plan.method} on {device}"
+        + (" (FP8 / int8 activation arithmetic emulated in float32)" if emulated else ""))
+    with atomic_dir(output, overwrite=request.overwrite) as tmp:
+        result = quantizer.run(tmp, progress)
+        write_config(tmp, prep.ckpt.config, prep.plan)
+        side_files = copy_side_files(prep.path, tmp)
+        if prep.recipe.source is not None:
+            (tmp / RECIPE_FILE).write_text(prep.recipe.source)
+        linears = [r.to_dict() for r in result.linears]
+        report = {
+            "method": prep.plan.method,
+            "format": prep.plan.format,
+            "model": {"reference": request.model, "path": str(prep.path),
+                      "dtype": prep.plan.dtype},
+            "output": str(output),
+            "recipe": {"file": prep.recipe.path, "saved_as": RECIPE_FILE,
+                       **prep.recipe.to_dict()},
+            "calibration": calib.to_dict(),
+            "plan": prep.plan.to_dict(),
+            "sizes": {"before_bytes": prep.plan.bytes_before,
+                      "after_bytes": sum((tmp / f).stat().st_size for f in result.files),
+                      "expected_bytes": prep.plan.bytes_after},
+            "timings": {"total_seconds": time.perf_counter() - started,
+                        "calibration_seconds": calib_seconds,
+                        "quantize_seconds": result.seconds,
+                        "layer_seconds": result.layer_seconds},
+            "emulated": emulated,
+            "device": device,
+            "compute_dtype": str(request.options.compute_dtype).replace("torch.", ""),
+            "memory_estimate": estimate.to_dict(),
+            "peak_rss_bytes": _peak_rss(),
+            "layers": per_layer_rows(linears, result.layer_seconds),
+            "linears": linears,
+            "warnings": prep.plan.warnings + result.warnings,
+            "files": result.files + side_files + ["config.json", REPORT_FILE],
+            "metadata": run_metadata(command="quantize", torch_threads=torch.get_num_threads()),
+        }
+        # Written last: its presence marks a finished output.
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+def _peak_rss() -> int | None:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (ImportError, OSError):
+        return None

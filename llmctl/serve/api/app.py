@@ -1,0 +1,423 @@
+"""The FastAPI application: OpenAI completions and chat, models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from llmctl.serve.api import errors
+from llmctl.serve.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from llmctl.serve.api.errors import APIError
+from llmctl.serve.api.metrics import ServerMetrics
+from llmctl.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.serve.api.render import (
+    Choice,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    updates_from_output,
+    usage_block,
+)
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    api_key: str | None = None
+    request_timeout: float | None = None
+    extra_model_names: tuple[str, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class _Job:
+    """One engine request: a prompt and the choices it feeds."""
+
+    request_id: str
+    prompt_ids: list[int]
+    choice_offset: int
+    stream: Any = None
+
+
+def _first_error(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"] if p != "body")
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"unrecognized request argument supplied: {loc}", loc
+    if kind == "missing":
+        return f"missing required parameter: {loc}", loc
+    return f"{loc or 'body'}: {err['msg']}", loc or None
+
+
+class Server:
+    """Request handling shared by both endpoints; the routes are thin wrappers."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer, config: ServerConfig,
+                 grammar_factory=None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.grammars = grammar_factory
+        self.metrics = ServerMetrics(config.model_name, engine.stats)
+
+    # --- parsing -------------------------------------------------------------------
+    async def parse(self, request: Request, model_cls):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise errors.bad_request(f"malformed JSON body: {exc}") from None
+        if not isinstance(body, dict):
+            raise errors.bad_request("the request body must be a JSON object")
+        try:
+            parsed = model_cls.model_validate(body)
+        except ValidationError as exc:
+            message, param = _first_error(exc)
+            raise errors.bad_request(message, param) from None
+        names = (self.config.model_name, *self.config.extra_model_names)
+        if parsed.model is not None and parsed.model not in names:
+            raise errors.model_not_found(parsed.model, self.config.model_name)
+        return parsed
+
+    def encode_completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompts = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            else:
+                bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+                if bad:
+                    raise errors.bad_request(f"token id {bad[0]} is outside the vocabulary "
+                                             f"(0..{self.config.vocab_size - 1})", "prompt")
+                ids = list(prompt)
+            if not ids:
+                raise errors.bad_request("the prompt is empty", "prompt")
+            prompts.append(ids)
+        return prompts
+
+    def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise errors.bad_request("this model has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
+        except Exception as exc:  # jinja raises on templates that reject the roles
+            raise errors.bad_request(f"the chat template rejected the messages: {exc}") from None
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def sampling_params(self, req, prompt_len: int, max_tokens: int | None,
+                        logprobs: int | None):
+        from llmctl.serve.sampling_params import SamplingParams
+
+        limit = self.config.max_model_len
+        if prompt_len >= limit:
+            raise errors.bad_request(
+                f"the prompt has {prompt_len} tokens; this model's context is {limit}",
+                "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        elif prompt_len + max_tokens > limit:
+            raise errors.bad_request(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context length {limit}; lower max_tokens or shorten the prompt", "max_tokens")
+        extra: dict[str, Any] = {}
+        if req.response_format is not None and req.response_format.type != "text":
+            extra["logits_processors"] = self._grammar_processors(req)
+        return SamplingParams(
+            n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop_list,
+            stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, logprobs=logprobs, **extra)
+
+    def _grammar_processors(self, req):
+        if self.grammars is None:
+            raise errors.bad_request("response_format is not available on this server "
+                                     "(llguidance is not installed)", "response_format")
+        fmt = req.response_format
+        schema = fmt.json_schema.schema_ if fmt.json_schema else None
+        try:
+            grammar = self.grammars.grammar_for(fmt.type, schema)
+        except ValueError as exc:
+            raise errors.bad_request(str(exc), "response_format") from None
+        return self.grammars, grammar
+
+    # --- running -------------------------------------------------------------------
+    def _submit(self, jobs: list[_Job], params, priority: int) -> None:
+        """Queue every prompt before answering, so refusals are plain HTTP errors."""
+        from llmctl.errors import LlmctlError
+
+        submitted = []
+        try:
+            for job in jobs:
+                job.stream = self.engine.submit(job.request_id, job.prompt_ids, params, priority)
+                submitted.append(job)
+        except BaseException as exc:
+            for job in submitted:
+                self.engine.abort(job.request_id)
+            if isinstance(exc, QueueFullError):
+                raise errors.overloaded(retry_after=1) from None
+            if isinstance(exc, EngineDeadError):
+                raise errors.unavailable(str(exc)) from None
+            if isinstance(exc, LlmctlError):
+                raise errors.bad_request(exc.message) from None
+            raise
+
+    async def _merged(self, jobs: list[_Job]) -> AsyncIterator[tuple[_Job, Any]]:
+        """Outputs of several engine requests, interleaved as they arrive."""
+        if len(jobs) == 1:
+            async for out in self.engine.outputs(jobs[0].request_id, jobs[0].stream):
+                yield jobs[0], out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(job: _Job) -> None:
+            try:
+                async for out in self.engine.outputs(job.request_id, job.stream):
+                    await queue.put((job, out))
+            except BaseException as exc:  # forwarded to the consumer
+                await queue.put((job, exc))
+            finally:
+                await queue.put((job, done))
+
+        tasks = [asyncio.create_task(pump(job)) for job in jobs]
+        remaining = len(jobs)
+        try:
+            while remaining:
+                job, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield job, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def run(self, kind: str, req, jobs: list[_Job], params, http: Request,
+                  include_usage: bool):
+        self._submit(jobs, params, req.priority)
+        rid = jobs[0].request_id.rsplit("-", 1)[0]
+        if req.stream:
+            return StreamingResponse(
+                self._stream(kind, rid, req, jobs, params, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        task = asyncio.create_task(self._collect(kind, rid, req, jobs, params))
+        watcher = asyncio.create_task(_wait_disconnect(http))
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:  # the client left: cancelling aborts the engine requests
+            task.cancel()
+            return Response(status_code=499)
+        watcher.cancel()
+        return JSONResponse(task.result())
+
+    def _deadline(self) -> float | None:
+        timeout = self.config.request_timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    async def _timed(self, iterator, deadline):
+        """Iterate with a deadline; raises APIError(408) when it passes."""
+        while True:
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                raise errors.timed_out(self.config.request_timeout)
+            try:
+                item = await asyncio.wait_for(iterator.__anext__(), timeout)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise errors.timed_out(self.config.request_timeout) from None
+            yield item
+
+    async def _collect(self, kind, rid, req, jobs, params) -> dict:
+        start = time.monotonic()
+        choices: dict[int, Choice] = {}
+        first_token: dict[str, float] = {}
+        merged = self._merged(jobs)
+        try:
+            async for job, out in self._timed(merged, self._deadline()):
+                for upd in updates_from_output(out):
+                    choice = choices.setdefault(job.choice_offset + upd.index,
+                                                Choice(job.choice_offset + upd.index))
+                    choice.add(upd)
+                    if upd.token_ids:
+                        first_token.setdefault(job.request_id, time.monotonic())
+                if out.finished:
+                    self._observe(out, start, first_token.get(job.request_id))
+        except EngineDeadError as exc:
+            raise errors.unavailable(str(exc)) from None
+        finally:
+            await merged.aclose()
+            self._abort_unfinished(jobs)
+        ordered = [choices[i] for i in sorted(choices)]
+        prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
+        usage = usage_block(prompt_tokens, sum(c.num_tokens for c in ordered))
+        created = int(time.time())
+        if kind == "chat":
+            return chat_response(rid, created, self.config.model_name, ordered, usage,
+                                 self.tokenizer)
+        return completion_response(rid, created, self.config.model_name, ordered, usage,
+                                   self.tokenizer)
+
+    async def _stream(self, kind, rid, req, jobs, params, include_usage) -> AsyncIterator[str]:
+        start = time.monotonic()
+        created = int(time.time())
+        model = self.config.model_name
+        first_token: dict[str, float] = {}
+        sent_role: set[int] = set()
+        completion_tokens = 0
+        merged = self._merged(jobs)
+        try:
+            async for job, out in self._timed(merged, self._deadline()):
+                for upd in updates_from_output(out):
+                    index = job.choice_offset + upd.index
+                    completion_tokens += len(upd.token_ids)
+                    if upd.token_ids:
+                        first_token.setdefault(job.request_id, time.monotonic())
+                    if kind == "chat":
+                        first = index not in sent_role
+                        sent_role.add(index)
+                        chunk = chat_chunk(rid, created, model, index, upd, first,
+                                           self.tokenizer)
+                    else:
+                        chunk = completion_chunk(rid, created, model, index, upd,
+                                                 self.tokenizer)
+                    yield _sse(chunk)
+                if out.finished:
+                    self._observe(out, start, first_token.get(job.request_id))
+            if include_usage:
+                prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
+                object_ = "chat.completion.chunk" if kind == "chat" else "text_completion"
+                yield _sse({"id": rid, "object": object_, "created": created, "model": model,
+                            "choices": [], "usage": usage_block(prompt_tokens,
+                                                                completion_tokens)})
+            yield "data: [DONE]\n\n"
+        except APIError as exc:
+            # Headers are gone: report in-band; no [DONE] marks the response incomplete.
+            self.metrics.http_errors.labels(model, str(exc.status)).inc()
+            yield _sse(exc.body())
+        except EngineDeadError as exc:
+            yield _sse(errors.unavailable(str(exc)).body())
+        except Exception as exc:  # noqa: BLE001 - a stream must end with an event
+            yield _sse(errors.internal(f"generation failed: {exc}").body())
+        finally:
+            await merged.aclose()
+            self._abort_unfinished(jobs)
+
+    def _abort_unfinished(self, jobs: list[_Job]) -> None:
+        for job in jobs:
+            if job.stream is not None and not job.stream.finished:
+                self.engine.abort(job.request_id)
+
+    def _observe(self, out, start: float, first: float | None) -> None:
+        now = time.monotonic()
+        for completion in out.outputs:
+            self.metrics.observe_finished(
+                reason=completion.finish_reason or "abort",
+                prompt_tokens=len(out.prompt_token_ids),
+                output_tokens=len(completion.token_ids),
+                ttft=None if first is None else first - start, e2e=now - start)
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(server: Server, on_shutdown=None) -> FastAPI:
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="llmctl", version="1", lifespan=lifespan)
+    app.state.server = server
+    config = server.config
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        server.metrics.http_errors.labels(config.model_name, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if config.api_key and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {config.api_key}":
+                exc = errors.unauthorized()
+                return JSONResponse(exc.body(), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if server.engine.alive:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unhealthy"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": name, "object": "model", "created": config.created, "owned_by": "llmctl",
+                 "max_model_len": config.max_model_len}
+                for name in (config.model_name, *config.extra_model_names)]
+        return {"object": "list", "data": data}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await server.parse(request, CompletionRequest)
+        if req.echo:
+            raise errors.bad_request("echo is not supported by llmctl yet", "echo")
+        prompts = server.encode_completion_prompts(req)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        # One parameter set for all prompts: checked against the longest, which also
+        # bounds an unset max_tokens for every prompt.
+        longest = max(len(ids) for ids in prompts)
+        params = server.sampling_params(req, longest, req.max_tokens, req.logprobs)
+        jobs = [_Job(f"{rid}-{i}", ids, i * req.n) for i, ids in enumerate(prompts)]
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await server.run("completion", req, jobs, params, request, include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await server.parse(request, ChatCompletionRequest)
+        ids = server.encode_chat(req)
+        params = server.sampling_params(req, len(ids), req.token_limit, req.num_logprobs)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await server.run("chat", req, [_Job(f"{rid}-0", ids, 0)], params, request,
+                                include_usage)
+
+    return app

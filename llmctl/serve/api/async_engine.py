@@ -1,0 +1,199 @@
+"""Run the engine's step loop on its own thread and hand outputs to asyncio streams.
+
+The event loop never runs model code and the engine thread never waits on HTTP. They
+meet in three places: ``LLMEngine.add_request``/``abort_request`` (thread-safe: they
+validate in the caller and queue the change for the next step), ``call_soon_threadsafe``
+deliveries into per-request asyncio queues, and a stats snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_STATS_EVERY = 0.1  # seconds between stats snapshots while busy (stats() walks the batch)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine, *, max_queue: int | None = None, idle_wait: float = 0.05) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self._idle_wait = idle_wait
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._added_since_snapshot = 0
+        self._stats: dict = {}
+        self._stats_time = 0.0
+        self._fail_request: BaseException | None = None
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.draining = False  # set on shutdown: /health turns 503, new requests 503
+        self._thread = threading.Thread(target=self._loop, name="llmctl-engine", daemon=True)
+
+    # --- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        self._snapshot()
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return (self._thread.is_alive() and self.error is None and not self._stop.is_set()
+                and not self.draining)
+
+    def stats(self) -> dict:
+        """The snapshot taken after a recent step (never touches the engine)."""
+        return self._stats
+
+    @property
+    def num_streams(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    # --- the engine thread ---------------------------------------------------------
+    def _snapshot(self) -> None:
+        self._stats = dict(self.engine.stats())
+        self._stats_time = time.monotonic()
+        with self._lock:
+            self._added_since_snapshot = 0
+
+    def _deliver(self, request_id: str, item: Any, final: bool) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                return
+            if final:
+                del self._streams[request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._fail_request is not None:
+                    exc, self._fail_request = self._fail_request, None
+                    self._fail_all(exc)
+                if not self.engine.has_unfinished_requests():
+                    self._snapshot()
+                    self._wake.wait(self._idle_wait)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:
+                    log.exception("engine step failed; aborting the running requests")
+                    self._fail_all(exc)
+                    continue
+                if time.monotonic() - self._stats_time > _STATS_EVERY:
+                    self._snapshot()
+                for out in outputs:
+                    self._deliver(out.request_id, out, final=out.finished)
+        except BaseException as exc:  # the loop itself broke: the server is unhealthy
+            self.error = exc
+            log.exception("engine loop died")
+        finally:
+            self._fail_all(EngineDeadError("the engine stopped"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, exc, final=True)
+
+    def fail_inflight(self, exc: BaseException) -> None:
+        """From any thread: end every in-flight request with ``exc`` at the next step."""
+        self._fail_request = exc
+        self._wake.set()
+
+    # --- the asyncio side ----------------------------------------------------------
+    def check_capacity(self) -> None:
+        if self.draining:
+            raise EngineDeadError("the server is shutting down")
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        if self.max_queue is not None:
+            waiting = int(self._stats.get("num_waiting", 0)) + self._added_since_snapshot
+            if waiting >= self.max_queue:
+                raise QueueFullError(f"{waiting} requests are waiting (--max-queue "
+                                     f"{self.max_queue})")
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params,
+               priority: int = 0) -> _Stream:
+        """Queue one request; raises at once on a full queue or invalid input."""
+        self.check_capacity()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id}")
+            self._streams[request_id] = stream
+            self._added_since_snapshot += 1
+        try:
+            # Validates (context length, token ids) and raises here, in the caller.
+            self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
+                                    arrival_time=time.time())
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise
+        self._wake.set()
+        return stream
+
+    async def outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[Any]:
+        """Yield a submitted request's outputs until it finishes.
+
+        Leaving the iteration early (client gone, timeout, error) aborts the request,
+        which frees its KV blocks at the next step boundary.
+        """
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                if item.finished:
+                    stream.finished = True
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params,
+                       priority: int = 0) -> AsyncIterator[Any]:
+        stream = self.submit(request_id, prompt_token_ids, params, priority)
+        async for item in self.outputs(request_id, stream):
+            yield item
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+        self.engine.abort_request(request_id)
+        self._wake.set()

@@ -1,0 +1,57 @@
+"""Errors in OpenAI's JSON shape, with the status code each condition deserves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    """Raised anywhere in a request; rendered as ``{"error": {...}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    "authentication_error", code="invalid_api_key")
+
+
+def model_not_found(name: str, served: str) -> APIError:
+    return APIError(404, f"the model {name!r} does not exist; this server serves {served!r}",
+                    "invalid_request_error", "model", "model_not_found")
+
+
+def overloaded(retry_after: int) -> APIError:
+    return APIError(429, "the server is at its queue limit; retry later", "rate_limit_error",
+                    code="queue_full", headers={"Retry-After": str(retry_after)})
+
+
+def timed_out(seconds: float) -> APIError:
+    return APIError(408, f"the request did not finish within {seconds:g} s (--request-timeout)",
+                    "timeout_error", code="request_timeout")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "server_error", code="unavailable",
+                    headers={"Retry-After": "5"})
+
+
+def internal(message: str) -> APIError:
+    return APIError(500, message, "server_error", code="internal_error")

@@ -1,0 +1,60 @@
+"""Assemble engine + app + uvicorn from ``llmctl serve`` options."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmctl.serve.api.app import Server, ServerConfig, create_app
+from llmctl.serve.api.async_engine import AsyncEngine
+
+log = logging.getLogger("llmctl.serve")
+
+
+@dataclass
+class ServeOptions:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int | None = 256
+    request_timeout: float | None = None
+    grace_period: float = 10.0
+    log_level: str = "info"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
+    from llmctl.serve.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(opts.model, **opts.engine_kwargs)
+    tokenizer = engine.tokenizer
+    # The embedding may be padded beyond the tokenizer; token ids are checked against it.
+    vocab_size = max(len(tokenizer), engine.spec.vocab_size)
+    grammars = None
+    try:
+        from llmctl.serve.api.grammar import GrammarFactory
+
+        grammars = GrammarFactory(tokenizer, vocab_size)
+    except Exception as exc:  # noqa: BLE001 - structured output is optional
+        log.warning("response_format disabled: %s", exc)
+    name = opts.served_model_name or opts.model
+    config = ServerConfig(model_name=name, max_model_len=engine.max_model_len,
+                          vocab_size=vocab_size, api_key=opts.api_key,
+                          request_timeout=opts.request_timeout)
+    async_engine = AsyncEngine(engine, max_queue=opts.max_queue)
+    return Server(async_engine, tokenizer, config, grammars), async_engine
+
+
+def run_server(opts: ServeOptions, ready=None) -> int:
+    from llmctl.serve.api.server import serve_app
+
+    server, engine = build_server(opts)
+    engine.start()
+    if ready is not None:
+        ready(server, engine.stats())
+    app = create_app(server, on_shutdown=engine.shutdown)
+    return serve_app(app, engine, host=opts.host, port=opts.port,
+                     grace_period=opts.grace_period, log_level=opts.log_level)

@@ -1,0 +1,92 @@
+"""Prometheus metrics, named like vLLM's (``vllm:x`` -> ``llmctl:x``) so dashboards
+and ``llmctl bench``'s scraper carry over with a prefix swap."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+PREFIX = "llmctl:"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineGauges:
+    """Reads the engine's last stats snapshot at scrape time (no polling thread)."""
+
+    def __init__(self, snapshot: Callable[[], dict], model: str) -> None:
+        self._snapshot = snapshot
+        self._model = model
+
+    def collect(self):
+        stats = self._snapshot()
+        table = (
+            ("num_requests_running", "Requests in the running batch.", "num_running"),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+             "kv_cache_usage"),
+            ("prefix_cache_hit_rate", "Prefix cache hits / queries (tokens).",
+             "prefix_cache_hit_rate"),
+        )
+        for name, doc, key in table:
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric([self._model], float(stats.get(key) or 0.0))
+            yield gauge
+        counters = (
+            ("num_preemptions", "Sequences preempted (recompute).", "num_preemptions"),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             "prefix_cache_queried_tokens"),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+             "prefix_cache_hit_tokens"),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_draft_tokens"),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             "spec_accepted_tokens"),
+        )
+        from prometheus_client.core import CounterMetricFamily
+
+        for name, doc, key in counters:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric([self._model], float(stats.get(key) or 0.0))
+            yield counter
+
+
+class ServerMetrics:
+    def __init__(self, model: str, snapshot: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        self.model = model
+        labels = ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end latency.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.",
+                                     labels, registry=self.registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.",
+                                         labels, registry=self.registry)
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests.",
+                                       labels + ["finished_reason"], registry=self.registry)
+        self.http_errors = Counter(PREFIX + "http_errors", "Requests answered with an error.",
+                                   labels + ["status"], registry=self.registry)
+        self.registry.register(_EngineGauges(snapshot, model))
+
+    def observe_finished(self, *, reason: str, prompt_tokens: int, output_tokens: int,
+                         ttft: float | None, e2e: float) -> None:
+        m = self.model
+        self.request_success.labels(m, reason).inc()
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(output_tokens)
+        self.e2e.labels(m).observe(e2e)
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+            if output_tokens > 1:
+                self.tpot.labels(m).observe((e2e - ttft) / (output_tokens - 1))
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

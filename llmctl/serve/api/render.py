@@ -1,0 +1,131 @@
+"""Engine outputs -> OpenAI response bodies and stream chunks (pure functions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Update:
+    """What one engine output adds to one choice."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[Any] | None  # TokenLogprobs for the new tokens, when requested
+
+
+def updates_from_output(out) -> list[Update]:
+    updates = []
+    for c in out.outputs:
+        new = len(c.new_token_ids)
+        logprobs = c.logprobs[len(c.logprobs) - new:] if c.logprobs is not None else None
+        if new or c.text_delta or c.finish_reason:
+            updates.append(Update(c.index, list(c.new_token_ids), c.text_delta,
+                                  _finish(c.finish_reason), logprobs))
+    return updates
+
+
+def _finish(reason: str | None) -> str | None:
+    # OpenAI knows stop and length; an aborted request that still answers is cut short.
+    return {"abort": "length"}.get(reason, reason) if reason else None
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[Any] = field(default_factory=list)
+    wants_logprobs: bool = False
+
+    def add(self, upd: Update) -> None:
+        self.text += upd.text
+        self.num_tokens += len(upd.token_ids)
+        if upd.finish_reason:
+            self.finish_reason = upd.finish_reason
+        if upd.logprobs is not None:
+            self.wants_logprobs = True
+            self.logprobs.extend(upd.logprobs)
+
+
+def usage_block(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(entries: list[Any], tokenizer, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions shape: parallel arrays plus a top-n dict per position."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    pos = offset
+    for e in entries:
+        text = _token_text(tokenizer, e.token_id)
+        tokens.append(text)
+        token_logprobs.append(e.logprob)
+        alternatives: dict[str, float] = {}
+        for t, lp in e.top:  # distinct ids can decode alike (partial UTF-8): keep the best
+            alternatives.setdefault(_token_text(tokenizer, t), lp)
+        top.append(alternatives)
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[Any], tokenizer) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token_id, e.logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[Choice],
+                        usage: dict, tokenizer) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                     "logprobs": completion_logprobs(c.logprobs, tokenizer)
+                     if c.wants_logprobs else None} for c in choices],
+        "usage": usage,
+    }
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[Choice], usage: dict,
+                  tokenizer=None) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                     "finish_reason": c.finish_reason,
+                     "logprobs": chat_logprobs(c.logprobs, tokenizer)
+                     if c.wants_logprobs and tokenizer is not None else None}
+                    for c in choices],
+        "usage": usage,
+    }
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, upd: Update,
+                     tokenizer) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": upd.text, "finish_reason": upd.finish_reason,
+                         "logprobs": completion_logprobs(upd.logprobs, tokenizer)
+                         if upd.logprobs is not None else None}]}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, upd: Update, first: bool,
+               tokenizer=None) -> dict[str, Any]:
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if upd.text or first:
+        delta["content"] = upd.text
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "finish_reason": upd.finish_reason,
+                         "logprobs": chat_logprobs(upd.logprobs, tokenizer)
+                         if upd.logprobs is not None and tokenizer is not None else None}]}

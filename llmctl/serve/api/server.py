@@ -1,0 +1,60 @@
+"""Run the app under uvicorn with a graceful shutdown.
+
+On SIGTERM/SIGINT uvicorn stops accepting connections and waits for in-flight ones.
+Shortly before the grace period ends we fail whatever is still generating, so every
+stream ends with an error event instead of a cut connection; then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+import uvicorn
+
+from llmctl.serve.api.async_engine import AsyncEngine, EngineDeadError
+
+
+class _GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+        super().__init__(config)
+        self._engine = engine
+        self._grace = grace
+        self._timer: threading.Timer | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises the captured signal after shutting down, so the process dies
+        # "by SIGTERM"; a graceful stop should exit 0, so we only install the handlers.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._timer is None:
+            self._engine.draining = True
+            cutoff = max(self._grace - 0.5, 0.0)
+            self._timer = threading.Timer(
+                cutoff, self._engine.fail_inflight,
+                args=(EngineDeadError("the server is shutting down"),))
+            self._timer.daemon = True
+            self._timer.start()
+        super().handle_exit(sig, frame)
+
+
+def serve_app(app, engine: AsyncEngine, *, host: str, port: int, grace_period: float = 10.0,
+              log_level: str = "info") -> int:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=grace_period, lifespan="on",
+                            timeout_keep_alive=30)
+    server = _GracefulServer(config, engine, grace_period)
+    server.run()
+    return 0

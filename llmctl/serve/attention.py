@@ -1,0 +1,99 @@
+"""Attention over the paged KV cache.
+
+A step's tokens are one flat stream ``[T]`` ordered by attention group; each group is
+one call:
+
+- ``fresh``: sequences whose whole context is computed in this step (prompts with no
+  cached prefix), all of the same length. Their K/V are the ones just computed: causal
+  SDPA on them directly, ``[B, heads, L, d]``.
+- ``paged``: sequences that all compute ``q_len`` tokens on top of cached context
+  (decodes: ``q_len = 1``; draft verification: ``1 + k``; later prompt chunks). Their
+  K/V are gathered through the block tables into ``[B, S]`` (S = the group's longest
+  context, rounded up to blocks) and masked: query ``i`` of a sequence with ``ctx``
+  tokens sits at position ``ctx - q_len + i`` and sees keys ``j <= ctx - q_len + i``.
+
+Grouped-query attention without repeating K/V: the ``g = heads / kv_heads`` query heads
+of one KV head are folded into the query length, ``q [B, kv_heads, g * q_len, d]``
+against ``k [B, kv_heads, S, d]`` (HF's ``repeat_kv`` gives query head ``h`` the KV head
+``h // g``, which is this layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnGroup:
+    start: int  # token range [start, end) in the flat stream
+    end: int
+    num_seqs: int
+    q_len: int
+    fresh: bool
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] long
+    mask: torch.Tensor | None = None  # [B, 1, g * q_len or 1, S] additive: 0 or -inf
+
+
+@dataclass
+class AttnMetadata:
+    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
+    groups: list[AttnGroup]
+
+
+def build_paged_group(start: int, q_len: int, context_lens: list[int],
+                      block_tables: list[list[int]], block_size: int, group_heads: int,
+                      device: torch.device, dtype: torch.dtype = torch.float32) -> AttnGroup:
+    """Metadata for sequences computing ``q_len`` tokens each with the given contexts."""
+    num_seqs = len(context_lens)
+    max_blocks = max(len(t) for t in block_tables)
+    tables = torch.zeros((num_seqs, max_blocks), dtype=torch.long)
+    for row, table in enumerate(block_tables):
+        tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
+    ctx = torch.tensor(context_lens, dtype=torch.long)
+    keys = torch.arange(max_blocks * block_size)
+    # last visible key of query i: ctx - q_len + i
+    limit = ctx[:, None] - q_len + torch.arange(q_len)[None, :]
+    mask = keys[None, None, :] <= limit[:, :, None]  # [B, q_len, S]
+    if q_len == 1:
+        mask = mask.unsqueeze(1)  # [B, 1, 1, S], broadcast over the g folded heads
+    else:
+        mask = mask.unsqueeze(1).expand(num_seqs, group_heads, q_len, -1)
+        mask = mask.reshape(num_seqs, 1, group_heads * q_len, -1)
+    # additive float mask, built once per step: a bool mask is converted on every call
+    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return AttnGroup(start=start, end=start + num_seqs * q_len, num_seqs=num_seqs, q_len=q_len,
+                     fresh=False, block_tables=tables.to(device), mask=bias.to(device))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """``q [T, H, d]``, new ``k, v [T, Hkv, d]``, the layer's cache ``[2, blocks,
+    block_size, Hkv, d]`` (this step's K/V already written) -> ``[T, H * d]``."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    g = num_heads // kv_heads
+    outs = []
+    for grp in meta.groups:
+        qs = q[grp.start:grp.end]
+        b, lq = grp.num_seqs, grp.q_len
+        if grp.fresh:
+            o = F.scaled_dot_product_attention(
+                qs.view(b, lq, num_heads, head_dim).transpose(1, 2),
+                k[grp.start:grp.end].view(b, lq, kv_heads, head_dim).transpose(1, 2),
+                v[grp.start:grp.end].view(b, lq, kv_heads, head_dim).transpose(1, 2),
+                is_causal=True, scale=scale, enable_gqa=g > 1)
+            outs.append(o.transpose(1, 2).reshape(b * lq, num_heads * head_dim))
+            continue
+        s = grp.block_tables.shape[1] * kv_cache.shape[2]
+        # one gather for K and V: [2, B, blocks, block_size, Hkv, d]
+        kv = kv_cache[:, grp.block_tables].view(2, b, s, kv_heads, head_dim).transpose(2, 3)
+        kg, vg = kv[0], kv[1]
+        qg = qs.view(b, lq, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(b, kv_heads, g * lq, head_dim)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask, scale=scale)
+        o = o.view(b, kv_heads, g, lq, head_dim).permute(0, 3, 1, 2, 4)
+        outs.append(o.reshape(b * lq, num_heads * head_dim))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,0 +1,137 @@
+"""Engine configuration: one typed object that refuses unknown keys.
+
+``EngineConfig(**kwargs)`` is what ``LLM(model, **kwargs)``, ``LLMEngine`` and the CLI
+flags all build; a misspelt key fails with the key's name and the allowed ones.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from llmctl.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(value: str | float) -> tuple[str, float]:
+    """``"512MiB"`` -> ("bytes", 536870912); ``0.3`` or ``"0.3"`` -> ("fraction", 0.3).
+
+    A bare number up to 1 is a fraction of the memory available after the weights are
+    loaded; anything with a unit (or a bare number above 1) is a byte count.
+    """
+    match = _SIZE.match(str(value))
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read memory size {value!r}",
+                          "write e.g. '512MiB', '2GB' or a fraction of free memory like 0.3")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if not unit and 0 < number <= 1:
+        return "fraction", number
+    size = number * _UNITS[unit]
+    if size < 1:
+        raise ConfigError(f"memory size {value!r} is zero", "give a positive size")
+    return "bytes", size
+
+
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+                  "float": "float32"}
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding: who proposes draft tokens and how many per step."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram", "draft"] = "ngram"
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    # n-gram prompt lookup: match the last n tokens (n from max down to min) earlier in
+    # the sequence and propose what followed them there.
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
+    # draft-model proposer: a smaller checkpoint with the same tokenizer.
+    draft_model: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must not exceed ngram_max")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("method 'draft' needs draft_model (a checkpoint path or alias)")
+        return self
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes one engine instance."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    tokenizer: str | None = None
+    # "auto": the checkpoint's torch_dtype when it is a float type, else float32
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    # "auto" = the model dtype; bfloat16 halves the cache's memory and bandwidth.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    block_size: int = Field(16, ge=1, le=1024)
+    # A byte budget ("512MiB") or a fraction (0.3) of the memory free after loading.
+    kv_cache_memory: str | float = "0.25"
+    # Exact number of KV blocks: overrides kv_cache_memory (tests use it to force preemption).
+    num_kv_blocks: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    # Quantized checkpoints: "kernel" runs int4/int8 weights through torch's low-bit CPU
+    # kernels; "dequantize" expands them to float at load (the reference path).
+    quant_backend: Literal["kernel", "dequantize"] = "kernel"
+    speculative: SpeculativeConfig | None = None
+    num_threads: int | None = Field(None, ge=1)
+    # Seeds the engine-wide generator used by requests without their own seed.
+    seed: int = 0
+
+    @field_validator("dtype", "kv_cache_dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value):
+        return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _memory(cls, value: str | float) -> str | float:
+        parse_memory(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.max_model_len is not None and not self.enable_chunked_prefill \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
+                             "max_model_len (a whole prompt is computed in one step)")
+        return self
+
+
+def make_engine_config(model: str, **kwargs) -> EngineConfig:
+    """Build an :class:`EngineConfig`, turning validation errors into a ConfigError."""
+    if isinstance(kwargs.get("speculative"), dict):
+        kwargs["speculative"] = _validated(SpeculativeConfig, kwargs["speculative"])
+    return _validated(EngineConfig, {"model": model, **kwargs})
+
+
+def _validated(cls: type[BaseModel], data: dict) -> BaseModel:
+    try:
+        return cls(**data)
+    except ValidationError as exc:
+        problems = []
+        unknown = False
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or cls.__name__
+            problems.append(f"{where}: {err['msg']}")
+            unknown |= err["type"] == "extra_forbidden"
+        remedy = (f"allowed keys: {', '.join(cls.model_fields)}" if unknown
+                  else "fix the value named above")
+        raise ConfigError(f"invalid {cls.__name__}: " + "; ".join(problems), remedy) from None

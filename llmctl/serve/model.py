@@ -1,0 +1,212 @@
+"""The Llama-family forward pass, written for the paged KV cache.
+
+One decoder covers llama, mistral, qwen2 and qwen3: they differ in data, not code
+(:data:`FAMILIES`): qkv biases (qwen2 always, llama/qwen3 when ``attention_bias``),
+an RMSNorm over each head of q and k before RoPE (qwen3), tied embeddings.
+
+Per layer, for the flat stream of this step's ``T`` tokens::
+
+    h = RMSNorm(x);  q, k, v = split(h @ W_qkv)            # fused q/k/v projection
+    q, k = RoPE(q), RoPE(k) at each token's position;  cache[slot] = k, v
+    x = x + W_o · attention(q, cache via block tables)      # GQA, causal
+    h = RMSNorm(x);  g, u = split(h @ W_gate_up)            # fused gate/up
+    x = x + W_down · (silu(g) * u)                          # SwiGLU
+
+RMSNorm: ``x / sqrt(mean(x^2) + eps) * w``. Weights are plain tensors and small callable
+linears (dense or low-bit, :mod:`llmctl.serve.quant_linear`), not ``nn.Module``s: on CPU
+the per-call overhead of modules is a measurable share of a decode step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from llmctl.errors import UnsupportedArchitectureError
+from llmctl.models.architectures import get_architecture
+from llmctl.serve.attention import AttnMetadata, paged_attention
+from llmctl.serve.rope import apply_rope, rope_freqs, rope_parameters
+
+# model_type -> features: a bool, or the config key that switches the feature on.
+FAMILIES: dict[str, dict[str, bool | str]] = {
+    "llama": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "qk_norm": False},
+    "mistral": {"qkv_bias": False, "o_bias": False, "qk_norm": False},
+    "qwen2": {"qkv_bias": True, "o_bias": False, "qk_norm": False},
+    "qwen3": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "qk_norm": True},
+}
+
+
+def _feature(config: dict, value: bool | str) -> bool:
+    return bool(config.get(value, False)) if isinstance(value, str) else value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs from an HF ``config.json`` (and generation_config.json)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope: dict = field(hash=False)
+    eos_token_ids: tuple[int, ...] = ()
+    quantization_config: dict | None = field(default=None, hash=False)
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ModelSpec:
+        config = json.loads((Path(path) / "config.json").read_text())
+        return cls.from_config(config, _generation_eos(Path(path)))
+
+    @classmethod
+    def from_config(cls, config: dict, eos: tuple[int, ...] | None = None) -> ModelSpec:
+        model_type = config.get("model_type", "")
+        get_architecture(model_type)  # raises with the supported list
+        family = FAMILIES.get(model_type)
+        if family is None:
+            raise UnsupportedArchitectureError(
+                f"the engine has no forward pass for {model_type!r}",
+                f"it runs: {', '.join(FAMILIES)}")
+        heads = config["num_attention_heads"]
+        max_pos = config.get("max_position_embeddings", 2048)
+        window = config.get("sliding_window")
+        if window and config.get("use_sliding_window", model_type == "mistral"):
+            # inside the window sliding attention is full attention: cap the context there
+            max_pos = min(max_pos, window)
+        if eos is None:
+            eos = _as_tuple(config.get("eos_token_id"))
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=_feature(config, family["qkv_bias"]),
+            o_bias=_feature(config, family["o_bias"]),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=_feature(config, family["qk_norm"]),
+            rope=rope_parameters(config),
+            eos_token_ids=eos,
+            quantization_config=config.get("quantization_config"),
+            torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+        )
+
+
+def _as_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _generation_eos(path: Path) -> tuple[int, ...] | None:
+    """HF ``generate`` stops on generation_config's EOS ids: so does the engine."""
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return _as_tuple(eos)
+    return None
+
+
+class Layer:
+    # qkv's q and k rows are in interleaved-pair order (rope.interleave_rows); qk_norm is
+    # qwen3's q_norm/k_norm as one [heads + kv_heads, head_dim] table in the same order.
+    __slots__ = ("input_norm", "qkv", "qk_norm", "o", "post_norm", "gate_up", "down")
+
+    def __init__(self, **parts) -> None:
+        for name in self.__slots__:
+            setattr(self, name, parts.get(name))
+
+
+class LlamaModel:
+    """Weights + forward. Build with :func:`llmctl.serve.weights.load_model`."""
+
+    def __init__(self, spec: ModelSpec, *, embed: torch.Tensor, layers: list[Layer],
+                 norm: torch.Tensor, lm_head, dtype: torch.dtype, device: torch.device,
+                 max_len: int) -> None:
+        self.spec = spec
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.dtype = dtype
+        self.device = device
+        self.freqs = rope_freqs(spec.rope, spec.head_dim, spec.max_position_embeddings,
+                                max_len).to(device)
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim ** -0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm; writes K/V into the cache."""
+        spec = self.spec
+        eps = spec.rms_norm_eps
+        hidden = (spec.hidden_size,)
+        head = (spec.head_dim,)
+        t = input_ids.shape[0]
+        nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        freqs = self.freqs[positions].unsqueeze(1)
+        qk_size = self.q_size + self.kv_size
+        slots = meta.slot_mapping
+        x = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, hidden, layer.input_norm, eps)
+            qkv = layer.qkv(h)
+            qk = qkv[:, :qk_size].view(t, nh + nkv, d)
+            v = qkv[:, qk_size:].view(t, nkv, d)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, head, None, eps) * layer.qk_norm
+            qk = apply_rope(qk, freqs)  # q and k rotated together
+            q, k = qk[:, :nh], qk[:, nh:]
+            layer_cache = kv_cache[i]
+            cache_dtype = layer_cache.dtype
+            if cache_dtype != q.dtype:
+                q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
+            layer_cache[0].view(-1, nkv, d).index_copy_(0, slots, k)
+            layer_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
+            attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
+            x = x + layer.o(attn.to(x.dtype))
+            h = F.rms_norm(x, hidden, layer.post_norm, eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        return F.rms_norm(x, hidden, self.norm, eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @property
+    def nbytes(self) -> int:
+        total = self.embed.numel() * self.embed.element_size()
+        total += self.norm.numel() * self.norm.element_size()
+        if self.lm_head is not None and getattr(self.lm_head, "weight", None) is not self.embed:
+            total += self.lm_head.nbytes
+        for layer in self.layers:
+            for name in Layer.__slots__:
+                part = getattr(layer, name)
+                if isinstance(part, torch.Tensor):
+                    total += part.numel() * part.element_size()
+                elif part is not None:
+                    total += part.nbytes
+        return total

@@ -1,0 +1,332 @@
+"""Linear layers from plain and compressed-tensors checkpoints.
+
+The checkpoint format is the contract with ``llmctl quantize`` (and llm-compressor):
+``config.json`` carries ``quantization_config`` with ``quant_method:
+"compressed-tensors"``, ``config_groups`` (targets + weight ``QuantizationArgs``),
+``ignore`` and a ``format``; per linear layer the checkpoint holds
+
+- ``pack-quantized`` (int weights of 1-8 bits, here 2/4/8): ``weight_packed`` int32
+  ``[N, ceil(K*b/32)]``, element ``i`` of a row at bits ``(i*b) % 32`` of word
+  ``i*b // 32``, stored as ``q + 2**(b-1)`` (unsigned); ``weight_scale`` ``[N, G]``
+  (group) or ``[N, 1]`` (channel); ``weight_shape`` ``(N, K)``; asymmetric schemes add
+  ``weight_zero_point`` packed the same way along dim 0 (``[ceil(N*b/32), G]``).
+- ``int-quantized``: ``weight`` int8 ``[N, K]`` + ``weight_scale`` (+ zero point).
+- ``float-quantized``: ``weight`` float8_e4m3fn ``[N, K]`` + ``weight_scale``.
+
+Dequantization is ``w = (q - zero_point) * scale`` per group of ``group_size`` input
+columns. Execution paths, picked per layer:
+
+- int4 -> ``aten._weight_int4pack_mm_for_cpu``, whose weights dequantize as
+  ``(u - 8) * s + z`` with ``u = q + 8``: so ``z = -zero_point * s``. It accepts groups
+  of 32/64/128/256 only: a larger group (or per-channel) repeats its scale over
+  sub-groups, which is exact; output features are padded to a multiple of 16.
+- int8 per-channel -> ``aten._weight_int8pack_mm`` (``x @ (q * s).T``); an asymmetric zero
+  point subtracts ``rowsum(x) * zero_point * s``.
+- everything else (FP8, int8 groups, CUDA) is dequantized once at load into the model
+  dtype: smaller on disk, not faster. Activation quantization in a scheme is not
+  applied (weights-only execution); :func:`describe` reports which path each layer got.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmctl.errors import UnsupportedArchitectureError
+
+_INT4_GROUPS = (256, 128, 64, 32)
+
+
+# --- layers --------------------------------------------------------------------------
+class DenseLinear:
+    kind = "dense"
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+
+class Int4Linear:
+    """Weight-only int4 through torch's CPU tinygemm-style kernel."""
+
+    kind = "int4"
+    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "out_features", "act_dtype",
+                 "in_features")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                 group_size: int, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
+        n, k = q.shape
+        sub = kernel_group_size(k, group_size)
+        reps = group_size // sub
+        scale = scale.float().repeat_interleave(reps, dim=1)
+        zero = (torch.zeros_like(scale) if zero_point is None
+                else -zero_point.float().repeat_interleave(reps, dim=1) * scale)
+        pad = -n % 16
+        u = (q.to(torch.int32) + 8)
+        if pad:
+            u = torch.cat([u, torch.full((pad, k), 8, dtype=torch.int32)])
+            scale = torch.cat([scale, torch.ones(pad, scale.shape[1])])
+            zero = torch.cat([zero, torch.zeros(pad, zero.shape[1])])
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(act_dtype)
+        self.group_size = sub
+        self.bias = bias
+        self.out_features = n
+        self.in_features = k
+        self.act_dtype = act_dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.act_dtype:
+            x2 = x2.to(self.act_dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,
+                                                       self.scales_zeros)
+        y = y[:, :self.out_features].to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.scales_zeros, self.bias)
+
+
+class Int8Linear:
+    """Weight-only int8, per output channel, through ``aten._weight_int8pack_mm``."""
+
+    kind = "int8"
+    __slots__ = ("weight", "scale", "zero_scale", "bias")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                 bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.weight = q.to(torch.int8).contiguous()
+        self.scale = scale.reshape(-1).to(dtype).contiguous()
+        self.zero_scale = None
+        if zero_point is not None:
+            self.zero_scale = (zero_point.reshape(-1).float() * scale.reshape(-1).float()).to(dtype)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scale)
+        if self.zero_scale is not None:
+            y = y - x2.sum(-1, keepdim=True) * self.zero_scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, y.shape[-1])
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.scale, self.zero_scale, self.bias)
+
+
+class ConcatLinear:
+    """Several linears on the same input whose outputs are concatenated (unfusable parts)."""
+
+    __slots__ = ("parts",)
+    kind = "concat"
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def kernel_group_size(in_features: int, group_size: int) -> int:
+    """The largest group the int4 kernel accepts that divides ``group_size`` (0 if none)."""
+    for size in _INT4_GROUPS:
+        if group_size % size == 0 and in_features % size == 0:
+            return size
+    return 0
+
+
+# --- weights as loaded ------------------------------------------------------------------
+@dataclass
+class QuantWeight:
+    """Integer weights of one layer: ``w = (q - zero_point) * scale`` per group."""
+
+    q: torch.Tensor  # int8 [N, K], signed
+    scale: torch.Tensor  # [N, G]
+    zero_point: torch.Tensor | None  # [N, G] or None (symmetric)
+    group_size: int
+    num_bits: int
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        n, k = self.q.shape
+        q = self.q.float().view(n, -1, self.group_size)
+        if self.zero_point is not None:
+            q = q - self.zero_point.float().unsqueeze(-1)
+        return (q * self.scale.float().unsqueeze(-1)).view(n, k).to(dtype)
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:
+    """compressed-tensors ``pack_to_int32`` inverse for bit widths dividing 32."""
+    if 32 % num_bits:
+        raise UnsupportedArchitectureError(
+            f"{num_bits}-bit packed weights are not supported by the engine",
+            "quantize to 2, 4 or 8 bits")
+    per_word = 32 // num_bits
+    shifts = torch.arange(per_word, dtype=torch.int32) * num_bits
+    values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
+    values = values.reshape(packed.shape[0], -1)[:, :cols]
+    return (values - (1 << (num_bits - 1))).to(torch.int8)
+
+
+def _group_scale(scale: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, int]:
+    """Scale as ``[N, G]`` and the group size (channel and tensor strategies included)."""
+    if scale.numel() == 1:
+        scale = scale.reshape(1, 1).expand(n, 1)
+    scale = scale.reshape(n, -1)
+    return scale, k // scale.shape[1]
+
+
+def load_quant_weight(get, name: str, args: dict, fmt: str) -> QuantWeight | torch.Tensor:
+    """Read one layer's quantized tensors (``get(tensor_name)``) into a QuantWeight.
+
+    FP8 (``float-quantized``) comes back as a float32 tensor, already dequantized.
+    """
+    scale = get(f"{name}.weight_scale")
+    num_bits = int(args.get("num_bits", 8))
+    if fmt == "float-quantized":
+        w = get(f"{name}.weight").float()
+        n, k = w.shape
+        scale, group = _group_scale(scale.float(), n, k)
+        return (w.view(n, -1, group) * scale.unsqueeze(-1)).view(n, k)
+    zp = None
+    if fmt == "pack-quantized":
+        n, k = (int(v) for v in get(f"{name}.weight_shape").tolist())
+        q = unpack_int32(get(f"{name}.weight_packed"), num_bits, k)
+        scale, group = _group_scale(scale, n, k)
+        if not args.get("symmetric", True):
+            zp = unpack_int32(get(f"{name}.weight_zero_point").t(), num_bits, n).t()
+            zp = zp.reshape(n, -1)
+    elif fmt in ("int-quantized", "naive-quantized"):
+        q = get(f"{name}.weight").to(torch.int8)
+        n, k = q.shape
+        scale, group = _group_scale(scale, n, k)
+        if not args.get("symmetric", True):
+            zp = get(f"{name}.weight_zero_point").to(torch.int8).reshape(n, -1)
+    else:
+        raise UnsupportedArchitectureError(
+            f"{name}: compressed-tensors format {fmt!r} is not supported by the engine",
+            "use pack-quantized (int4/int8), int-quantized or float-quantized (FP8) checkpoints")
+    if zp is not None and zp.shape != scale.shape:
+        zp = zp.expand_as(scale)
+    return QuantWeight(q=q, scale=scale, zero_point=zp, group_size=group, num_bits=num_bits)
+
+
+def concat_quant(parts: list[QuantWeight]) -> QuantWeight | None:
+    """Fuse layers sharing an input (q/k/v, gate/up) if their schemes line up."""
+    first = parts[0]
+    if any(p.group_size != first.group_size or p.num_bits != first.num_bits
+           or (p.zero_point is None) != (first.zero_point is None) for p in parts):
+        return None
+    return QuantWeight(
+        q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts]),
+        zero_point=None if first.zero_point is None else torch.cat([p.zero_point for p in parts]),
+        group_size=first.group_size, num_bits=first.num_bits)
+
+
+def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *,
+                dtype: torch.dtype, device: torch.device, backend: str):
+    """The fastest layer this machine has for ``weight`` (see the module docstring)."""
+    if bias is not None:
+        bias = bias.to(device=device, dtype=dtype)
+    if isinstance(weight, torch.Tensor):
+        return DenseLinear(weight.to(device=device, dtype=dtype).contiguous(), bias)
+    kernels = backend == "kernel" and device.type == "cpu"
+    if kernels and weight.num_bits == 4 and kernel_group_size(weight.q.shape[1], weight.group_size):
+        # the kernel computes in bf16 (or fp16) whatever the model dtype: "W4A16"
+        act = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        return Int4Linear(weight.q, weight.scale, weight.zero_point, weight.group_size, bias, act)
+    if kernels and weight.num_bits == 8 and weight.scale.shape[1] == 1:
+        return Int8Linear(weight.q, weight.scale, weight.zero_point, bias, dtype)
+    return DenseLinear(weight.dequantize(dtype).to(device).contiguous(), bias)
+
+
+# --- the checkpoint's quantization_config ---------------------------------------------
+def _matches(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    # a class name ("Linear") targets every linear layer; else a module name or suffix
+    return target == "Linear" or name == target or name.endswith("." + target)
+
+
+@dataclass
+class QuantScheme:
+    args: dict  # the weights' QuantizationArgs as stored
+    format: str
+
+
+class QuantConfig:
+    """Which scheme and format apply to each linear layer of a checkpoint."""
+
+    def __init__(self, config: dict | None) -> None:
+        self.config = config or {}
+        method = self.config.get("quant_method")
+        if config and method != "compressed-tensors":
+            raise UnsupportedArchitectureError(
+                f"quantization method {method!r} is not supported by the engine",
+                "serve a compressed-tensors checkpoint (llmctl quantize writes them)")
+        self.groups = list((self.config.get("config_groups") or {}).values())
+        self.ignore = list(self.config.get("ignore") or [])
+        self.format = self.config.get("format") or "dense"
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def scheme_for(self, name: str) -> QuantScheme | None:
+        if not self.groups or any(_matches(name, t) for t in self.ignore):
+            return None
+        for group in self.groups:
+            if group.get("weights") and any(_matches(name, t) for t in group.get("targets", [])):
+                fmt = group.get("format") or self.format
+                if fmt == "mixed-precision":
+                    fmt = "pack-quantized" if group["weights"].get("type") == "int" \
+                        else "float-quantized"
+                return QuantScheme(args=group["weights"], format=fmt)
+        return None
+
+
+def describe(layers: dict[str, object]) -> dict[str, int]:
+    """How many layers run on each path (``{"int4": 210, "dense": 1}``)."""
+    counts: dict[str, int] = {}
+    for layer in layers.values():
+        parts = layer.parts if isinstance(layer, ConcatLinear) else [layer]
+        for part in parts:
+            counts[part.kind] = counts.get(part.kind, 0) + 1
+    return counts

@@ -1,0 +1,89 @@
+"""How one request wants its tokens chosen and when it wants to stop.
+
+Field meanings follow vLLM's ``SamplingParams`` (and so OpenAI's request fields), so
+the HTTP layer maps requests onto this one-to-one:
+
+- ``temperature == 0`` is greedy; ``top_k`` 0 or -1 disables top-k, ``top_p`` 1 and
+  ``min_p`` 0 disable those filters.
+- ``repetition_penalty`` (HF/CTRL style) divides positive and multiplies negative logits
+  of every token seen in the prompt or output; ``presence_penalty`` and
+  ``frequency_penalty`` (OpenAI style) subtract ``presence * [count > 0] +
+  frequency * count`` over output tokens only.
+- ``seed`` makes this request reproducible whatever else shares the batch; with
+  ``n > 1`` completion ``i`` uses ``seed + i``.
+- ``stop`` strings never appear in the returned text (unless
+  ``include_stop_str_in_output``); ``stop_token_ids`` and the model's EOS ids end the
+  completion too (EOS not with ``ignore_eos``).
+- ``logprobs = k`` returns the sampled token's log-probability and the top ``k``
+  alternatives, from the model's raw distribution (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from llmctl.errors import UsageError
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __init__(self, **data) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            errors = exc.errors()
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'sampling'}: {err['msg']}"
+                for err in errors)
+            unknown = any(err["type"] == "extra_forbidden" for err in errors)
+            remedy = (f"allowed fields: {', '.join(type(self).model_fields)}" if unknown
+                      else "fix the value named above")
+            raise UsageError(f"invalid sampling parameters: {problems}", remedy) from None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value):
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = (value,)
+        value = tuple(value)
+        if any(not isinstance(s, str) or not s for s in value):
+            raise ValueError("stop strings must be non-empty strings")
+        return value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids(cls, value):
+        return () if value is None else tuple(value)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def needs_filters(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0

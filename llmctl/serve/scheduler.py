@@ -1,0 +1,160 @@
+"""Which sequences run in the next step, and with how many tokens: policy only.
+
+Continuous (iteration-level) batching in the style of vLLM's V1 scheduler: every step
+has a token budget (``max_num_batched_tokens``) shared by decodes, prompt chunks and
+draft tokens, and at most ``max_num_seqs`` sequences run at once.
+
+1. Running sequences first, in priority order (lower ``priority`` value first, then
+   arrival). Each asks for its uncomputed tokens: one for a decode (plus its draft
+   tokens), the rest of its prompt for a prefill, cut to the remaining budget when
+   chunked prefill is on, so a long prompt cannot stall the running decodes.
+2. When the block pool cannot hold a running sequence's new tokens, the lowest-ranked
+   running sequence (the newest of the lowest priority) is preempted by recompute: its
+   blocks are freed and it goes back to the waiting queue with every token it has; it
+   may be the asking sequence itself.
+3. If nothing was preempted, waiting sequences are admitted in the same order while
+   budget, sequence slots and blocks last, taking their longest cached prefix. Admission
+   stops at the first that does not fit (no overtaking: first come, first served), and
+   leaves a small watermark of free blocks so running sequences can grow.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from llmctl.serve.block_manager import BlockManager
+from llmctl.serve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, draft tokens included
+    num_spec_tokens: int = 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool,
+                 watermark: float = 0.01) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # --- queues ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sibling starts running with its parent's blocks."""
+        seq.transition(SequenceStatus.RUNNING)
+        bisect.insort(self.running, seq, key=Sequence.sort_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End ``seq`` (stopped, length or aborted) wherever it is, freeing its blocks."""
+        if seq.finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.transition(status)
+        seq.spec_token_ids = []
+        self.block_manager.free_seq(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.transition(SequenceStatus.PREEMPTED)
+        seq.spec_token_ids = []
+        self.num_preemptions += 1
+        self.add(seq)
+
+    # --- the policy ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        chunked = self.enable_chunked_prefill
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            uncomputed = seq.num_uncomputed_tokens
+            spec = len(seq.spec_token_ids) if uncomputed == 1 else 0
+            if uncomputed + spec > budget:
+                if uncomputed <= budget:
+                    spec = budget - uncomputed
+                elif chunked:
+                    uncomputed, spec = budget, 0
+                else:
+                    i += 1
+                    continue
+            if spec < len(seq.spec_token_ids):
+                del seq.spec_token_ids[spec:]
+            num_new = uncomputed + spec
+            while (copies := bm.allocate(seq, num_new)) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.PREEMPTED:
+                break
+            out.copies.extend(copies)
+            out.scheduled.append(ScheduledSeq(seq, num_new, spec))
+            budget -= num_new
+            i += 1
+
+        if out.preempted:
+            return out
+
+        slots = self.max_num_seqs - len(self.running) - sum(s.pending_fork for s in self.running)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if 1 + seq.pending_fork > slots and self.running:
+                break
+            cached = bm.find_cached_prefix(seq)
+            num_new = seq.num_tokens - len(cached) * bm.block_size
+            if num_new > budget:
+                if not chunked:
+                    break
+                num_new = budget
+            new_blocks = bm.blocks_needed(len(cached) * bm.block_size + num_new) - len(cached)
+            if self.running and bm.num_free_blocks - new_blocks < self.watermark_blocks:
+                break
+            copies = bm.allocate(seq, num_new, cached)
+            if copies is None:
+                break
+            self.waiting.pop(0)
+            seq.transition(SequenceStatus.RUNNING)
+            bisect.insort(self.running, seq, key=Sequence.sort_key)
+            slots -= 1 + seq.pending_fork
+            out.copies.extend(copies)
+            out.scheduled.append(ScheduledSeq(seq, num_new, 0))
+            budget -= num_new
+        return out

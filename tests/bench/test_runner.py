@@ -1,0 +1,85 @@
+"""One measured run against the fake server: cap, warm-up, duration, dead target, Ctrl-C."""
+
+import asyncio
+
+import pytest
+
+from llmctl.bench.backends import RequestSettings, get_backend
+from llmctl.bench.metrics import compute_metrics
+from llmctl.bench.records import SampleRequest
+from llmctl.bench.runner import Halt, RunPlan, fill_output_tokens, run
+
+from .conftest import fake_server
+
+SAMPLES = [SampleRequest(f"prompt {i}", 2, 4) for i in range(12)]
+
+
+def go(url, plan, backend="openai-completions", halt_after=None):
+    async def main():
+        halt = Halt()
+        if halt_after is not None:
+            asyncio.get_running_loop().call_later(halt_after, halt.interrupt)
+        return await run(plan, get_backend(backend), RequestSettings(url, "fake-model"),
+                         halt=halt)
+    return asyncio.run(main())
+
+
+def test_concurrency_cap_warmup_and_server_counters(server):
+    result = go(server, RunPlan(SAMPLES, max_concurrency=3, warmup=2))
+    assert [r.index for r in result.records] == list(range(12))  # warm-up not recorded
+    assert all(r.success for r in result.records) and result.warmup_failed == 0
+    m = compute_metrics(result.records, result.duration)
+    assert m["peak_concurrency"] == 3
+    # /metrics is scraped after the warm-up: its counters match what was measured.
+    summary = result.server_summary
+    assert summary["available"]
+    assert summary["generation_tokens"] == m["total_output_tokens"] == 12 * 4
+    assert summary["prompt_tokens"] == m["total_input_tokens"] == 12 * 2
+
+
+def test_duration_limit_cycles_the_samples(server):
+    plan = RunPlan(SAMPLES[:3], request_rate=40.0, duration=0.5, seed=1)
+    result = go(server, plan)
+    assert 3 < len(result.records) < 60
+    assert all(r.start <= 0.5 + 0.1 for r in result.records)  # none sent after the limit
+    assert {r.prompt_len for r in result.records} == {2}
+
+
+def test_target_dies_mid_run_records_the_rest_as_failed():
+    with fake_server("--ttft-ms", "5", "--itl-ms", "5", "--die-after", "5") as (url, _):
+        result = go(url, RunPlan(SAMPLES + SAMPLES, max_concurrency=2))
+    records = result.records
+    assert len(records) == 24 == sum(r.success for r in records) + sum(not r.success
+                                                                      for r in records)
+    assert result.target_down is not None and not result.interrupted
+    # The server dies on its 5th request: at most 4 can succeed (how many of them finish
+    # first depends on scheduling), and everything after the crash is a failure record.
+    assert 1 <= sum(r.success for r in records) <= 4
+    assert result.not_sent == sum(r.error_kind == "not_sent" for r in records) >= 1
+    assert sorted(r.index for r in records) == list(range(24))
+
+
+def test_interrupt_returns_a_partial_run(server):
+    plan = RunPlan([SampleRequest("p", 2, 50)] * 40, request_rate=10.0)
+    result = go(server, plan, halt_after=0.6)
+    assert result.interrupted and 0 < len(result.records) < 40
+    assert all(r.success or "interrupted" in r.error for r in result.records)
+    assert result.not_sent == 0
+
+
+def test_output_tokens_fallbacks():
+    from llmctl.bench.records import RequestRecord
+
+    usage = RequestRecord(0, 1, 4, ttft=0.1, output_tokens=4, text="a b")
+    text = RequestRecord(1, 1, 4, ttft=0.1, itl=[0.1], text="a b c")
+    chunks = RequestRecord(2, 1, 4, ttft=0.1, itl=[0.1, 0.1], text="abc")
+    fill_output_tokens([usage, text], lambda s: len(s.split()))
+    fill_output_tokens([chunks], None)
+    assert (usage.output_tokens, text.output_tokens, chunks.output_tokens) == (4, 3, 3)
+    assert text.output_tokens_source == "tokenizer" and chunks.output_tokens_source == "chunks"
+
+
+@pytest.mark.parametrize("backend", ["openai-chat"])
+def test_chat_run(server, backend):
+    result = go(server, RunPlan(SAMPLES[:4]), backend=backend)
+    assert all(r.success and r.output_tokens == 4 for r in result.records)

@@ -1,0 +1,69 @@
+"""A real llmctl server on 127.0.0.1 (in-process thread) over the tiny model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Running:
+    url: str
+    server: object  # llmctl.serve.api.app.Server
+    engine: object  # AsyncEngine
+    uvicorn: object
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+
+
+def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=None,
+                 served_model_name="tiny", **engine_kwargs) -> Running:
+    import uvicorn
+
+    from llmctl.serve.api.app import create_app
+    from llmctl.serve.api.launch import ServeOptions, build_server
+
+    kwargs = dict(kv_cache_memory="64MiB", max_num_seqs=32, max_num_batched_tokens=256)
+    kwargs.update(engine_kwargs)
+    opts = ServeOptions(model=model, served_model_name=served_model_name, api_key=api_key,
+                        max_queue=max_queue, request_timeout=request_timeout,
+                        engine_kwargs=kwargs)
+    server, engine = build_server(opts)
+    engine.start()
+    port = free_port()
+    app = create_app(server, on_shutdown=engine.shutdown)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            lifespan="on")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    else:
+        raise RuntimeError("server did not come up")
+    return Running(url, server, engine, uv)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama):
+    running = start_server(str(tiny_llama))
+    yield running
+    running.stop()

@@ -1,0 +1,116 @@
+"""Every error case returns its status and an OpenAI-shaped error body."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.serve.api.conftest import start_server
+
+
+def _error(resp, status):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b"{not json", "malformed JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"prompt": 5}', "prompt"),
+    (b'{"prompt": "x", "max_tokens": "ten"}', "max_tokens"),
+    (b'{"prompt": "x", "temperature": -1}', "temperature"),
+    (b'{"prompt": "x", "bogus": 1}', "unrecognized request argument supplied: bogus"),
+    (b'{"prompt": []}', "prompt"),
+    (b'{"prompt": [999999]}', "outside the vocabulary"),
+    (b'{"prompt": "x", "max_tokens": 100000}', "context length"),
+    (b'{"prompt": "x", "logit_bias": {"1": 5}}', "logit_bias"),
+])
+def test_bad_completion_bodies_are_400(served, body, needle):
+    err = _error(httpx.post(served.url + "/v1/completions", content=body,
+                            headers={"content-type": "application/json"}), 400)
+    assert needle in err["message"]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user"}], "top_logprobs": 2}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format"),
+])
+def test_bad_chat_bodies_are_400(served, body, needle):
+    err = _error(httpx.post(served.url + "/v1/chat/completions", json=body), 400)
+    assert needle in err["message"]
+
+
+def test_prompt_over_context_is_400(served):
+    err = _error(httpx.post(served.url + "/v1/completions",
+                            json={"prompt": [5] * 600, "max_tokens": 1}), 400)
+    assert "context" in err["message"]
+
+
+def test_unknown_model_is_404(served):
+    err = _error(httpx.post(served.url + "/v1/completions",
+                            json={"model": "gpt-9", "prompt": "x"}), 404)
+    assert err["code"] == "model_not_found"
+
+
+def test_api_key(tiny_llama):
+    running = start_server(str(tiny_llama), api_key="s3cret")
+    try:
+        url = running.url + "/v1/completions"
+        body = {"prompt": "x", "max_tokens": 1}
+        _error(httpx.post(url, json=body), 401)
+        _error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401)
+        ok = httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert httpx.get(running.url + "/health").status_code == 200
+    finally:
+        running.stop()
+
+
+def test_queue_limit_gives_429_with_retry_after(tiny_llama):
+    running = start_server(str(tiny_llama), max_queue=1, max_num_seqs=1)
+
+    async def fire():
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+            return await asyncio.gather(*[client.post(running.url + "/v1/completions", json=body)
+                                          for _ in range(8)])
+
+    try:
+        responses = asyncio.run(fire())
+        codes = sorted(r.status_code for r in responses)
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+        limited = next(r for r in responses if r.status_code == 429)
+        assert int(limited.headers["Retry-After"]) >= 1
+        assert limited.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        running.stop()
+
+
+def test_request_timeout_gives_408_and_frees_blocks(tiny_llama):
+    running = start_server(str(tiny_llama), request_timeout=0.05, max_num_batched_tokens=16)
+    try:
+        resp = httpx.post(running.url + "/v1/completions",
+                          json={"prompt": "x", "max_tokens": 400, "ignore_eos": True}, timeout=30)
+        err = _error(resp, 408)
+        assert "request-timeout" in err["message"]
+        _wait_idle(running)
+    finally:
+        running.stop()
+
+
+def _wait_idle(running, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = running.engine.stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and \
+                stats["kv_cache_usage"] == 0:
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: {running.engine.stats()}")

@@ -1,0 +1,106 @@
+"""Quantized checkpoints: logits match the dequantized reference, on the low-bit kernels
+(bf16 activations) and on the dequantize path (float32, tight)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmctl.serve.llm import LLM
+from llmctl.serve.quant_linear import (
+    Int4Linear,
+    QuantWeight,
+    describe,
+    kernel_group_size,
+    make_linear,
+    unpack_int32,
+)
+from tests.serve.conftest import PROMPTS, encode
+from tests.serve.quant_checkpoints import SCHEMES, write_quantized
+from tests.serve.test_model import engine_logits, hf_logits
+
+# the kernel path the engine must pick for each scheme on CPU
+KERNEL_KIND = {"w4-g32-sym": "int4", "w4-g64-asym": "int4", "w4-channel": "int4",
+               "w8-channel": "int8", "w8-channel-asym": "int8", "w8-g32": "dense",
+               "fp8-channel": "dense"}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    built = {}
+
+    def get(scheme):
+        if scheme not in built:
+            built[scheme] = write_quantized(tiny_llama, root / scheme, scheme)
+        return built[scheme]
+
+    return get
+
+
+def _layer_kinds(llm) -> dict[str, int]:
+    layers = {}
+    for i, layer in enumerate(llm.engine.target.model.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            layers[f"{i}.{name}"] = getattr(layer, name)
+    return describe(layers)
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_dequantize_path_matches_reference_tightly(quantized, scheme):
+    path, twin = quantized(scheme)
+    llm = LLM(str(path), quant_backend="dequantize", kv_cache_memory="4MiB")
+    ids = encode(path, PROMPTS[3])
+    torch.testing.assert_close(engine_logits(llm, ids, 9), hf_logits(twin, ids)[8:],
+                               atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_kernel_path_matches_reference(quantized, scheme):
+    path, twin = quantized(scheme)
+    llm = LLM(str(path), kv_cache_memory="4MiB")
+    assert _layer_kinds(llm) == {KERNEL_KIND[scheme]: 8}
+    ids = encode(path, PROMPTS[3])
+    got, want = engine_logits(llm, ids, 9), hf_logits(twin, ids)[8:]
+    # int4 runs with bfloat16 activations: ~3 significant digits per matmul
+    atol = 0.15 if KERNEL_KIND[scheme] == "int4" else 2e-3
+    torch.testing.assert_close(got, want, atol=atol, rtol=0.02)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_quantized_weights_are_smaller(quantized, tiny_llama):
+    dense = LLM(str(tiny_llama), kv_cache_memory="4MiB").engine.target.model
+    w4 = LLM(str(quantized("w4-g32-sym")[0]), kv_cache_memory="4MiB").engine.target.model
+    def linear_bytes(model) -> int:
+        return sum(layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+                   for layer in model.layers)
+
+    linear_dense = linear_bytes(dense)
+    linear_w4 = linear_bytes(w4)
+    assert linear_w4 < linear_dense / 4
+
+
+def test_unpack_matches_compressed_tensors_packing():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    gen = torch.Generator().manual_seed(0)
+    for bits in (2, 4, 8):
+        q = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (5, 70), generator=gen,
+                          dtype=torch.int8)
+        assert torch.equal(unpack_int32(pack_to_int32(q, bits), bits, 70), q)
+
+
+def test_int4_kernel_handles_unsupported_group_and_odd_rows():
+    gen = torch.Generator().manual_seed(1)
+    n, k = 40, 192  # 40 rows (not a multiple of 16), one group of 192 = 3 x 64
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, 1, generator=gen) + 0.1
+    zp = torch.randint(-8, 8, (n, 1), generator=gen, dtype=torch.int8)
+    weight = QuantWeight(q=q, scale=scale, zero_point=zp, group_size=192, num_bits=4)
+    assert kernel_group_size(k, 192) == 64
+    layer = make_linear(weight, None, dtype=torch.float32, device=torch.device("cpu"),
+                        backend="kernel")
+    assert isinstance(layer, Int4Linear)
+    x = torch.randn(3, k, generator=gen)
+    want = x @ weight.dequantize(torch.float32).T
+    torch.testing.assert_close(layer(x), want, atol=0.3, rtol=0.02)

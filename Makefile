@@ -1,6 +1,8 @@
 # The two commands a new user needs are `make demo` and `make test`; both create
 # or refresh the virtual environment first. Everything else here serves them.
 PYTHON ?= python3
+# llama-cpp-python builds llama.cpp from source on a machine without its cached wheel.
+export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check

@@ -190,8 +190,15 @@ def _gptq(W: torch.Tensor, H: torch.Tensor, grid: IntGrid | FP8Grid, *, block_si
         scale, zero = rtn.observe(unpermuted, grid, observer)
         group_of = [0] * cols
     elif actorder == "static":
-        scale, zero = rtn.observe(W[:, torch.argsort(perm)], grid, observer)
+        # Groups stay contiguous in the stored layout, but their scales are found when
+        # the first of their columns comes up, from the error-compensated weights (scales
+        # fixed from the original weights clip the compensation, worse for small groups).
+        n_groups = cols // grid.group_size
+        scale = torch.empty(rows, n_groups, device=W.device)
+        zero = None if grid.symmetric else torch.empty(rows, n_groups, device=W.device)
         group_of = (perm // grid.group_size).tolist()
+        members = torch.argsort(perm).reshape(n_groups, grid.group_size)  # positions
+        pending = set(range(n_groups))
     else:
         n_groups = cols // grid.group_size
         scale = torch.empty(rows, n_groups, device=W.device)
@@ -220,6 +227,19 @@ def _gptq(W: torch.Tensor, H: torch.Tensor, grid: IntGrid | FP8Grid, *, block_si
                 scale[:, g] = s_g
                 if zero is not None:
                     zero[:, g] = z_g
+            elif actorder == "static" and grouped and g in pending:
+                # Current values of the group's columns: in this block (up to date) or
+                # later (updated up to the previous block).
+                pos = members[g]
+                here = pos < i2
+                cur = torch.empty(grid.group_size, rows, device=W.device)
+                cur[here] = B[pos[here] - i1]
+                cur[~here] = Wt[pos[~here]]
+                s_g, z_g = _column_params(cur.t(), grid, observer)
+                scale[:, g] = s_g
+                if zero is not None:
+                    zero[:, g] = z_g
+                pending.discard(g)
             s = scale[0] if per_tensor else scale[:, g]
             z = None if zero is None else (zero[0] if per_tensor else zero[:, g])
             w = B[i]

@@ -287,6 +287,10 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
         raise ConfigError("the recipe's targets match no linear layer of this model",
                           "check `targets` / `ignore` (module names look like "
                           "model.layers.0.self_attn.q_proj)")
+    if any(m.format == "pack-quantized" and not m.weight.symmetric for m in modules if m.quantized):
+        warnings.append("asymmetric pack-quantized weights load in vLLM and in llmctl, but not "
+                        "in transformers 5.x with compressed-tensors 0.20 (packed zero points; "
+                        "llm-compressor issue #1618): use symmetric weights for transformers")
     adjusted = sorted({m.note for m in modules if m.note})
     if adjusted:
         warnings.append("group size changed where it does not divide the input features: "

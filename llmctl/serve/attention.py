@@ -34,6 +34,10 @@ class AttnGroup:
     q_len: int
     fresh: bool
     block_tables: torch.Tensor | None = None  # [B, max_blocks] long
+    # rows of the layer cache viewed as [2 * blocks, block_size * Hkv * d]: the K blocks
+    # of every table, then the V blocks (index_select on contiguous rows is a plain
+    # memcpy per row, several times faster than advanced indexing on the 5-d cache)
+    gather_index: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # [B, 1, g * q_len or 1, S] additive: 0 or -inf
 
 
@@ -44,9 +48,11 @@ class AttnMetadata:
 
 
 def build_paged_group(start: int, q_len: int, context_lens: list[int],
-                      block_tables: list[list[int]], block_size: int, group_heads: int,
-                      device: torch.device, dtype: torch.dtype = torch.float32) -> AttnGroup:
-    """Metadata for sequences computing ``q_len`` tokens each with the given contexts."""
+                      block_tables: list[list[int]], *, block_size: int, num_blocks: int,
+                      group_heads: int, device: torch.device,
+                      dtype: torch.dtype = torch.float32) -> AttnGroup:
+    """Metadata for sequences computing ``q_len`` tokens each with the given contexts
+    (``num_blocks``: the cache's block count, where the V rows start)."""
     num_seqs = len(context_lens)
     max_blocks = max(len(t) for t in block_tables)
     tables = torch.zeros((num_seqs, max_blocks), dtype=torch.long)
@@ -64,8 +70,11 @@ def build_paged_group(start: int, q_len: int, context_lens: list[int],
         mask = mask.reshape(num_seqs, 1, group_heads * q_len, -1)
     # additive float mask, built once per step: a bool mask is converted on every call
     bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    flat = tables.flatten()
+    gather = torch.cat([flat, flat + num_blocks])
     return AttnGroup(start=start, end=start + num_seqs * q_len, num_seqs=num_seqs, q_len=q_len,
-                     fresh=False, block_tables=tables.to(device), mask=bias.to(device))
+                     fresh=False, block_tables=tables.to(device), mask=bias.to(device),
+                     gather_index=gather.to(device))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -114,8 +114,9 @@ class ModelRunner:
                     add(item)
                 groups.append(build_paged_group(
                     start, q_len, [i.seq.num_computed_tokens + q_len for i in bucket],
-                    [i.seq.block_table for i in bucket], bs, self.group_heads, self.device,
-                    self.kv_cache.dtype))
+                    [i.seq.block_table for i in bucket], block_size=bs,
+                    num_blocks=self.kv_cache.shape[2], group_heads=self.group_heads,
+                    device=self.device, dtype=self.kv_cache.dtype))
 
         dev = self.device
         meta = AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),

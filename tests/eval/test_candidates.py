@@ -31,8 +31,10 @@ def test_registry_routes_specs(tiny_llama, tiny_gguf):
         open_candidate("engine:/some/dir")
 
 
-@pytest.mark.skipif(HAVE_LLAMA_CPP, reason="llama-cpp-python is installed")
-def test_gguf_without_llama_cpp_says_how_to_proceed(tiny_gguf):
+def test_gguf_without_llama_cpp_says_how_to_proceed(tiny_gguf, monkeypatch):
+    from llmctl.gguf import llamacpp
+
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
     with pytest.raises(MissingDependencyError) as err:
         open_candidate(str(tiny_gguf))
     assert "llama-cpp-python" in err.value.remedy and "--backend transformers" in err.value.remedy

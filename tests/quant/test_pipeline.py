@@ -131,3 +131,37 @@ quant_stage:
     ids = torch.randint(0, 500, (1, 16), generator=torch.Generator().manual_seed(2))
     loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert torch.allclose(_logits(loaded, ids), _logits(load_reference(out), ids), atol=1e-4)
+
+
+def test_asymmetric_groups_decode_like_compressed_tensors(tiny_llama, tmp_path):
+    """Asymmetric int4 (packed zero points): llmctl's decoder agrees with compressed-tensors'
+    own decompressor on the written tensors (transformers cannot load these, see plan)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file
+
+    from llmctl.quant.reference import decode_weight
+    from tests.quant.conftest import run_quantize, write_recipe
+
+    recipe = write_recipe(tmp_path / "asym.yaml", """
+quant_stage:
+  quant_modifiers:
+    AWQModifier:
+      ignore: [lm_head]
+      config_groups:
+        g:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, strategy: group, group_size: 32, symmetric: false}
+""")
+    out = tmp_path / "out"
+    report = run_quantize(tiny_llama, recipe, out)
+    assert any("asymmetric" in w for w in report["warnings"])
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    scheme = qc["config_groups"]["g"]
+    tensors = load_file(str(out / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj"
+    local = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+    assert local["weight_zero_point"].dtype == torch.int32  # packed along the rows
+    theirs = BaseCompressor.get_value_from_registry("pack-quantized").decompress(
+        local, QuantizationScheme.model_validate(scheme))["weight"]
+    assert torch.allclose(decode_weight(name, tensors, scheme, "pack-quantized"), theirs.float())

@@ -58,7 +58,8 @@ def _app(model_dir, token_ids_as_strings: bool):
 
 @pytest.fixture(scope="module", params=[True, False], ids=["token-ids", "strings"])
 def server(request, tiny_perturbed):
-    import uvicorn
+    pytest.importorskip("fastapi")
+    uvicorn = pytest.importorskip("uvicorn")
 
     port = _free_port()
     config = uvicorn.Config(_app(tiny_perturbed, request.param), host="127.0.0.1", port=port,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -67,9 +68,13 @@ def _quant_api():
     return CalibrationSpec, QuantizeRequest, quantize
 
 
+@pytest.mark.skipif(os.environ.get("LLMCTL_UNVERIFIED_SLOW") != "1",
+                    reason="not re-verified at the end of session 1 (issue #7); "
+                           "set LLMCTL_UNVERIFIED_SLOW=1")
 def test_w8_far_below_w4_and_rtn_worst_among_w4(smollm2, tmp_path):
-    """Quantize SmolLM2 with llmctl.quant (W8 RTN; W4 RTN, GPTQ, AWQ), eval each
-    against the original on held-out prose, and rank them with `eval compare`."""
+    """Quantize SmolLM2 with llmctl.quant (W8 RTN; W4 RTN, GPTQ, AWQ; 8 x 256 calibration
+    tokens), eval each against the original on 2k held-out tokens, rank with `eval compare`.
+    The full-size run is benchmarks/eval_quant_ladder.py (results/eval-smollm2-compare.md)."""
     api = _quant_api()
     if api is None:
         pytest.skip("llmctl.quant (the quantize command, issue #3) is not importable yet")
@@ -87,9 +92,9 @@ def test_w8_far_below_w4_and_rtn_worst_among_w4(smollm2, tmp_path):
     for label, recipe in recipes.items():
         out = tmp_path / label
         quantize(QuantizeRequest(model=str(smollm2), recipe=recipe, output=out,
-                                 calibration=CalibrationSpec(samples=16, seq_len=256)))
+                                 calibration=CalibrationSpec(samples=8, seq_len=256)))
         report = run_eval(EvalConfig(candidate=str(out), reference=str(smollm2),
-                                     windowing=Windowing(ctx=512, max_windows=6),
+                                     windowing=Windowing(ctx=512, max_windows=4),
                                      cache_dir=tmp_path / "cache", threads=2))
         reports[label] = write_report(report, tmp_path / f"{label}.json")[0]
     kld = {label: json.loads(p.read_text())["metrics"]["mean_kld"] for label, p in reports.items()}

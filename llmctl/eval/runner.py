@@ -346,7 +346,7 @@ def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
         reference_info = {"reference": config.reference}
     metadata = run_metadata(
         command="eval", candidate=described, reference=reference_info, data=data_info,
-        windows=windows_info, top_k=config.top_k if store is not None else None,
+        windows=windows_info, top_k=store.top_k if store is not None else None,
         seed=config.seed, dtype=config.dtype, threads=config.threads,
         tasks=expand_task_names(config.tasks), task_limit=config.task_limit,
         definitions=DEFINITIONS)

@@ -34,19 +34,29 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 VLLM_WORKER = r'''
 import json, sys, time
-cfg = json.load(open(sys.argv[1]))
-from vllm import LLM, SamplingParams
-llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
-          max_num_seqs=cfg["max_num_seqs"], enable_prefix_caching=False, seed=0)
-prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
-params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in cfg["outputs"]]
-llm.generate(prompts[:2], params[:2], use_tqdm=False)
-start = time.perf_counter()
-outs = llm.generate(prompts, params, use_tqdm=False)
-wall = time.perf_counter() - start
-tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-print(json.dumps({"wall_s": wall, "output_tokens": tokens, "output_throughput": tokens / wall,
-                  "vllm_version": __import__("vllm").__version__}))
+
+
+def main():
+    cfg = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
+              max_num_seqs=cfg["max_num_seqs"], enable_prefix_caching=False, seed=0)
+    prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in cfg["outputs"]]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"wall_s": wall, "output_tokens": tokens,
+                      "output_throughput": tokens / wall,
+                      "vllm_version": __import__("vllm").__version__}), flush=True)
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with multiprocessing "spawn"
+    main()
 '''
 
 
@@ -89,9 +99,10 @@ def run_vllm(python: str, path: str, work, cfg: dict) -> dict:
                    OMP_NUM_THREADS=str(cfg["threads"]), VLLM_TARGET_DEVICE="cpu")
         proc = subprocess.run([python, str(script), str(spec)], capture_output=True, text=True,
                               env=env, cwd=tmp, check=False)
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
+        return {"error": (proc.stderr + proc.stdout)[-3000:]}
+    return json.loads(results[-1])
 
 
 def main(argv=None) -> int:

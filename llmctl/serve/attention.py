@@ -97,9 +97,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             outs.append(o.transpose(1, 2).reshape(b * lq, num_heads * head_dim))
             continue
         s = grp.block_tables.shape[1] * kv_cache.shape[2]
-        # one gather for K and V: [2, B, blocks, block_size, Hkv, d]
-        kv = kv_cache[:, grp.block_tables].view(2, b, s, kv_heads, head_dim).transpose(2, 3)
-        kg, vg = kv[0], kv[1]
+        rows = kv_cache.view(-1, kv_cache.shape[2] * kv_heads * head_dim)
+        kv = rows.index_select(0, grp.gather_index).view(2, b, s, kv_heads, head_dim)
+        kg, vg = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         qg = qs.view(b, lq, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, kv_heads, g * lq, head_dim)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask, scale=scale)

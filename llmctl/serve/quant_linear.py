@@ -14,14 +14,19 @@ The checkpoint format is the contract with ``llmctl quantize`` (and llm-compress
 - ``float-quantized``: ``weight`` float8_e4m3fn ``[N, K]`` + ``weight_scale``.
 
 Dequantization is ``w = (q - zero_point) * scale`` per group of ``group_size`` input
-columns. Execution paths, picked per layer:
+columns. Execution paths, picked per layer (activations in bf16 whatever the model
+dtype: "W4A16"):
 
-- int4 -> ``aten._weight_int4pack_mm_for_cpu``, whose weights dequantize as
-  ``(u - 8) * s + z`` with ``u = q + 8``: so ``z = -zero_point * s``. It accepts groups
-  of 32/64/128/256 only: a larger group (or per-channel) repeats its scale over
-  sub-groups, which is exact; output features are padded to a multiple of 16.
-- int8 per-channel -> ``aten._weight_int8pack_mm`` (``x @ (q * s).T``); an asymmetric zero
-  point subtracts ``rowsum(x) * zero_point * s``.
+- int4 -> ``aten._weight_int4pack_mm_for_cpu`` for small batches, whose weights
+  dequantize as ``(u - 8) * s + z`` with ``u = q + 8``: so ``z = -zero_point * s``. It
+  accepts groups of 32/64/128/256 only: a larger group (or per-channel) repeats its
+  scale over sub-groups, which is exact; output features are padded to a multiple of 16.
+- int8 per-channel -> ``aten._weight_int8pack_mm`` (``x @ (q * s).T``) for small batches;
+  an asymmetric zero point subtracts ``rowsum(x) * zero_point * s``.
+- larger batches of both: a bf16 weight dequantized on the fly from the codes (the
+  kernels are tuned for decode and slow down ~10x at 128 rows; see KERNEL_MAX_ROWS).
+  An int4 layer therefore holds its codes twice, packed for the kernel and two per byte:
+  1 byte per weight plus scales, against 2 (bf16) and 4 (fp32).
 - everything else (FP8, int8 groups, CUDA) is dequantized once at load into the model
   dtype: smaller on disk, not faster. Activation quantization in a scheme is not
   applied (weights-only execution); :func:`describe` reports which path each layer got.
@@ -61,84 +66,135 @@ class DenseLinear:
         return _nbytes(self.weight, self.bias)
 
 
-class Int4Linear:
-    """Weight-only int4 through torch's CPU tinygemm-style kernel."""
+# Measured on this machine's CPU (one thread, a 1536 x 576 layer): the int4 kernel takes
+# 79 us at 1 row (dense bf16: 245 us) but 7.4 ms at 128 rows (dense bf16: 0.9 ms), and
+# runs 30-50x slower with float32 activations; the int8 kernel behaves alike. So rows of
+# up to KERNEL_MAX_ROWS (decode batches) go through the kernels in bf16, and larger
+# batches (prefill chunks, big decode batches) through a bf16 weight dequantized on the
+# fly from the codes, which costs ~0.8 ms per layer and keeps memory low.
+KERNEL_MAX_ROWS = 24
 
-    kind = "int4"
-    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "out_features", "act_dtype",
-                 "in_features")
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                 group_size: int, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
-        n, k = q.shape
-        sub = kernel_group_size(k, group_size)
-        reps = group_size // sub
-        scale = scale.float().repeat_interleave(reps, dim=1)
-        zero = (torch.zeros_like(scale) if zero_point is None
-                else -zero_point.float().repeat_interleave(reps, dim=1) * scale)
-        pad = -n % 16
-        u = (q.to(torch.int32) + 8)
-        if pad:
-            u = torch.cat([u, torch.full((pad, k), 8, dtype=torch.int32)])
-            scale = torch.cat([scale, torch.ones(pad, scale.shape[1])])
-            zero = torch.cat([zero, torch.zeros(pad, zero.shape[1])])
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
-        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(act_dtype)
-        self.group_size = sub
+class _LowBitLinear:
+    """Shared by the int4 and int8 layers: the batch-size policy, and (int8) the codes ``q``
+    with per-group scale and zero from which large batches dequantize."""
+
+    __slots__ = ("q", "scale", "zero", "group_size", "bias", "out_features", "in_features",
+                 "act_dtype")
+    kind = "lowbit"
+
+    def _init_codes(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                    group_size: int, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
+        self.q = q.to(torch.int8).contiguous()
+        self.scale = scale.to(act_dtype).contiguous()
+        self.zero = None if zero_point is None else zero_point.to(act_dtype).contiguous()
+        self.group_size = group_size
         self.bias = bias
-        self.out_features = n
-        self.in_features = k
+        self.out_features, self.in_features = q.shape
         self.act_dtype = act_dtype
+
+    def dequantized(self) -> torch.Tensor:
+        """``(q - zero_point) * scale`` as an activation-dtype weight ``[N, K]``."""
+        n, k = self.q.shape
+        w = self.q.view(n, -1, self.group_size).to(self.act_dtype)
+        if self.zero is not None:
+            w = w - self.zero.unsqueeze(-1)
+        return (w * self.scale.unsqueeze(-1)).view(n, k)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.act_dtype:
             x2 = x2.to(self.act_dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,
-                                                       self.scales_zeros)
-        y = y[:, :self.out_features].to(x.dtype)
+        if x2.shape[0] <= KERNEL_MAX_ROWS:
+            y = self._kernel(x2)
+        else:
+            y = F.linear(x2, self.dequantized())
+        y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.packed, self.scales_zeros, self.bias)
 
+class Int4Linear(_LowBitLinear):
+    """Weight-only int4: torch's CPU tinygemm-style kernel for small batches.
 
-class Int8Linear:
-    """Weight-only int8, per output channel, through ``aten._weight_int8pack_mm``."""
+    The kernel's packed layout is private to torch, so the large-batch path keeps its own
+    copy of the codes, two per byte (``u = q + 8``), and shares the kernel's scales and
+    zeros: 1 byte per weight plus scales, against 2 (bf16) and 4 (fp32)."""
 
-    kind = "int8"
-    __slots__ = ("weight", "scale", "zero_scale", "bias")
+    kind = "int4"
+    __slots__ = ("packed", "scales_zeros", "kernel_group", "nibbles")
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                 bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        self.weight = q.to(torch.int8).contiguous()
-        self.scale = scale.reshape(-1).to(dtype).contiguous()
-        self.zero_scale = None
-        if zero_point is not None:
-            self.zero_scale = (zero_point.reshape(-1).float() * scale.reshape(-1).float()).to(dtype)
-        self.bias = bias
+                 group_size: int, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
+        n, k = q.shape
+        self.group_size, self.bias, self.act_dtype = group_size, bias, act_dtype
+        self.out_features, self.in_features = n, k
+        sub = kernel_group_size(k, group_size)
+        reps = group_size // sub
+        scale = scale.float().repeat_interleave(reps, dim=1)
+        zero = (torch.zeros_like(scale) if zero_point is None
+                else -zero_point.float().repeat_interleave(reps, dim=1) * scale)
+        u = (q.to(torch.int32) + 8)
+        self.nibbles = (u[:, 0::2] | (u[:, 1::2] << 4)).to(torch.uint8).contiguous()
+        pad = -n % 16
+        if pad:
+            u = torch.cat([u, torch.full((pad, k), 8, dtype=torch.int32)])
+            scale = torch.cat([scale, torch.ones(pad, scale.shape[1])])
+            zero = torch.cat([zero, torch.zeros(pad, zero.shape[1])])
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(act_dtype)
+        self.kernel_group = sub
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scale)
-        if self.zero_scale is not None:
-            y = y - x2.sum(-1, keepdim=True) * self.zero_scale
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, y.shape[-1])
+    def dequantized(self) -> torch.Tensor:
+        """``(u - 8) * s + z`` per kernel group, as an activation-dtype weight ``[N, K]``."""
+        n, k = self.out_features, self.in_features
+        u = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(n, -1,
+                                                                              self.kernel_group)
+        sz = self.scales_zeros[:, :n].transpose(0, 1)  # [N, groups, 2]
+        w = (u.to(self.act_dtype) - 8) * sz[..., :1] + sz[..., 1:]
+        return w.view(n, k)
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.kernel_group,
+                                                       self.scales_zeros)
+        return y[:, :self.out_features]
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.weight, self.scale, self.zero_scale, self.bias)
+        return _nbytes(self.packed, self.scales_zeros, self.nibbles, self.bias)
+
+
+class Int8Linear(_LowBitLinear):
+    """Weight-only int8 per output channel: ``aten._weight_int8pack_mm`` for small batches
+    (``x @ (q * s).T``; an asymmetric zero point subtracts ``rowsum(x) * zero_point * s``)."""
+
+    kind = "int8"
+    __slots__ = ("channel_scale", "zero_scale")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                 bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
+        self._init_codes(q, scale.reshape(-1, 1), None if zero_point is None
+                         else zero_point.reshape(-1, 1), q.shape[1], bias, act_dtype)
+        self.channel_scale = self.scale.reshape(-1)
+        self.zero_scale = None
+        if zero_point is not None:
+            self.zero_scale = (zero_point.reshape(-1).float()
+                               * scale.reshape(-1).float()).to(act_dtype)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.channel_scale)
+        if self.zero_scale is not None:
+            y = y - x2.sum(-1, keepdim=True) * self.zero_scale
+        return y
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.q, self.scale, self.zero, self.bias)
 
 
 class ConcatLinear:
@@ -269,12 +325,12 @@ def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *
     if isinstance(weight, torch.Tensor):
         return DenseLinear(weight.to(device=device, dtype=dtype).contiguous(), bias)
     kernels = backend == "kernel" and device.type == "cpu"
+    # low-bit layers compute in bf16 (or fp16) whatever the model dtype: "W4A16"
+    act = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     if kernels and weight.num_bits == 4 and kernel_group_size(weight.q.shape[1], weight.group_size):
-        # the kernel computes in bf16 (or fp16) whatever the model dtype: "W4A16"
-        act = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         return Int4Linear(weight.q, weight.scale, weight.zero_point, weight.group_size, bias, act)
     if kernels and weight.num_bits == 8 and weight.scale.shape[1] == 1:
-        return Int8Linear(weight.q, weight.scale, weight.zero_point, bias, dtype)
+        return Int8Linear(weight.q, weight.scale, weight.zero_point, bias, act)
     return DenseLinear(weight.dequantize(dtype).to(device).contiguous(), bias)
 
 

@@ -30,6 +30,24 @@ def test_mixed_batch_equals_transformers(tiny_llama, prefix_caching):
     _check_against_hf(tiny_llama, llm)
 
 
+def test_short_and_long_contexts_in_one_decode_batch(tiny_llama):
+    """Contexts from 2 to ~400 tokens: the decode batch is split into length buckets."""
+    from llmctl.serve.model_runner import context_buckets
+    from llmctl.serve.scheduler import ScheduledSeq
+
+    long_prompts = [" ".join(PROMPTS) * 4, (PROMPTS[3] + " ") * 3]
+    llm = LLM(str(tiny_llama), kv_cache_memory="8MiB")
+    _check_against_hf(tiny_llama, llm, PROMPTS + long_prompts)
+
+    class Fake:
+        def __init__(self, n):
+            self.num_computed_tokens = n
+
+    items = [ScheduledSeq(Fake(n), 1) for n in (500, 3, 90, 260, 40, 130, 1000)]
+    buckets = [[i.seq.num_computed_tokens for i in b] for b in context_buckets(items)]
+    assert buckets == [[3, 40, 90], [130, 260], [500, 1000]]
+
+
 def test_chunked_prefill_with_a_tiny_token_budget(tiny_llama):
     llm = LLM(str(tiny_llama), max_num_batched_tokens=7, kv_cache_memory="8MiB")
     _check_against_hf(tiny_llama, llm)

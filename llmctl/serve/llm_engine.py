@@ -20,6 +20,14 @@ API (what the HTTP server drives)::
   (:class:`~llmctl.serve.outputs.RequestOutput`); ``new_token_ids`` / ``text_delta``
   are what changed since the request's previous output (stream them), ``token_ids`` /
   ``text`` are cumulative, ``finished`` marks the last output of a request.
+- Structured output (``params.logits_constraint``): each sequence's constraint masks
+  its logits before sampling and ends it when complete; such sequences get no draft
+  tokens (speculative decoding would have to mask and advance the grammar through
+  every draft position and roll it back on rejection; skipping drafts is simply exact).
+- Prompt log-probs (``params.prompt_logprobs``): the runner also returns the rows of
+  the prompt positions of that request, and its prompt skips the prefix cache until
+  they are all collected. Runners without ``execute_with_prompt`` (engine directories)
+  refuse such requests.
 - ``stats()`` returns a flat dict: num_running, num_waiting, kv_cache_usage,
   prefix_cache_hit_rate, num_preemptions, token counters, speculative acceptance.
 
@@ -46,7 +54,7 @@ from llmctl.serve.config import EngineConfig, make_engine_config
 from llmctl.serve.detokenizer import IncrementalDetokenizer
 from llmctl.serve.kv_cache import KVCachePlan, allocate_kv_cache, available_memory, plan_kv_cache
 from llmctl.serve.model import LlamaModel, ModelSpec
-from llmctl.serve.model_runner import LogitRows, ModelRunner
+from llmctl.serve.model_runner import LogitRows, ModelRunner, PromptLogits
 from llmctl.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.serve.rejection_sampler import greedy_verify, rejection_sample
 from llmctl.serve.sampler import Sampler, generator_for
@@ -88,6 +96,16 @@ class _Built:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
 
 
+class _PromptAwareBlockManager(BlockManager):
+    """A request collecting prompt log-probs must compute every prompt position: a
+    cached prefix would skip them (vLLM's KV cache manager makes the same exception)."""
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        if seq.request.needs_prompt_logits:
+            return []
+        return super().find_cached_prefix(seq)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from llmctl.models.loading import load_tokenizer
@@ -117,8 +135,8 @@ class LLMEngine:
         self.spec = self.target.spec
         self.kv_plan = self.target.plan
         log.info("%s", self.kv_plan.describe())
-        self.block_manager = BlockManager(self.kv_plan.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        self.block_manager = _PromptAwareBlockManager(
+            self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
@@ -185,6 +203,11 @@ class LLMEngine:
         if any(t < 0 or t >= vocab for t in ids):
             raise UsageError(f"request {request_id!r} has token ids outside [0, {vocab})",
                              "encode the prompt with this model's tokenizer")
+        if params.prompt_logprobs is not None and \
+                not hasattr(self.runner, "execute_with_prompt"):
+            raise UsageError("this engine's runner cannot return prompt log-probs",
+                             "serve the checkpoint instead of the engine directory, or do "
+                             "not ask for prompt logprobs (echo with logprobs)")
         room = self.max_model_len - len(ids)
         if params.max_tokens is None:
             if room < 1:
@@ -257,7 +280,11 @@ class LLMEngine:
             if item.seq.num_computed_tokens < item.seq.num_prompt_tokens:
                 self.counters["prompt_tokens"] += item.num_new_tokens
         self.runner.copy_blocks(sched.copies)
-        logits, rows = self.runner.execute(sched.scheduled)
+        if any(item.seq.request.needs_prompt_logits for item in sched.scheduled):
+            logits, rows, prompt = self.runner.execute_with_prompt(sched.scheduled)
+            self._collect_prompt_logprobs(prompt)
+        else:
+            logits, rows = self.runner.execute(sched.scheduled)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
 
@@ -277,11 +304,21 @@ class LLMEngine:
                 self._retire(request)
         return outputs
 
+    def _collect_prompt_logprobs(self, parts: list[PromptLogits]) -> None:
+        for part in parts:
+            request = part.item.seq.request
+            targets = request.prompt_token_ids[part.first:part.first + part.logits.shape[0]]
+            entries = Sampler.logprobs(part.logits, targets,
+                                       [request.params.prompt_logprobs] * len(targets))
+            request.add_prompt_logprobs(part.first, entries)
+
     def _propose(self) -> None:
         seqs, limits = [], []
         for seq in self.scheduler.running:
             params = seq.params
-            if seq.num_uncomputed_tokens != 1 or params.needs_penalties or seq.pending_fork:
+            # constrained sequences are not drafted for (see the module docstring)
+            if seq.num_uncomputed_tokens != 1 or params.needs_penalties or seq.pending_fork \
+                    or seq.constraint is not None:
                 continue
             limit = min(params.max_tokens - seq.num_output_tokens - 1,
                         self.max_model_len - seq.num_tokens - 1)
@@ -408,6 +445,8 @@ class LLMEngine:
             elif seq.detok.append(token):
                 seq._stop_reason = seq.detok.stop_reason
                 status = SequenceStatus.FINISHED_STOPPED
+            elif seq.constraint is not None and self._advance_constraint(seq, token):
+                status = SequenceStatus.FINISHED_STOPPED
             elif seq.num_output_tokens >= params.max_tokens or \
                     seq.num_tokens >= self.max_model_len:
                 status = SequenceStatus.FINISHED_LENGTH
@@ -421,6 +460,13 @@ class LLMEngine:
         if status is not None:
             self.block_manager.commit(seq)
             self._finish(seq, status)
+
+    @staticmethod
+    def _advance_constraint(seq: Sequence, token: int) -> bool:
+        """Feed an appended output token to the sequence's constraint (once per token,
+        whatever recomputation happens later); True when it can take no more."""
+        seq.constraint.accept(token)
+        return seq.constraint.is_finished()
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)
@@ -450,10 +496,12 @@ class LLMEngine:
             out.text_delta = seq.detok.delta()
             out.new_token_ids = out.token_ids[seq.num_emitted:]
             seq.num_emitted = len(out.token_ids)
+        prompt_lps = request.prompt_logprobs
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, outputs=outputs,
             finished=request.finished,
+            prompt_logprobs=None if prompt_lps is None else list(prompt_lps),
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time,
                 first_scheduled_time=request.first_scheduled_time,

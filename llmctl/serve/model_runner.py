@@ -4,6 +4,11 @@ Input of a step: for each scheduled sequence, the tokens from its ``num_computed
 on (a prompt chunk, or the last sampled token) followed by its draft tokens. Output:
 logits rows for every sequence that has caught up with its tokens, one row for a plain
 decode or prefill end, ``1 + k`` rows when ``k`` draft tokens are verified.
+
+Prompt log-probs (:meth:`ModelRunner.execute_with_prompt`): for a request that asks,
+the rows of every prompt position in the chunk too (position ``p`` scores prompt token
+``p + 1``), computed only for that request. Runners without this method (engine
+directories) serve no prompt log-probs; the engine refuses such requests.
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ class LogitRows:
     item: ScheduledSeq
     start: int  # first row in the logits tensor
     count: int  # 1 + number of draft tokens
+
+
+@dataclass
+class PromptLogits:
+    item: ScheduledSeq
+    first: int  # index of the prompt token that row 0 scores
+    logits: torch.Tensor  # [rows, vocab]: rows scoring prompt tokens first, first + 1, ...
 
 
 def slot_ids(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -72,8 +84,14 @@ class ModelRunner:
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[LogitRows]]:
+        logits, rows, _ = self.execute_with_prompt(scheduled, with_prompt=False)
+        return logits, rows
+
+    @torch.inference_mode()
+    def execute_with_prompt(self, scheduled: list[ScheduledSeq], with_prompt: bool = True
+                            ) -> tuple[torch.Tensor, list[LogitRows], list[PromptLogits]]:
+        """:meth:`execute` plus the prompt rows of requests that want prompt log-probs."""
         bs = self.block_size
         fresh: dict[int, list[ScheduledSeq]] = {}
         by_len: dict[int, list[ScheduledSeq]] = {}
@@ -87,10 +105,20 @@ class ModelRunner:
         groups: list[AttnGroup] = []
         rows: list[LogitRows] = []
         logit_index: list[int] = []
+        prompt_index: list[int] = []
+        prompt_parts: list[tuple[ScheduledSeq, int, int]] = []  # (item, first token, rows)
 
         def add(item: ScheduledSeq) -> None:
             seq = item.seq
             c, n, k = seq.num_computed_tokens, item.num_new_tokens, item.num_spec_tokens
+            if with_prompt and seq.request.needs_prompt_logits:
+                # positions c .. end - 1 score prompt tokens c + 1 .. end; the prompt's
+                # last position scores the first output token (a sampling row)
+                end = min(c + n - k, seq.num_prompt_tokens - 1)
+                if end > c:
+                    base = len(tokens)
+                    prompt_index.extend(range(base, base + end - c))
+                    prompt_parts.append((item, c + 1, end - c))
             tokens.extend(seq.token_ids[c:c + n - k])
             if k:
                 tokens.extend(seq.spec_token_ids[:k])
@@ -124,7 +152,15 @@ class ModelRunner:
         hidden = self.model.forward(torch.tensor(tokens, dtype=torch.long, device=dev),
                                     torch.tensor(positions, dtype=torch.long, device=dev),
                                     meta, self.kv_cache)
+        prompt: list[PromptLogits] = []
+        if prompt_index:
+            all_rows = self.model.logits(
+                hidden[torch.tensor(prompt_index, dtype=torch.long, device=dev)])
+            offset = 0
+            for item, first, count in prompt_parts:
+                prompt.append(PromptLogits(item, first, all_rows[offset:offset + count]))
+                offset += count
         if not logit_index:
-            return torch.empty((0, self.model.spec.vocab_size)), rows
+            return torch.empty((0, self.model.spec.vocab_size)), rows, prompt
         selected = hidden[torch.tensor(logit_index, dtype=torch.long, device=dev)]
-        return self.model.logits(selected), rows
+        return self.model.logits(selected), rows, prompt

@@ -44,6 +44,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # per prompt token when requested: None for the first, then its TokenLogprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -15,14 +15,23 @@ the HTTP layer maps requests onto this one-to-one:
   ``include_stop_str_in_output``); ``stop_token_ids`` and the model's EOS ids end the
   completion too (EOS not with ``ignore_eos``).
 - ``logprobs = k`` returns the sampled token's log-probability and the top ``k``
-  alternatives, from the model's raw distribution (before penalties and temperature).
+  alternatives, from the model's raw distribution (before penalties, temperature and
+  any constraint mask).
+- ``prompt_logprobs = k`` does the same for every prompt token after the first (the
+  first has no context: its entry is None), as vLLM does. The prompt then bypasses the
+  prefix cache (a cached block has no logits to report).
+- ``logits_constraint`` (a :class:`~llmctl.serve.logits_process.ConstraintFactory`)
+  restricts every completion to what it allows, e.g. a JSON schema's language.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llmctl.errors import UsageError
+from llmctl.serve.logits_process import ConstraintFactory
 
 
 class SamplingParams(BaseModel):
@@ -42,6 +51,8 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    logits_constraint: Any = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -68,6 +79,13 @@ class SamplingParams(BaseModel):
         value = tuple(value)
         if any(not isinstance(s, str) or not s for s in value):
             raise ValueError("stop strings must be non-empty strings")
+        return value
+
+    @field_validator("logits_constraint")
+    @classmethod
+    def _constraint(cls, value):
+        if value is not None and not isinstance(value, ConstraintFactory):
+            raise ValueError("must have a new_constraint() method (a ConstraintFactory)")
         return value
 
     @field_validator("stop_token_ids", mode="before")

@@ -17,6 +17,12 @@ Token bookkeeping: ``token_ids`` is prompt + output; the KV of the first
 ``num_computed_tokens`` of them is in the cache. A step computes the next
 ``num_new_tokens`` (a prompt chunk, or the last sampled token plus draft tokens), and
 a token is sampled when the sequence has caught up with its own tokens.
+
+Structured output: each sequence owns its constraint state (a
+:class:`~llmctl.serve.logits_process.LogitsConstraint` from the request's factory), fed
+its output tokens once, as they are appended; recomputing after a preemption does not
+touch it. Prompt log-probs belong to the request (its ``n`` sequences share the prompt)
+and are collected position by position, so a recomputed chunk is not counted twice.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ class Sequence:
                  "num_computed_tokens", "block_table", "status", "spec_token_ids",
                  "num_cached_tokens", "num_hashed_blocks", "logprobs", "detok",
                  "first_token_time", "generator", "num_emitted",
-                 "pending_fork", "_stop_reason")
+                 "pending_fork", "constraint", "_stop_reason")
 
     def __init__(self, request: Request, index: int, token_ids: list[int]) -> None:
         self.seq_id = next(_seq_ids)
@@ -93,6 +99,11 @@ class Sequence:
         self.num_emitted = 0  # output tokens already reported in a RequestOutput
         # the first sequence of an n > 1 request forks its siblings after its prompt
         self.pending_fork = request.params.n - 1 if index == 0 else 0
+        factory = request.params.logits_constraint
+        self.constraint = factory.new_constraint() if factory is not None else None
+        if self.constraint is not None:  # a fork after tokens were sampled: catch up
+            for token in token_ids[self.num_prompt_tokens:]:
+                self.constraint.accept(token)
         self._stop_reason: str | int | None = None
 
     # --- state ---------------------------------------------------------------------
@@ -156,7 +167,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "priority",
                  "arrival_time", "serial", "seqs", "first_scheduled_time", "finish_time",
-                 "eos_token_ids")
+                 "eos_token_ids", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, prompt: str | None, priority: int, arrival_time: float,
@@ -172,6 +183,25 @@ class Request:
         self.finish_time: float | None = None
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
+        # entry i: log-prob of prompt token i given tokens < i (TokenLogprobs); the first
+        # token has no context, so entry 0 is None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None \
+            else None
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True until every prompt position's log-probs are collected."""
+        return self.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Entries for prompt tokens ``first, first + 1, ...``; ones already held (a chunk
+        recomputed after preemption) are skipped."""
+        have = len(self.prompt_logprobs)
+        if first > have:
+            raise RuntimeError(f"request {self.request_id!r}: prompt log-probs from token "
+                               f"{first}, but only {have} collected")
+        self.prompt_logprobs.extend(entries[have - first:])
 
     @property
     def finished(self) -> bool:

@@ -21,12 +21,16 @@ from llmctl.serve.api.metrics import ServerMetrics
 from llmctl.serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from llmctl.serve.api.render import (
     Choice,
+    TokenIdNames,
+    Update,
     chat_chunk,
     chat_response,
     completion_chunk,
     completion_response,
+    echo_prefix,
     updates_from_output,
     usage_block,
+    without_generation,
 )
 
 
@@ -49,6 +53,7 @@ class _Job:
     prompt_ids: list[int]
     choice_offset: int
     stream: Any = None
+    echo: str | None = None  # the prompt text, put before each choice's text (echo=true)
 
 
 def _first_error(exc: ValidationError) -> tuple[str, str | None]:
@@ -108,6 +113,9 @@ class Server:
             prompts.append(ids)
         return prompts
 
+    def echo_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
     def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise errors.bad_request("this model has no chat template; use /v1/completions")
@@ -121,7 +129,7 @@ class Server:
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
     def sampling_params(self, req, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None):
+                        logprobs: int | None, prompt_logprobs: int | None = None):
         from llmctl.serve.sampling_params import SamplingParams
 
         limit = self.config.max_model_len
@@ -137,7 +145,9 @@ class Server:
                 f"context length {limit}; lower max_tokens or shorten the prompt", "max_tokens")
         extra: dict[str, Any] = {}
         if req.response_format is not None and req.response_format.type != "text":
-            extra["logits_processors"] = self._grammar_processors(req)
+            extra["logits_constraint"] = self._grammar(req)
+        if prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs
         return SamplingParams(
             n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop_list,
@@ -145,17 +155,31 @@ class Server:
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logprobs=logprobs, **extra)
 
-    def _grammar_processors(self, req):
+    def _grammar(self, req):
+        """The request's compiled grammar (a ConstraintFactory); a bad schema is a 400."""
         if self.grammars is None:
             raise errors.bad_request("response_format is not available on this server "
                                      "(llguidance is not installed)", "response_format")
         fmt = req.response_format
         schema = fmt.json_schema.schema_ if fmt.json_schema else None
         try:
-            grammar = self.grammars.grammar_for(fmt.type, schema)
+            return self.grammars.compiled(fmt.type, schema)
         except ValueError as exc:
             raise errors.bad_request(str(exc), "response_format") from None
-        return self.grammars, grammar
+
+    def _shape(self, req, job: _Job, out, upd: Update, first: bool) -> Update:
+        """Echo: the prompt (and its log-probs) before a choice's first text; without
+        generation (``max_tokens: 0``) the sampled token is dropped."""
+        if getattr(req, "prompt_only", False):
+            upd = without_generation(upd)
+        if job.echo is not None and first:
+            upd = echo_prefix(upd, job.echo,
+                              out.prompt_logprobs if upd.logprobs is not None else None,
+                              out.prompt_token_ids)
+        return upd
+
+    def _token_names(self, req):
+        return TokenIdNames() if req.return_tokens_as_token_ids else self.tokenizer
 
     # --- running -------------------------------------------------------------------
     def _submit(self, jobs: list[_Job], params, priority: int) -> None:
@@ -255,8 +279,9 @@ class Server:
         try:
             async for job, out in self._timed(merged, self._deadline()):
                 for upd in updates_from_output(out):
-                    choice = choices.setdefault(job.choice_offset + upd.index,
-                                                Choice(job.choice_offset + upd.index))
+                    index = job.choice_offset + upd.index
+                    upd = self._shape(req, job, out, upd, index not in choices)
+                    choice = choices.setdefault(index, Choice(index))
                     choice.add(upd)
                     if upd.token_ids:
                         first_token.setdefault(job.request_id, time.monotonic())
@@ -271,11 +296,10 @@ class Server:
         prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
         usage = usage_block(prompt_tokens, sum(c.num_tokens for c in ordered))
         created = int(time.time())
+        names = self._token_names(req)
         if kind == "chat":
-            return chat_response(rid, created, self.config.model_name, ordered, usage,
-                                 self.tokenizer)
-        return completion_response(rid, created, self.config.model_name, ordered, usage,
-                                   self.tokenizer)
+            return chat_response(rid, created, self.config.model_name, ordered, usage, names)
+        return completion_response(rid, created, self.config.model_name, ordered, usage, names)
 
     async def _stream(self, kind, rid, req, jobs, params, include_usage) -> AsyncIterator[str]:
         start = time.monotonic()
@@ -283,23 +307,25 @@ class Server:
         model = self.config.model_name
         first_token: dict[str, float] = {}
         sent_role: set[int] = set()
+        started: set[int] = set()
+        names = self._token_names(req)
         completion_tokens = 0
         merged = self._merged(jobs)
         try:
             async for job, out in self._timed(merged, self._deadline()):
                 for upd in updates_from_output(out):
                     index = job.choice_offset + upd.index
+                    upd = self._shape(req, job, out, upd, index not in started)
+                    started.add(index)
                     completion_tokens += len(upd.token_ids)
                     if upd.token_ids:
                         first_token.setdefault(job.request_id, time.monotonic())
                     if kind == "chat":
                         first = index not in sent_role
                         sent_role.add(index)
-                        chunk = chat_chunk(rid, created, model, index, upd, first,
-                                           self.tokenizer)
+                        chunk = chat_chunk(rid, created, model, index, upd, first, names)
                     else:
-                        chunk = completion_chunk(rid, created, model, index, upd,
-                                                 self.tokenizer)
+                        chunk = completion_chunk(rid, created, model, index, upd, names)
                     yield _sse(chunk)
                 if out.finished:
                     self._observe(out, start, first_token.get(job.request_id))
@@ -398,15 +424,18 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await server.parse(request, CompletionRequest)
-        if req.echo:
-            raise errors.bad_request("echo is not supported by llmctl yet", "echo")
         prompts = server.encode_completion_prompts(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # One parameter set for all prompts: checked against the longest, which also
-        # bounds an unset max_tokens for every prompt.
+        # bounds an unset max_tokens for every prompt. Echo without generation still
+        # samples one token (the engine needs a step to end on; vLLM does the same).
         longest = max(len(ids) for ids in prompts)
-        params = server.sampling_params(req, longest, req.max_tokens, req.logprobs)
-        jobs = [_Job(f"{rid}-{i}", ids, i * req.n) for i, ids in enumerate(prompts)]
+        max_tokens = 1 if req.prompt_only else req.max_tokens
+        params = server.sampling_params(req, longest, max_tokens, req.logprobs,
+                                        req.logprobs if req.echo else None)
+        jobs = [_Job(f"{rid}-{i}", ids, i * req.n,
+                     echo=server.echo_text(text) if req.echo else None)
+                for i, (text, ids) in enumerate(zip(req.prompts(), prompts))]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await server.run("completion", req, jobs, params, request, include_usage)
 

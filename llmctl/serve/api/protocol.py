@@ -5,6 +5,11 @@ argument"); the vLLM extensions that benchmark tools send (``top_k``, ``min_p``,
 ``ignore_eos``, ``repetition_penalty``, ``priority``) are accepted. Fields OpenAI
 defines that llmctl does not implement are listed in ``UNSUPPORTED`` and refused with
 a message saying so, rather than silently ignored.
+
+``echo`` (completions) returns the prompt before the completion and, with ``logprobs``,
+the prompt tokens' log-probs (the first is null); ``max_tokens: 0`` is allowed with it
+(prompt only, what lm-eval's loglikelihood requests send). ``return_tokens_as_token_ids``
+(a vLLM extension) names logprob tokens ``token_id:N`` instead of their text.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class ResponseFormat(_Strict):
 
 class _SamplingFields(_Strict):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
@@ -65,6 +70,7 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False
 
     @model_validator(mode="after")
     def _checks(self):
@@ -100,6 +106,17 @@ class CompletionRequest(_SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
         return self
+
+    @model_validator(mode="after")
+    def _echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only allowed with echo=true (prompt only)")
+        return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """Echo without generation: the engine still samples one token, dropped here."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -143,6 +160,8 @@ class ChatCompletionRequest(_SamplingFields):
     def _chat(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be at least 1")
         return self
 
     @property

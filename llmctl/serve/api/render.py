@@ -28,6 +28,42 @@ def updates_from_output(out) -> list[Update]:
     return updates
 
 
+@dataclass
+class NoContext:
+    """The logprob entry of a prompt's first token: nothing to condition on (null)."""
+
+    token_id: int
+    logprob: None = None
+    top: None = None
+
+
+def echo_prefix(upd: Update, prompt_text: str, prompt_logprobs: list[Any] | None,
+                prompt_ids: list[int]) -> Update:
+    """``upd`` with the prompt in front: its text, and its log-probs when the choice has
+    them (entry 0 has no context). Token counts stay those of the completion."""
+    logprobs = upd.logprobs
+    if prompt_logprobs is not None:
+        head = [NoContext(prompt_ids[0]) if e is None else e for e in prompt_logprobs]
+        logprobs = head + (logprobs or [])
+    return Update(upd.index, upd.token_ids, prompt_text + upd.text, upd.finish_reason,
+                  logprobs)
+
+
+def without_generation(upd: Update) -> Update:
+    """Echo with ``max_tokens: 0``: the one token the engine had to sample is dropped."""
+    return Update(upd.index, [], "", "length" if upd.finish_reason else None,
+                  [] if upd.logprobs is not None else None)
+
+
+class TokenIdNames:
+    """Stands in for the tokenizer when tokens are to be named ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``): exact ids where texts could be ambiguous."""
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return "".join(f"token_id:{i}" for i in ids)
+
+
 def _finish(reason: str | None) -> str | None:
     # OpenAI knows stop and length; an aborted request that still answers is cut short.
     return {"abort": "length"}.get(reason, reason) if reason else None
@@ -70,9 +106,9 @@ def completion_logprobs(entries: list[Any], tokenizer, offset: int = 0) -> dict[
         tokens.append(text)
         token_logprobs.append(e.logprob)
         alternatives: dict[str, float] = {}
-        for t, lp in e.top:  # distinct ids can decode alike (partial UTF-8): keep the best
+        for t, lp in e.top or ():  # distinct ids can decode alike (partial UTF-8): keep the best
             alternatives.setdefault(_token_text(tokenizer, t), lp)
-        top.append(alternatives)
+        top.append(alternatives if e.top is not None else None)
         offsets.append(pos)
         pos += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,

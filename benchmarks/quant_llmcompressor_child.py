@@ -42,14 +42,14 @@ def main() -> None:
 
         recipe = GPTQModifier(config_groups=groups, ignore=["lm_head"], actorder="static")
     else:
-        from llmcompressor.modifiers.awq import AWQModifier
+        # 0.14 splits AWQ into a smoothing transform and a QuantizationModifier.
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+        from llmcompressor.modifiers.transform import AWQModifier
         from llmcompressor.pipelines.cache import IntermediatesCache
 
         IntermediatesCache.pin_memory = lambda self, *a, **k: self  # no accelerator here
-        kwargs = {"config_groups": groups, "ignore": ["lm_head"]}
-        if "n_grid" in AWQModifier.model_fields:
-            kwargs["n_grid"] = args.n_grid
-        recipe = AWQModifier(**kwargs)
+        recipe = [AWQModifier(n_grid=args.n_grid, duo_scaling=True),
+                  QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -1,6 +1,7 @@
 """``llmctl eval``: perplexity, KL divergence, task accuracy and quality gates for CI.
 
     llmctl eval CANDIDATE [--reference MODEL] [--data SOURCE] [--tasks ...] [--gate ...]
+    llmctl eval ENGINE_DIR --reference SOURCE_MODEL     # a built engine vs its source
     llmctl eval compare A.json B.json [...]
 
 Exit codes: 0 all gates passed (or none given); 1 a gate failed, or the run failed;
@@ -27,7 +28,9 @@ def register(app: typer.Typer) -> None:
         candidate: str = typer.Argument(
             ..., show_default=False,
             help="Model to evaluate: HF/compressed-tensors dir, .gguf, 'smollm2-135m', hub id, "
-                 "or openai:http://HOST:PORT (a server). Or 'compare' followed by report files."),
+                 "an engine directory from `llmctl build-engine` (ONNX / torch-compile; "
+                 "also engine:DIR), or openai:http://HOST:PORT (a server). Or 'compare' "
+                 "followed by report files."),
         more: list[str] | None = typer.Argument(
             None, show_default=False, help="With 'compare': the eval reports (JSON) to compare."),
         reference: str | None = typer.Option(
@@ -69,7 +72,8 @@ def register(app: typer.Typer) -> None:
                                                    help="Model name on the server."),
         tokenizer: str | None = typer.Option(None, "--tokenizer",
                                                 help="Tokenizer for a server without --reference."),
-        threads: int | None = typer.Option(None, "--threads", help="torch / llama.cpp threads."),
+        threads: int | None = typer.Option(None, "--threads",
+                                            help="torch / llama.cpp / engine runtime threads."),
         seed: int = typer.Option(0, "--seed", help="Seed (lm-eval sampling; recorded)."),
         no_reference_tasks: bool = typer.Option(
             False, "--no-reference-tasks", help="Do not run tasks on the reference model."),

@@ -1,21 +1,36 @@
 """``llmctl serve``: the built-in engine behind an OpenAI-compatible HTTP API, or a
-hand-off to vLLM / TensorRT-LLM for scale beyond one box."""
+hand-off to vLLM / TensorRT-LLM for scale beyond one box.
+
+MODEL may also be an engine directory from ``llmctl build-engine`` (ONNX or
+torch-compile): the built-in scheduler and API then drive its runtime (see
+:mod:`llmctl.build.serve_engine`)."""
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import typer
 
 from llmctl.cli.errors import guarded
-from llmctl.cli.options import DtypeOpt, ModelArg
+from llmctl.cli.options import DtypeOpt
 
 ENGINES = ("llmctl", "vllm", "trtllm")
+
+ServeModelArg = Annotated[
+    str,
+    typer.Argument(help="HF checkpoint dir, .gguf file, hub id (org/name), 'smollm2-135m', or "
+                        "an engine directory from `llmctl build-engine` (onnx / torch-compile: "
+                        "its runtime runs under llmctl's scheduler; prefix caching off, "
+                        "--dtype ignored, no --draft-model).", show_default=False),
+]
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     @guarded
     def serve(
-        model: ModelArg,
+        ctx: typer.Context,
+        model: ServeModelArg,
         host: str = typer.Option("127.0.0.1", "--host"),
         port: int = typer.Option(8000, "--port", min=0, max=65535),
         served_model_name: str = typer.Option(None, "--served-model-name",
@@ -47,14 +62,24 @@ def register(app: typer.Typer) -> None:
                                         help="ngram | draft (with --draft-model)."),
         draft_model: str = typer.Option(None, "--draft-model"),
         num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", min=1),
-        threads: int = typer.Option(None, "--threads", min=1, help="torch threads."),
+        threads: int = typer.Option(None, "--threads", min=1, help="torch threads (engine dirs: runtime threads)."),
         log_level: str = typer.Option("info", "--log-level"),
     ) -> None:
-        """Serve a model over an OpenAI-compatible HTTP API."""
+        """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""
+        from llmctl.build.manifest import is_engine_dir
         from llmctl.errors import UsageError
 
         if engine not in ENGINES:
             raise UsageError(f"unknown engine {engine!r}", f"choose one of: {', '.join(ENGINES)}")
+        engine_dir = is_engine_dir(model)
+        if engine_dir and engine != "llmctl":
+            raise UsageError(f"{model} is an engine directory; --engine {engine} serves "
+                             "checkpoints", "serve the engine directory with the built-in "
+                             "engine (no --engine), or pass its source checkpoint")
+        if engine_dir and draft_model:
+            raise UsageError(f"{model} is an engine directory: a draft model cannot run with it "
+                             "(draft models need the paged torch runner)",
+                             "use --speculative ngram, or serve the source checkpoint")
         if engine != "llmctl":
             _handoff(engine, model, host, port, served_model_name, api_key, max_model_len,
                      dtype, tensor_parallel_size, engine_python)
@@ -69,6 +94,12 @@ def register(app: typer.Typer) -> None:
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
             enable_chunked_prefill=chunked_prefill, num_threads=threads)
+        if engine_dir:  # what the user did not set is not a request to warn about
+            for key, param in (("enable_prefix_caching", "prefix_caching"), ("dtype", "dtype")):
+                # by name: typer vendors its own click, with its own ParameterSource enum
+                source = ctx.get_parameter_source(param)
+                if getattr(source, "name", None) not in ("COMMANDLINE", "ENVIRONMENT"):
+                    engine_kwargs.pop(key)
         if speculative:
             engine_kwargs["speculative"] = {"method": speculative, "draft_model": draft_model,
                                             "num_speculative_tokens": num_speculative_tokens}

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from llmctl.errors import ConfigError, MissingDependencyError, NotAvailableYet, OfflineError
+from llmctl.errors import ConfigError, MissingDependencyError, OfflineError
 from llmctl.eval.metrics import CandidateRows
 
 REGISTRY: dict[str, type[Candidate]] = {}
@@ -437,31 +437,64 @@ class OpenAIServerCandidate(Candidate, kind="openai"):
         self.client.close()
 
 
-# -- engines from ``llmctl build-engine`` (hook) ---------------------------------------
+# -- engines from ``llmctl build-engine`` ------------------------------------------------
 
 
 class EngineCandidate(Candidate, kind="engine"):
-    """``engine:DIR``: an engine built by ``llmctl build-engine``.
+    """An engine directory built by ``llmctl build-engine`` (``engine:DIR`` or a plain
+    path that holds an ``llmctl-engine.json``), scored through its own runtime.
 
-    The hook is here so the engine runtimes only need to provide ``logits``; until
-    they exist, selecting one says so.
+    Opening it checks the manifest against this machine and the files' hashes
+    (``open_engine``). Logits come from ``Engine.logits`` (one fresh runtime sequence
+    per window, every position's row), so PPL, KLD and top-1 agreement measure the
+    built artifact itself (its precision, graph rewrites and kernels) against the
+    reference. ``--dtype`` does not apply: the precision was fixed at build time.
     """
 
     priority = 15
 
     @classmethod
     def matches(cls, spec: str) -> bool:
-        return spec.startswith("engine:")
+        from llmctl.build.manifest import is_engine_dir
+
+        return spec.startswith("engine:") or is_engine_dir(Path(spec).expanduser())
 
     def __init__(self, spec: str, options: CandidateOptions) -> None:
-        raise NotAvailableYet(f"evaluating build-engine engines ({spec}) is not available yet",
-                              "evaluate the checkpoint the engine was built from, or serve the "
-                              "engine and pass its URL (openai:http://...)")
+        super().__init__(spec, options)
+        from llmctl.build.engine_dir import open_engine
 
-    tokenizer = vocab_size = None  # type: ignore[assignment]
+        self.path = Path(spec.removeprefix("engine:")).expanduser()
+        # a TensorRT-LLM directory refuses here, naming the server to run instead
+        self.engine = open_engine(self.path, threads=options.threads)
 
-    def describe(self) -> dict[str, Any]:  # pragma: no cover - never constructed
-        return {"kind": self.kind}
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.vocab_size)
+
+    def describe(self) -> dict[str, Any]:
+        m = self.engine.manifest
+        return {"kind": self.kind, "reference": self.spec, "path": str(self.path),
+                "target": m.target, "precision": m.precision, "provider": self.engine.provider,
+                "source": m.source.reference, "source_sha256": m.source.sha256,
+                "build_command": m.build.command,
+                "sha256_quick": fingerprint_path(self.path)}
+
+    def logits(self, input_ids: list[int]):
+        import torch
+
+        if len(input_ids) > self.engine.max_len:
+            raise ConfigError(f"a window of {len(input_ids)} tokens exceeds the "
+                              f"{self.engine.max_len} this engine was built for",
+                              f"pass --ctx {self.engine.max_len} or less, or rebuild with a "
+                              "larger --max-seq-len")
+        return torch.from_numpy(self.engine.logits(list(input_ids)))
+
+    def close(self) -> None:
+        self.engine = None
 
 
 BACKEND_KINDS: dict[str, Callable[[str], str | None]] = {

@@ -209,6 +209,20 @@ def _gptq(W: torch.Tensor, H: torch.Tensor, grid: IntGrid | FP8Grid, *, block_si
         block_size = max(grid.group_size, block_size // grid.group_size * grid.group_size)
 
     per_tensor = (not grid.per_channel) if is_fp8 else grid.group_size is None
+    columns: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # group -> (s, z)
+
+    def group_params(g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # contiguous copies: the loop below reads them once per column
+        if g not in columns:
+            s_g = scale[0] if per_tensor else scale[:, g].contiguous()
+            z_g = None if zero is None else (zero[0] if per_tensor else zero[:, g].contiguous())
+            columns[g] = (s_g, z_g)
+        return columns[g]
+
+    # The loop runs once per column with tiny ops, so its cost is the number of torch
+    # calls: results go straight into Qt/Err rows (``out=``), the diagonal is read as
+    # Python floats, the rank-one update is one ``addr_`` and the loss is summed per block.
+    diag = torch.diagonal(upper).tolist()
     # Work on W^T so that a column of W is a contiguous row: the inner loop touches one
     # column and a rank-one update per step, both cheap in this layout.
     Wt = W.t().contiguous()
@@ -218,7 +232,7 @@ def _gptq(W: torch.Tensor, H: torch.Tensor, grid: IntGrid | FP8Grid, *, block_si
         i2 = min(i1 + block_size, cols)
         B = Wt[i1:i2].clone()
         U1 = upper[i1:i2, i1:i2]
-        Err = torch.zeros_like(B)
+        Err = torch.empty_like(B)
         for i in range(i2 - i1):
             j = i1 + i
             g = group_of[j]
@@ -227,6 +241,7 @@ def _gptq(W: torch.Tensor, H: torch.Tensor, grid: IntGrid | FP8Grid, *, block_si
                 scale[:, g] = s_g
                 if zero is not None:
                     zero[:, g] = z_g
+                columns.pop(g, None)
             elif actorder == "static" and grouped and g in pending:
                 # Current values of the group's columns: in this block (up to date) or
                 # later (updated up to the previous block).
@@ -240,24 +255,23 @@ def _gptq(W: torch.Tensor, H: torch.Tensor, grid: IntGrid | FP8Grid, *, block_si
                 if zero is not None:
                     zero[:, g] = z_g
                 pending.discard(g)
-            s = scale[0] if per_tensor else scale[:, g]
-            z = None if zero is None else (zero[0] if per_tensor else zero[:, g])
-            w = B[i]
+            s, z = group_params(g)
+            w, q, err = B[i], Qt[j], Err[i]
             if is_fp8:
-                q = fp8.round_to_e4m3(w / s)
-                Qt[j] = q
+                q.copy_(fp8.round_to_e4m3(w / s))
                 deq = q * s
             else:
-                x = w / s if z is None else w / s + z
-                q = torch.clamp(torch.round(x), grid.qmin, grid.qmax)
-                Qt[j] = q
-                deq = (q if z is None else q - z) * s
-            err = (w - deq) / U1[i, i]
-            losses += err * err / 2
+                torch.div(w, s, out=q)
+                if z is not None:
+                    q.add_(z)
+                q.round_().clamp_(grid.qmin, grid.qmax)
+                deq = q * s if z is None else (q - z) * s
+            torch.sub(w, deq, out=err).div_(diag[j])
             # Eager update inside the block (rank one); the rest waits for the block end.
-            B[i + 1:] -= U1[i, i + 1:].unsqueeze(1) * err.unsqueeze(0)
-            Err[i] = err
-        Wt[i2:] -= upper[i1:i2, i2:].t() @ Err
+            if i + 1 < i2 - i1:
+                B[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)
+        losses += Err.square().sum(0) / 2
+        Wt[i2:].addmm_(upper[i1:i2, i2:].t(), Err, alpha=-1)
     Q = Qt.t().to(torch.float8_e4m3fn if is_fp8 else torch.int8)
 
     g_idx = None

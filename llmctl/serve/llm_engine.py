@@ -108,9 +108,6 @@ class _PromptAwareBlockManager(BlockManager):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from llmctl.models.loading import load_tokenizer
-        from llmctl.models.resolve import resolve_model
-
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -118,20 +115,7 @@ class LLMEngine:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.model_path = resolve_model(config.model).path
-        spec = ModelSpec.from_dir(self.model_path)
-        max_len = min(config.max_model_len or spec.max_position_embeddings,
-                      spec.max_position_embeddings)
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_len:
-            raise ConfigError(
-                f"without chunked prefill a prompt of up to max_model_len={max_len} tokens "
-                f"must fit in one step of max_num_batched_tokens="
-                f"{config.max_num_batched_tokens}",
-                "enable chunked prefill, or lower max_model_len / raise max_num_batched_tokens")
-        self.max_model_len = max_len
-        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer).path
-                                        if config.tokenizer else self.model_path)
-        self.target = _Built(self.model_path, config, self.device, max_len)
+        self._load(config)
         self.spec = self.target.spec
         self.kv_plan = self.target.plan
         log.info("%s", self.kv_plan.describe())
@@ -142,9 +126,8 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.runner = self.target.runner
         self.sampler = Sampler(config.seed)
-        self.eos_token_ids = frozenset(self.spec.eos_token_ids or (
-            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
-        self.proposer = self._make_proposer(max_len)
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids or self._fallback_eos_ids())
+        self.proposer = self._make_proposer(self.max_model_len)
         self._draft_probs: dict[int, torch.Tensor | None] = {}  # the proposer's q per step
 
         self._lock = threading.Lock()
@@ -159,6 +142,36 @@ class LLMEngine:
         # small objects trigger a collection (vLLM's engine does the same).
         gc.collect()
         gc.freeze()
+
+    # --- what a model is: the one part an engine directory replaces ------------------------
+    def _load(self, config: EngineConfig) -> None:
+        """Set ``model_path``, ``max_model_len``, ``tokenizer`` and ``target`` (spec, KV
+        plan, runner) from a checkpoint: torch weights on the paged runner."""
+        from llmctl.models.loading import load_tokenizer
+        from llmctl.models.resolve import resolve_model
+
+        self.model_path = resolve_model(config.model).path
+        spec = ModelSpec.from_dir(self.model_path)
+        self.max_model_len = self._check_max_len(config, spec.max_position_embeddings)
+        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer).path
+                                        if config.tokenizer else self.model_path)
+        self.target = _Built(self.model_path, config, self.device, self.max_model_len)
+
+    @staticmethod
+    def _check_max_len(config: EngineConfig, limit: int) -> int:
+        max_len = min(config.max_model_len or limit, limit)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_len:
+            raise ConfigError(
+                f"without chunked prefill a prompt of up to max_model_len={max_len} tokens "
+                f"must fit in one step of max_num_batched_tokens="
+                f"{config.max_num_batched_tokens}",
+                "enable chunked prefill, or lower max_model_len / raise max_num_batched_tokens")
+        return max_len
+
+    def _fallback_eos_ids(self) -> list[int]:
+        """EOS ids when the model's config names none."""
+        eos = self.tokenizer.eos_token_id
+        return [eos] if eos is not None else []
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> LLMEngine:

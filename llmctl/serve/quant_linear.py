@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from llmctl.errors import UnsupportedArchitectureError
+from llmctl.quant.packing import unpack_int32
 
 _INT4_GROUPS = (256, 128, 64, 32)
 
@@ -249,19 +250,6 @@ class QuantWeight:
         return (q * self.scale.float().unsqueeze(-1)).view(n, k).to(dtype)
 
 
-def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:
-    """compressed-tensors ``pack_to_int32`` inverse for bit widths dividing 32."""
-    if 32 % num_bits:
-        raise UnsupportedArchitectureError(
-            f"{num_bits}-bit packed weights are not supported by the engine",
-            "quantize to 2, 4 or 8 bits")
-    per_word = 32 // num_bits
-    shifts = torch.arange(per_word, dtype=torch.int32) * num_bits
-    values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
-    values = values.reshape(packed.shape[0], -1)[:, :cols]
-    return (values - (1 << (num_bits - 1))).to(torch.int8)
-
-
 def _group_scale(scale: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, int]:
     """Scale as ``[N, G]`` and the group size (channel and tensor strategies included)."""
     if scale.numel() == 1:
@@ -285,11 +273,11 @@ def load_quant_weight(get, name: str, args: dict, fmt: str) -> QuantWeight | tor
     zp = None
     if fmt == "pack-quantized":
         n, k = (int(v) for v in get(f"{name}.weight_shape").tolist())
-        q = unpack_int32(get(f"{name}.weight_packed"), num_bits, k)
+        q = unpack_int32(get(f"{name}.weight_packed"), num_bits, (n, k))
         scale, group = _group_scale(scale, n, k)
         if not args.get("symmetric", True):
-            zp = unpack_int32(get(f"{name}.weight_zero_point").t(), num_bits, n).t()
-            zp = zp.reshape(n, -1)
+            zp = get(f"{name}.weight_zero_point")  # packed along the output rows
+            zp = unpack_int32(zp, num_bits, (n, zp.shape[1]), dim=0)
     elif fmt in ("int-quantized", "naive-quantized"):
         q = get(f"{name}.weight").to(torch.int8)
         n, k = q.shape

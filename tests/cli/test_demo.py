@@ -1,5 +1,7 @@
-"""The README's demo, end to end through the installed console script."""
+"""The README's demo (`make demo`), end to end through the installed console script:
+quantize the embedded model with GPTQ W4, gate its quality, chat with the result."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -9,15 +11,21 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def test_console_script_info_and_answer(smollm2):
-    exe = Path(sys.executable).parent / "llmctl"
-    cmd = [str(exe)] if exe.exists() else [shutil.which("llmctl") or "llmctl"]
-    info = subprocess.run(cmd + ["info", "smollm2-135m"], capture_output=True, text=True)
-    assert info.returncode == 0, info.stderr
-    assert "134,515,008" in info.stdout
-    answer = subprocess.run(cmd + ["generate", "smollm2-135m", "--chat", "--max-tokens", "24",
-                                   "--prompt", "What is the capital of France?"],
-                            capture_output=True, text=True)
-    assert answer.returncode == 0, answer.stderr
-    assert "Paris" in answer.stdout
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_quantizes_gates_and_answers(smollm2, tmp_path):
+    venv = Path(sys.executable).parent.parent  # the venv running the tests
+    run = subprocess.run(["make", "-s", "demo", f"VENV={venv}", f"DEMO_DIR={tmp_path}"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "134,515,008" in run.stdout  # llmctl info
+    meta = json.loads((tmp_path / "smollm2-w4a16" / "llmctl-quant.json").read_text())
+    assert meta["method"] == "gptq"
+    config = json.loads((tmp_path / "smollm2-w4a16" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert all(g["passed"] for g in report["gates"]), report["gates"]
+    assert 1.0 < report["metrics"]["ppl_ratio"] <= 1.40
+    assert "Paris" in run.stdout.splitlines()[-1] or "Paris" in run.stdout[-400:]

@@ -1,4 +1,4 @@
-"""Candidate adapters: registry, GGUF through llama.cpp or transformers, engine hook."""
+"""Candidate adapters: registry, GGUF through llama.cpp or transformers, engine dirs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import importlib.util
 
 import pytest
 
-from llmctl.errors import MissingDependencyError, NotAvailableYet
+from llmctl.build.manifest import NotAnEngineError
+from llmctl.errors import MissingDependencyError
 from llmctl.eval.candidates import (
     REGISTRY,
     CandidateOptions,
@@ -27,7 +28,7 @@ def test_registry_routes_specs(tiny_llama, tiny_gguf):
     assert OpenAIServerCandidate.matches("http://127.0.0.1:8000/v1")
     assert LlamaCppCandidate.matches(str(tiny_gguf)) and not LlamaCppCandidate.matches(str(tiny_llama))
     assert isinstance(open_candidate(str(tiny_llama)), HFCandidate)
-    with pytest.raises(NotAvailableYet, match="build-engine"):
+    with pytest.raises(NotAnEngineError, match="build-engine"):
         open_candidate("engine:/some/dir")
 
 

@@ -15,7 +15,6 @@ from llmctl.serve.quant_linear import (
     describe,
     kernel_group_size,
     make_linear,
-    unpack_int32,
 )
 from tests.serve.conftest import PROMPTS, encode
 from tests.serve.quant_checkpoints import SCHEMES, write_quantized
@@ -82,16 +81,6 @@ def test_quantized_weights_are_smaller(quantized, tiny_llama):
     # int4 group 32 holds the kernel's packed codes (0.5 B), its own nibble copy for large
     # batches (0.5 B) and bf16 scale+zero per 32 weights (0.125 B): 1.125 of fp32's 4 bytes
     assert linear_w4 <= linear_dense * 1.125 / 4
-
-
-def test_unpack_matches_compressed_tensors_packing():
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    gen = torch.Generator().manual_seed(0)
-    for bits in (2, 4, 8):
-        q = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (5, 70), generator=gen,
-                          dtype=torch.int8)
-        assert torch.equal(unpack_int32(pack_to_int32(q, bits), bits, 70), q)
 
 
 @pytest.mark.parametrize("bits,rows", [(4, 3), (4, 64), (8, 3), (8, 64)])

@@ -1,4 +1,10 @@
-"""Assemble engine + app + uvicorn from ``llmctl serve`` options."""
+"""Assemble engine + app + uvicorn from ``llmctl serve`` options.
+
+MODEL is a checkpoint (the paged torch engine) or an engine directory from
+``llmctl build-engine`` (ONNX / torch-compile): then the same scheduler and HTTP API
+drive the directory's runtime (:mod:`llmctl.build.serve_engine`), after its manifest
+has been checked against this machine.
+"""
 
 from __future__ import annotations
 
@@ -26,10 +32,31 @@ class ServeOptions:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
-    from llmctl.serve.llm_engine import LLMEngine
+def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
+    """The engine for MODEL, the name /v1/models shows, and aliases clients may send."""
+    from llmctl.build.manifest import is_engine_dir
 
-    engine = LLMEngine.from_args(opts.model, **opts.engine_kwargs)
+    if not is_engine_dir(opts.model):
+        from llmctl.serve.llm_engine import LLMEngine
+
+        engine = LLMEngine.from_args(opts.model, **opts.engine_kwargs)
+        return engine, opts.served_model_name or opts.model, ()
+    from pathlib import Path
+
+    from llmctl.build.serve_engine import open_serving_engine
+
+    engine = open_serving_engine(opts.model, **opts.engine_kwargs)
+    log.info("%s", engine.describe())
+    if opts.served_model_name:
+        return engine, opts.served_model_name, ()
+    # the directory's name says what was built (e.g. smollm2-onnx-int4); the path as
+    # typed is accepted too, as it is for a checkpoint
+    name = Path(opts.model).resolve().name
+    return engine, name, (opts.model,) if opts.model != name else ()
+
+
+def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
+    engine, name, aliases = _build_engine(opts)
     tokenizer = engine.tokenizer
     # The embedding may be padded beyond the tokenizer; token ids are checked against it.
     vocab_size = max(len(tokenizer), engine.spec.vocab_size)
@@ -40,10 +67,9 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
         grammars = GrammarFactory(tokenizer, vocab_size)
     except Exception as exc:  # noqa: BLE001 - structured output is optional
         log.warning("response_format disabled: %s", exc)
-    name = opts.served_model_name or opts.model
     config = ServerConfig(model_name=name, max_model_len=engine.max_model_len,
                           vocab_size=vocab_size, api_key=opts.api_key,
-                          request_timeout=opts.request_timeout)
+                          request_timeout=opts.request_timeout, extra_model_names=aliases)
     async_engine = AsyncEngine(engine, max_queue=opts.max_queue)
     return Server(async_engine, tokenizer, config, grammars), async_engine
 

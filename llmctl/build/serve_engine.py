@@ -1,0 +1,154 @@
+"""``llmctl serve ENGINE_DIR``: llmctl's serving engine over a built engine directory.
+
+:class:`EngineDirLLMEngine` is an :class:`~llmctl.serve.llm_engine.LLMEngine` whose
+model is an engine directory: the scheduler, sampler, detokenizer, n-gram speculation
+and the HTTP API are the ones every model gets; the forward pass is the directory's
+runtime through :class:`~llmctl.build.serve_runner.EngineRunner`. What differs:
+
+- no torch weights are loaded: the spec (``config.json``, ``generation_config.json``)
+  and the tokenizer come from the engine directory, which carries them;
+- the KV "pool" is bookkeeping only: its block count is planned from
+  ``kv_cache_memory`` with the runtime's cache dtype, so the block manager bounds the
+  runtime's per-sequence caches (they hold the same bytes per token) without the pool
+  ever being allocated;
+- ``max_model_len`` is capped at the length the engine was built for;
+- prefix caching is off (a cached prefix would claim K/V the runtime never computed),
+  and a draft *model* is refused (it needs the paged runner); ``ngram`` works.
+
+Continuous batching: the scheduler admits and retires sequences at every step as for
+any model; the runtime then serialises inside one step. Decodes of all running
+sequences are one batched runtime call (the torch-compile runtime splits them into
+groups of its compiled ``max_batch_size``), but every prompt chunk (and every
+speculative verify chunk of ``1 + k`` tokens) runs as its own call, one sequence at a
+time, before the decode batch (:mod:`llmctl.build.runtime`). A joining prompt
+therefore delays that step's decodes by its own prefill time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmctl.build.engine_dir import Engine, open_engine
+from llmctl.errors import ConfigError, UsageError
+from llmctl.serve.config import EngineConfig, make_engine_config
+from llmctl.serve.kv_cache import KVCachePlan, available_memory, plan_kv_cache
+from llmctl.serve.llm_engine import LLMEngine
+from llmctl.serve.model import ModelSpec
+
+log = logging.getLogger("llmctl.serve")
+
+# EngineConfig keys that mean nothing for an engine directory (its precision, device
+# and weights are fixed at build time): accepted and ignored, with a warning if set.
+IGNORED_KEYS = ("dtype", "kv_cache_dtype", "device", "quant_backend", "tokenizer")
+
+
+@dataclass
+class _EngineTarget:
+    """What ``LLMEngine.target`` holds for a paged model, minus the model and its pool."""
+
+    spec: ModelSpec
+    plan: KVCachePlan
+    runner: Any  # EngineRunner
+
+
+def _kv_itemsize(runtime) -> int:
+    dtype = getattr(runtime, "kv_dtype", None)
+    if dtype is not None:
+        return int(np.dtype(dtype).itemsize)
+    dtype = getattr(runtime, "dtype", None)  # torch dtype of the AOTInductor runtime
+    return int(dtype.itemsize) if dtype is not None else 4
+
+
+def engine_dir_settings(path: str | Path, engine_kwargs: dict[str, Any],
+                        warn=log.warning) -> dict[str, Any]:
+    """The engine settings an engine directory can honour, with a warning per change.
+
+    Refuses a draft model with an error (it needs torch weights and the paged runner).
+    """
+    kwargs = dict(engine_kwargs)
+    spec = kwargs.get("speculative")
+    method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
+    if method == "draft":
+        raise UsageError(
+            f"{path} is an engine directory: speculative decoding with a draft model is not "
+            "supported there (the draft model runs on the paged torch runner)",
+            "use --speculative ngram, or serve the source checkpoint with --draft-model")
+    if kwargs.get("enable_prefix_caching"):
+        warn("prefix caching is off for engine directories: the runtime keeps one cache per "
+             "sequence, so a shared prefix block would claim K/V it never computed")
+    kwargs["enable_prefix_caching"] = False
+    for key in IGNORED_KEYS:
+        if kwargs.pop(key, None) not in (None, "auto", "float32"):
+            warn(f"--{key.replace('_', '-')} is ignored for engine directories: the engine "
+                 "was built with a fixed precision and device")
+    return kwargs
+
+
+class EngineDirLLMEngine(LLMEngine):
+    """An ``LLMEngine`` driving ``engine.runner()`` instead of a paged torch model: only
+    :meth:`_load` (what the model is) differs; every other method is inherited."""
+
+    def __init__(self, config: EngineConfig, engine: Engine) -> None:
+        if config.enable_prefix_caching:
+            raise ConfigError("engine directories cannot serve with prefix caching",
+                              "pass enable_prefix_caching=False (engine_dir_settings does)")
+        if config.speculative is not None and config.speculative.method != "ngram":
+            raise ConfigError("engine directories support only ngram speculation",
+                              "use speculative={'method': 'ngram'}")
+        self.engine_dir = engine
+        super().__init__(config)
+
+    def _load(self, config: EngineConfig) -> None:
+        import torch
+
+        engine = self.engine_dir
+        self.device = torch.device("cpu")  # sampling runs on the host; the runtime owns its device
+        self.model_path = engine.path
+        spec = ModelSpec.from_dir(engine.path)
+        if spec.vocab_size != engine.vocab_size:
+            raise ConfigError(
+                f"{engine.path}: config.json says vocab_size {spec.vocab_size}, the runtime "
+                f"produces {engine.vocab_size} logits", f"rebuild: {engine.manifest.build.command}")
+        self.max_model_len = self._check_max_len(
+            config, min(spec.max_position_embeddings, engine.max_len))
+        self.tokenizer = engine.tokenizer
+        plan = plan_kv_cache(
+            num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            itemsize=_kv_itemsize(engine.runtime), block_size=config.block_size,
+            budget=config.kv_cache_memory, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, num_blocks=config.num_kv_blocks,
+            available=available_memory("cpu"))
+        log.info("KV blocks below are accounting only: the %s runtime keeps per-sequence "
+                 "caches", engine.manifest.target)
+        self.target = _EngineTarget(spec, plan, engine.runner())
+
+    def _fallback_eos_ids(self) -> list[int]:
+        return list(self.engine_dir.eos_token_ids or ()) or super()._fallback_eos_ids()
+
+    def describe(self) -> str:
+        """One line for the startup log: what actually runs."""
+        e = self.engine_dir
+        info = e.runtime.describe()
+        return (f"serving engine directory {e.path} ({e.manifest.target}, "
+                f"{e.manifest.precision}, built from {e.manifest.source.reference}) on "
+                f"{e.provider}; max_model_len {self.max_model_len}, runtime max batch "
+                f"{info.get('max_batch_size') or 'unbounded'}; prefix caching off")
+
+
+def open_serving_engine(path: str | Path, *, warn=log.warning, runtime_options=None,
+                        **engine_kwargs: Any) -> EngineDirLLMEngine:
+    """Check the manifest against this host, load the runtime, build the engine.
+
+    ``engine_kwargs`` are ``LLMEngine`` settings (as for a checkpoint);
+    :func:`engine_dir_settings` adjusts them first.
+    """
+    kwargs = engine_dir_settings(path, engine_kwargs, warn)
+    config = make_engine_config(str(path), **kwargs)
+    options = {"threads": config.num_threads, **(runtime_options or {})}
+    engine = open_engine(path, **options)  # manifest, host compatibility, file integrity
+    return EngineDirLLMEngine(config, engine)

@@ -3,6 +3,10 @@
 On SIGTERM/SIGINT uvicorn stops accepting connections and waits for in-flight ones.
 Shortly before the grace period ends we fail whatever is still generating, so every
 stream ends with an error event instead of a cut connection; then the process exits 0.
+
+Nagle's algorithm is off without our help: asyncio's socket transports (and uvloop's)
+set TCP_NODELAY on every TCP connection they create, so each SSE chunk leaves when the
+handler writes it.
 """
 
 from __future__ import annotations

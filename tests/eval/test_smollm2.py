@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -68,9 +67,6 @@ def _quant_api():
     return CalibrationSpec, QuantizeRequest, quantize
 
 
-@pytest.mark.skipif(os.environ.get("LLMCTL_UNVERIFIED_SLOW") != "1",
-                    reason="not re-verified at the end of session 1 (issue #7); "
-                           "set LLMCTL_UNVERIFIED_SLOW=1")
 def test_w8_far_below_w4_and_rtn_worst_among_w4(smollm2, tmp_path):
     """Quantize SmolLM2 with llmctl.quant (W8 RTN; W4 RTN, GPTQ, AWQ; 8 x 256 calibration
     tokens), eval each against the original on 2k held-out tokens, rank with `eval compare`.

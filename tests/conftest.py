@@ -19,6 +19,17 @@ def _llmctl_home(tmp_path_factory):
         os.environ["LLMCTL_HOME"] = old
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Engines and eval runs set torch's process-wide thread count; put it back after each
+    test so no test inherits another's setting."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     from tests.tiny import build_tiny_llama

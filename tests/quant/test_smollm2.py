@@ -5,12 +5,18 @@ with the built-in calibration set.
 - W8A8 int8 and FP8 (dynamic activations, weight-only) stay within 2% of the float model.
 """
 
+import os
+
 import pytest
 import torch
 
 from tests.quant.conftest import RECIPES
 
-pytestmark = pytest.mark.slow
+# Six SmolLM2 quantizations, 5-9 minutes on 2 cores: more than the CI budget leaves, so
+# opt-in (`LLMCTL_QUALITY_TESTS=1 make test`); last run and passed on 2026-11-22 (issue #3).
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("LLMCTL_QUALITY_TESTS") != "1",
+    reason="SmolLM2 quantization quality (5-9 min): set LLMCTL_QUALITY_TESTS=1")]
 
 SAMPLES, SEQ_LEN = 32, 256  # calibration tokens: 8k, as in the issue's orientation runs
 EVAL_WINDOWS = 6  # x 512 held-out tokens: enough to order the methods, cheap to score

@@ -29,7 +29,7 @@ def _git_commit() -> str | None:
     return f"{commit}-dirty" if commit and dirty else commit
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -62,7 +62,7 @@ def _versions() -> dict[str, str | None]:
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
         "hostname": platform.node(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "ram_bytes": _ram_bytes(),
         "os": platform.platform(),

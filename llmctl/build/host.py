@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from llmctl.report import cpu_model
+
 
 def cpu_flags() -> frozenset[str]:
     """The ISA flags the kernel reports (``/proc/cpuinfo``), empty where unknown."""
@@ -26,16 +28,6 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def package_version(name: str) -> str | None:

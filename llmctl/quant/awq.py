@@ -126,13 +126,7 @@ def clip_search(W: torch.Tensor, H: torch.Tensor, grid: IntGrid, *, n_grid: int 
     for k in range(int(n_grid * max_shrink)):
         factor = 1.0 - k / n_grid
         scale, zero = rtn.params_from_range(lo0 * factor, hi0 * factor, grid)
-        x = g / scale.unsqueeze(-1)
-        if zero is not None:
-            x = x + zero.unsqueeze(-1)
-        q = torch.clamp(torch.round(x), grid.qmin, grid.qmax)
-        if zero is not None:
-            q = q - zero.unsqueeze(-1)
-        e = q * scale.unsqueeze(-1) - g
+        e = rtn.fake_quantize_groups(g, scale, zero, grid) - g
         err = torch.einsum("rgi,gij,rgj->rg", e, blocks, e)
         better = err < best_err
         best_err = torch.where(better, err, best_err)

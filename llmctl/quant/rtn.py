@@ -115,6 +115,19 @@ def fake_quantize(w: torch.Tensor, grid: IntGrid, scale: torch.Tensor | None = N
     return dequantize(quantize(w, scale, zero, grid), scale, zero, grid, w.dtype)
 
 
+def fake_quantize_groups(g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                         grid: IntGrid) -> torch.Tensor:
+    """Quantize-dequantize grouped weights ``g`` [..., groups, size] with one scale (and
+    zero) per group [..., groups]: the inner step of every clipping search."""
+    x = g / scale.unsqueeze(-1)
+    if zero is not None:
+        x = x + zero.unsqueeze(-1)
+    q = torch.clamp(torch.round(x), grid.qmin, grid.qmax)
+    if zero is not None:
+        q = q - zero.unsqueeze(-1)
+    return q * scale.unsqueeze(-1)
+
+
 def mse_params(w: torch.Tensor, grid: IntGrid, *, steps: int = 20, max_shrink: float = 0.20,
                norm: float = 2.4) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-group clipping search: try ranges shrunk by up to ``max_shrink`` and keep the
@@ -126,13 +139,7 @@ def mse_params(w: torch.Tensor, grid: IntGrid, *, steps: int = 20, max_shrink: f
     for i in range(steps + 1):
         factor = 1.0 - max_shrink * i / steps
         scale, zero = params_from_range(lo0 * factor, hi0 * factor, grid)
-        x = g / scale.unsqueeze(-1)
-        if zero is not None:
-            x = x + zero.unsqueeze(-1)
-        q = torch.clamp(torch.round(x), grid.qmin, grid.qmax)
-        if zero is not None:
-            q = q - zero.unsqueeze(-1)
-        err = (q * scale.unsqueeze(-1) - g).abs().pow(norm).sum(dim=-1)
+        err = (fake_quantize_groups(g, scale, zero, grid) - g).abs().pow(norm).sum(dim=-1)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)

@@ -12,6 +12,10 @@ one call:
   context, rounded up to blocks) and masked: query ``i`` of a sequence with ``ctx``
   tokens sits at position ``ctx - q_len + i`` and sees keys ``j <= ctx - q_len + i``.
 
+  With a native kernel (:mod:`llmctl.serve.cpu_kernels`) a ``paged`` group with a short
+  ``q_len`` skips the gather: the kernel walks the block tables itself
+  (``context_lens`` set, no mask or gather index).
+
 Grouped-query attention without repeating K/V: the ``g = heads / kv_heads`` query heads
 of one KV head are folded into the query length, ``q [B, kv_heads, g * q_len, d]``
 against ``k [B, kv_heads, S, d]`` (HF's ``repeat_kv`` gives query head ``h`` the KV head
@@ -20,6 +24,7 @@ against ``k [B, kv_heads, S, d]`` (HF's ``repeat_kv`` gives query head ``h`` the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +44,33 @@ class AttnGroup:
     # memcpy per row, several times faster than advanced indexing on the 5-d cache)
     gather_index: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # [B, 1, g * q_len or 1, S] additive: 0 or -inf
+    context_lens: torch.Tensor | None = None  # [B] long: set when the kernel runs the group
 
 
 @dataclass
 class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
     groups: list[AttnGroup]
+    # cpu_kernels.paged_attention_kernel's callable, for groups with context_lens
+    kernel: Callable | None = None
+
+
+def block_table_tensor(block_tables: list[list[int]]) -> torch.Tensor:
+    """``[B, max_blocks]`` long, rows zero-padded."""
+    tables = torch.zeros((len(block_tables), max(len(t) for t in block_tables)),
+                         dtype=torch.long)
+    for row, table in enumerate(block_tables):
+        tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
+    return tables
+
+
+def build_kernel_group(start: int, q_len: int, context_lens: list[int],
+                       block_tables: list[list[int]], *, device: torch.device) -> AttnGroup:
+    """Metadata for a paged group the native kernel runs: tables and context lengths."""
+    return AttnGroup(start=start, end=start + len(context_lens) * q_len,
+                     num_seqs=len(context_lens), q_len=q_len, fresh=False,
+                     block_tables=block_table_tensor(block_tables).to(device),
+                     context_lens=torch.tensor(context_lens, dtype=torch.long, device=device))
 
 
 def build_paged_group(start: int, q_len: int, context_lens: list[int],
@@ -54,10 +80,8 @@ def build_paged_group(start: int, q_len: int, context_lens: list[int],
     """Metadata for sequences computing ``q_len`` tokens each with the given contexts
     (``num_blocks``: the cache's block count, where the V rows start)."""
     num_seqs = len(context_lens)
-    max_blocks = max(len(t) for t in block_tables)
-    tables = torch.zeros((num_seqs, max_blocks), dtype=torch.long)
-    for row, table in enumerate(block_tables):
-        tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
+    tables = block_table_tensor(block_tables)
+    max_blocks = tables.shape[1]
     ctx = torch.tensor(context_lens, dtype=torch.long)
     keys = torch.arange(max_blocks * block_size)
     # last visible key of query i: ctx - q_len + i
@@ -95,6 +119,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                 v[grp.start:grp.end].view(b, lq, kv_heads, head_dim).transpose(1, 2),
                 is_causal=True, scale=scale, enable_gqa=g > 1)
             outs.append(o.transpose(1, 2).reshape(b * lq, num_heads * head_dim))
+            continue
+        if grp.context_lens is not None:
+            outs.append(meta.kernel(qs, kv_cache, grp.block_tables, grp.context_lens, lq, scale))
             continue
         s = grp.block_tables.shape[1] * kv_cache.shape[2]
         rows = kv_cache.view(-1, kv_cache.shape[2] * kv_heads * head_dim)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from llmctl.errors import UnsupportedArchitectureError
 from llmctl.models.architectures import get_architecture
 from llmctl.serve.attention import AttnMetadata, paged_attention
+from llmctl.serve.cpu_kernels import norm_act_kernels
 from llmctl.serve.rope import apply_rope, rope_freqs, rope_parameters
 
 # model_type -> features: a bool, or the config key that switches the feature on.
@@ -139,6 +140,23 @@ class Layer:
             setattr(self, name, parts.get(name))
 
 
+class TorchNormAct:
+    """Residual add + RMSNorm, and SwiGLU's activation, as torch ops (any dtype/device);
+    :class:`llmctl.serve.cpu_kernels.NormActKernels` fuses them for bf16 on the CPU."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        if residual is not None:
+            x.add_(residual)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class LlamaModel:
     """Weights + forward. Build with :func:`llmctl.serve.weights.load_model`."""
 
@@ -157,22 +175,25 @@ class LlamaModel:
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
+        self.norm_act = norm_act_kernels(device, dtype) or TorchNormAct()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; writes K/V into the cache."""
         spec = self.spec
         eps = spec.rms_norm_eps
-        hidden = (spec.hidden_size,)
         head = (spec.head_dim,)
         t = input_ids.shape[0]
         nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         freqs = self.freqs[positions].unsqueeze(1)
         qk_size = self.q_size + self.kv_size
         slots = meta.slot_mapping
+        ops = self.norm_act
+        # x is the residual stream, updated in place; each norm also adds the residual
+        # branch that precedes it (the last layer's MLP output goes into the final norm)
         x = F.embedding(input_ids, self.embed)
+        h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, hidden, layer.input_norm, eps)
             qkv = layer.qkv(h)
             qk = qkv[:, :qk_size].view(t, nh + nkv, d)
             v = qkv[:, qk_size:].view(t, nkv, d)
@@ -187,11 +208,11 @@ class LlamaModel:
             layer_cache[0].view(-1, nkv, d).index_copy_(0, slots, k)
             layer_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
             attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
-            x = x + layer.o(attn.to(x.dtype))
-            h = F.rms_norm(x, hidden, layer.post_norm, eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        return F.rms_norm(x, hidden, self.norm, eps)
+            h = ops.add_rms_norm(x, layer.o(attn.to(x.dtype)), layer.post_norm, eps)
+            mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            h = ops.add_rms_norm(x, mlp, following, eps)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmctl.serve.attention import AttnGroup, AttnMetadata, build_paged_group
+from llmctl.serve.attention import AttnGroup, AttnMetadata, build_kernel_group, build_paged_group
+from llmctl.serve.cpu_kernels import paged_attention_kernel
 from llmctl.serve.model import LlamaModel
 from llmctl.serve.scheduler import ScheduledSeq
 
@@ -69,6 +70,12 @@ def context_buckets(items: list[ScheduledSeq], spread: float = 2.0) -> list[list
     return buckets
 
 
+# Paged groups of up to this many query tokens per sequence go to the native kernel
+# (decodes, draft verification); longer prompt chunks keep gather + SDPA, whose
+# matrix-matrix products win once many queries share each K/V row.
+KERNEL_MAX_Q_LEN = 32
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
         self.model = model
@@ -76,6 +83,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.group_heads = model.spec.num_heads // model.spec.num_kv_heads
+        self.kernel = paged_attention_kernel(self.device, kv_cache.dtype)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -136,6 +144,15 @@ class ModelRunner:
             groups.append(AttnGroup(start=start, end=len(tokens), num_seqs=len(items),
                                     q_len=q_len, fresh=True))
         for q_len, items in sorted(by_len.items()):
+            if self.kernel is not None and q_len <= KERNEL_MAX_Q_LEN:
+                # no padding to bucket against: one group however the contexts spread
+                start = len(tokens)
+                for item in items:
+                    add(item)
+                groups.append(build_kernel_group(
+                    start, q_len, [i.seq.num_computed_tokens + q_len for i in items],
+                    [i.seq.block_table for i in items], device=self.device))
+                continue
             for bucket in context_buckets(items):
                 start = len(tokens)
                 for item in bucket:
@@ -148,7 +165,7 @@ class ModelRunner:
 
         dev = self.device
         meta = AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                            groups=groups)
+                            groups=groups, kernel=self.kernel)
         hidden = self.model.forward(torch.tensor(tokens, dtype=torch.long, device=dev),
                                     torch.tensor(positions, dtype=torch.long, device=dev),
                                     meta, self.kv_cache)

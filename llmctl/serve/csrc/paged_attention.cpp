@@ -1,0 +1,562 @@
+// Paged attention on CPU: queries against K/V read in place through block tables.
+//
+// The pure-torch path gathers every sequence's blocks into a padded [B, S] tensor and
+// then runs SDPA on it: each cached K/V byte is read, written and read again, plus the
+// padding. Here each (sequence, KV head) pair is one work item that walks its block
+// table once with an online softmax (Milakov & Gimelshein 2018), so the cache is read
+// exactly once per step. The g = heads / kv_heads query heads of a KV head, times q_len
+// query positions, share every K/V row loaded: GQA costs no extra memory traffic.
+//
+// Causality: query i (of q_len) of a sequence with ctx tokens sits at position
+// ctx - q_len + i and sees keys j <= ctx - q_len + i.
+//
+// Built by llmctl/serve/cpu_kernels.py with -O3 -march=native -fopenmp and loaded with
+// ctypes (a C ABI, no torch headers: it compiles in about a second).
+
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+
+inline float load(const uint16_t* p, int64_t i) {
+  // bfloat16 is the top half of a float32
+  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = load(src, i);
+}
+
+template <typename T>
+void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+            int64_t max_blocks, const int64_t* context_lens, int64_t num_seqs, int64_t q_len,
+            int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+            float scale, float* out, int num_threads) {
+  const int64_t g = num_heads / num_kv_heads;
+  const int64_t rows = g * q_len;
+  const int64_t d = head_dim;
+  const int64_t items = num_seqs * num_kv_heads;
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    // per-thread scratch: queries, accumulators, running max/sum, one K/V row in float
+    std::vector<float> qf(rows * d), acc(rows * d), m(rows), l(rows), kf(d), vf(d), s(rows);
+    std::vector<int64_t> limit(rows);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t seq = item / num_kv_heads;
+      const int64_t kvh = item % num_kv_heads;
+      const int64_t ctx = context_lens[seq];
+      const int64_t* table = block_tables + seq * max_blocks;
+      // row r = i * g + j: query position i, head kvh * g + j
+      for (int64_t i = 0; i < q_len; ++i) {
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = i * g + j;
+          const T* src = q + (seq * q_len + i) * q_stride + (kvh * g + j) * d;
+          float* dst = qf.data() + r * d;
+#pragma omp simd
+          for (int64_t x = 0; x < d; ++x) dst[x] = load(src, x) * scale;
+          limit[r] = ctx - q_len + i;
+          m[r] = -INFINITY;
+          l[r] = 0.f;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+
+      for (int64_t pos = 0; pos < ctx; ++pos) {
+        const int64_t block = table[pos / block_size];
+        const int64_t off = ((block * block_size + pos % block_size) * num_kv_heads + kvh) * d;
+        to_float(k_cache + off, kf.data(), d);
+        to_float(v_cache + off, vf.data(), d);
+        for (int64_t r = 0; r < rows; ++r) {
+          if (pos > limit[r]) continue;
+          const float* qr = qf.data() + r * d;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t x = 0; x < d; ++x) dot += qr[x] * kf[x];
+          float* ar = acc.data() + r * d;
+          if (dot > m[r]) {
+            // new running max: rescale what was accumulated under the old one
+            const float c = std::exp(m[r] - dot);
+            l[r] = l[r] * c + 1.f;
+#pragma omp simd
+            for (int64_t x = 0; x < d; ++x) ar[x] = ar[x] * c + vf[x];
+            m[r] = dot;
+          } else {
+            const float p = std::exp(dot - m[r]);
+            l[r] += p;
+#pragma omp simd
+            for (int64_t x = 0; x < d; ++x) ar[x] += p * vf[x];
+          }
+        }
+      }
+
+      for (int64_t i = 0; i < q_len; ++i) {
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = i * g + j;
+          float* dst = out + ((seq * q_len + i) * num_heads + kvh * g + j) * d;
+          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+          const float* ar = acc.data() + r * d;
+#pragma omp simd
+          for (int64_t x = 0; x < d; ++x) dst[x] = ar[x] * inv;
+        }
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+
+// Blocks of one sequence are scattered over the cache and a work item reads one KV
+// head's rows of each (every num_kv_heads-th row): the hardware prefetcher cannot follow
+// that, and without help each tile starts with a stall on DRAM. So each tile first asks
+// for the next tile's rows.
+template <typename T>
+inline void prefetch_tile(const T* k_cache, const T* v_cache, const int64_t* table,
+                          int64_t next, int64_t ctx, int64_t block_size, int64_t num_kv_heads,
+                          int64_t kvh, int64_t d) {
+  if (next >= ctx) return;
+  const int64_t nk = ctx - next < 16 ? ctx - next : 16;
+  const int64_t block = table[next / block_size];
+  const int64_t base = ((block * block_size + next % block_size) * num_kv_heads + kvh) * d;
+  const int64_t stride = num_kv_heads * d;
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < nk; ++t) {
+    const char* kr = reinterpret_cast<const char*>(k_cache + base + t * stride);
+    const char* vr = reinterpret_cast<const char*>(v_cache + base + t * stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(kr + b, _MM_HINT_T0);
+      _mm_prefetch(vr + b, _MM_HINT_T0);
+    }
+  }
+}
+
+// The 16 rows of a tile (row_elems each, stride apart) into L1.
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t stride, int64_t row_elems) {
+  const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < 16; ++t) {
+    const char* row = reinterpret_cast<const char*>(first + t * stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
+// One K/V row of d = 16 * D4 elements as D4 float32 vectors.
+template <int D4>
+inline void load_row(const float* p, __m512* out) {
+  for (int j = 0; j < D4; ++j) out[j] = _mm512_loadu_ps(p + 16 * j);
+}
+
+template <int D4>
+inline void load_row(const uint16_t* p, __m512* out) {
+  for (int j = 0; j < D4; ++j) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p + 16 * j)));
+    out[j] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+}
+
+// exp(x) for x <= 0: 2^(x log2 e) = 2^n * 2^f with n = floor, f in [0, 1); 2^f by a
+// degree-6 polynomial (relative error < 2e-7), 2^n applied by scalef. Inputs are clamped
+// at -87 (exp = 1.6e-38): masked lanes are zeroed by the caller.
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Blocks of up to 16 keys: the 16 scores of a row are one vector, so the softmax
+// (max, exp, sum) is vectorised over keys; Q and the accumulators stay in float32.
+template <int D4, typename T>
+void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                   int64_t max_blocks, const int64_t* context_lens, int64_t num_seqs,
+                   int64_t q_len, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                   float scale, float* out, int num_threads) {
+  constexpr int64_t d = 16 * D4;
+  const int64_t g = num_heads / num_kv_heads;
+  const int64_t rows = g * q_len;
+  const int64_t items = num_seqs * num_kv_heads;
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> qf(rows * d), acc(rows * d), m(rows), l(rows), probs(rows * 16),
+        scores(rows * 16);
+    std::vector<int64_t> limit(rows);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t seq = item / num_kv_heads;
+      const int64_t kvh = item % num_kv_heads;
+      const int64_t ctx = context_lens[seq];
+      const int64_t* table = block_tables + seq * max_blocks;
+      for (int64_t i = 0; i < q_len; ++i) {
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = i * g + j;
+          const T* src = q + (seq * q_len + i) * q_stride + (kvh * g + j) * d;
+          for (int64_t x = 0; x < d; ++x) qf[r * d + x] = load(src, x) * scale;
+          limit[r] = ctx - q_len + i;
+          m[r] = -INFINITY;
+          l[r] = 0.f;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+
+      for (int64_t start = 0; start < ctx; start += 16) {
+        const int64_t nk = ctx - start < 16 ? ctx - start : 16;
+        // 16-key tiles never straddle a block when block_size is a multiple of 16; the
+        // caller guarantees it (other sizes take the generic path)
+        const int64_t block = table[start / block_size];
+        const int64_t base = ((block * block_size + start % block_size) * num_kv_heads + kvh) * d;
+        const int64_t stride = num_kv_heads * d;
+        prefetch_tile(k_cache, v_cache, table, start + 16, ctx, block_size, num_kv_heads, kvh, d);
+        // scores: each K row loaded once and dotted with every row's query
+        for (int64_t t = 0; t < nk; ++t) {
+          __m512 kv[D4];
+          load_row<D4>(k_cache + base + t * stride, kv);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* qr = qf.data() + r * d;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
+            for (int j = 1; j < D4; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * j), kv[j], s);
+            scores[r * 16 + t] = _mm512_reduce_add_ps(s);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          if (limit[r] < start) {
+            // no visible key in this tile: no weight for any of its values
+            _mm512_storeu_ps(probs.data() + r * 16, _mm512_setzero_ps());
+            continue;
+          }
+          const int64_t visible = limit[r] - start + 1;  // keys t < visible are seen
+          const int64_t valid = visible < nk ? visible : nk;
+          const __mmask16 live = static_cast<__mmask16>((1u << valid) - 1u);
+          const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, scores.data() + r * 16);
+          const float bm = _mm512_reduce_max_ps(s);
+          const float nm = bm > m[r] ? bm : m[r];
+          const float c = std::exp(m[r] - nm);  // 0 on the first tile (m = -inf)
+          const __m512 p = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(s, _mm512_set1_ps(nm))));
+          l[r] = l[r] * c + _mm512_reduce_add_ps(p);
+          m[r] = nm;
+          _mm512_storeu_ps(probs.data() + r * 16, p);
+          float* ar = acc.data() + r * d;
+          const __m512 cv = _mm512_set1_ps(c);
+          for (int j = 0; j < D4; ++j)
+            _mm512_storeu_ps(ar + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * j), cv));
+        }
+        // values: each V row loaded once, added into every row that sees it
+        for (int64_t t = 0; t < nk; ++t) {
+          __m512 vv[D4];
+          load_row<D4>(v_cache + base + t * stride, vv);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float pr = probs[r * 16 + t];
+            if (!(pr > 0.f)) continue;  // masked, underflowed, or a skipped row
+            const __m512 pv = _mm512_set1_ps(pr);
+            float* ar = acc.data() + r * d;
+            for (int j = 0; j < D4; ++j)
+              _mm512_storeu_ps(ar + 16 * j,
+                               _mm512_fmadd_ps(pv, vv[j], _mm512_loadu_ps(ar + 16 * j)));
+          }
+        }
+      }
+
+      for (int64_t i = 0; i < q_len; ++i) {
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = i * g + j;
+          float* dst = out + ((seq * q_len + i) * num_heads + kvh * g + j) * d;
+          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+          for (int64_t x = 0; x < d; ++x) dst[x] = acc[r * d + x] * inv;
+        }
+      }
+    }
+  }
+}
+#endif  // __AVX512F__
+
+#if defined(__AVX512BF16__)
+// A 64-byte aligned array of vectors (std::vector does not promise over-alignment).
+struct Vectors {
+  __m512* data;
+  int64_t n;
+  explicit Vectors(int64_t count)
+      : data(static_cast<__m512*>(std::aligned_alloc(64, count * sizeof(__m512)))), n(count) {}
+  ~Vectors() { std::free(data); }
+  Vectors(const Vectors&) = delete;
+  Vectors& operator=(const Vectors&) = delete;
+  __m512& operator[](int64_t i) { return data[i]; }
+  void zero() { for (int64_t i = 0; i < n; ++i) data[i] = _mm512_setzero_ps(); }
+};
+
+// Sum of each of 16 vectors, as one vector: out[t] = sum of v[t]'s lanes. A transpose
+// tree (unpack 32-bit, unpack 64-bit, two 128-bit lane shuffles) does the 16 horizontal
+// sums in 45 instructions instead of 16 separate reductions' ~130.
+inline __m512 reduce16(__m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // each 128-bit lane of x[i] now holds keys 4i..4i+3, summed over that lane's columns
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
+                       _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+// bfloat16 cache with AVX512-BF16: both products run on vdpbf16ps (pairs of bf16
+// multiplied, summed into float32), so K/V rows are used as loaded, never converted.
+// Q.K: the query row as stored (bf16) against each key row, scaled afterwards.
+// P.V: keys taken in pairs, V rows t and t+1 interleaved element-wise, probabilities
+// (p_t, p_t+1) rounded to bf16 as FlashAttention does for its second matmul; the
+// interleave permutes output columns within 128-bit lanes, undone at the end.
+//
+// Two passes instead of an online softmax: all scores of a work item first (a few KB:
+// rows x context floats), then one max/exp/sum per row, then P.V. The tiles of each
+// pass are independent, so the core overlaps them; the online form chains every tile
+// through a max -> exp -> rescale dependency and ran at a third of the speed.
+template <int D2>  // head_dim = 32 * D2
+void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                 const int64_t* block_tables, int64_t max_blocks, const int64_t* context_lens,
+                 int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t block_size, float scale, float* out,
+                 int num_threads) {
+  constexpr int64_t d = 32 * D2;
+  const int64_t g = num_heads / num_kv_heads;
+  const int64_t rows = g * q_len;
+  const int64_t items = num_seqs * num_kv_heads;
+  const int64_t stride = num_kv_heads * d;
+  int64_t max_ctx = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) max_ctx = std::max(max_ctx, context_lens[s]);
+  const int64_t padded = (max_ctx + 15) / 16 * 16;
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    // per row: 2 * D2 accumulators (unpacklo and unpackhi halves of each 32 columns)
+    Vectors acc(rows * 2 * D2), vpairs(8 * 2 * D2);
+    std::vector<float> scores(rows * padded);
+    std::vector<uint32_t> pairs(rows * padded / 2);
+    std::vector<float> inv(rows);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t seq = item / num_kv_heads;
+      const int64_t kvh = item % num_kv_heads;
+      const int64_t ctx = context_lens[seq];
+      const int64_t tiles = (ctx + 15) / 16;
+      const int64_t* table = block_tables + seq * max_blocks;
+      auto tile_base = [&](int64_t tile) {
+        const int64_t start = tile * 16;
+        const int64_t block = table[start / block_size];
+        return ((block * block_size + start % block_size) * num_kv_heads + kvh) * d;
+      };
+
+      // pass 1: scores, -inf where a query may not look (causality, past the context)
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t start = tile * 16;
+        const int64_t nk = std::min<int64_t>(ctx - start, 16);
+        const uint16_t* kt = k_cache + tile_base(tile);
+        if (tile + 1 < tiles) prefetch_rows(k_cache + tile_base(tile + 1), stride, d);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = r / g, j = r % g;
+          const int64_t visible = ctx - q_len + i - start + 1;  // keys t < visible are seen
+          float* sr = scores.data() + r * padded + start;
+          if (visible <= 0) {
+            _mm512_storeu_ps(sr, _mm512_set1_ps(-INFINITY));
+            continue;
+          }
+          const uint16_t* qr = q + (seq * q_len + i) * q_stride + (kvh * g + j) * d;
+          __m512bh qv[D2];
+          for (int jj = 0; jj < D2; ++jj) qv[jj] = (__m512bh)_mm512_loadu_si512(qr + 32 * jj);
+          // all 16 rows of the tile, also past ctx: the tile lies inside one allocated
+          // block, and the lanes of those keys are masked to -inf below
+          __m512 part[16];
+          for (int64_t t = 0; t < 16; ++t) {
+            const uint16_t* kr = kt + t * stride;
+            __m512 acc_t = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0],
+                                            (__m512bh)_mm512_loadu_si512(kr));
+            for (int jj = 1; jj < D2; ++jj)
+              acc_t = _mm512_dpbf16_ps(acc_t, qv[jj], (__m512bh)_mm512_loadu_si512(kr + 32 * jj));
+            part[t] = acc_t;
+          }
+          const int64_t valid = std::min(visible, nk);
+          const __mmask16 live = static_cast<__mmask16>((1u << valid) - 1u);
+          _mm512_storeu_ps(sr, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                                  _mm512_mul_ps(reduce16(part),
+                                                                _mm512_set1_ps(scale))));
+        }
+      }
+
+      // softmax per row; probabilities to bf16 pairs for pass 2
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores.data() + r * padded;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t tile = 0; tile < tiles; ++tile)
+          mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + tile * 16));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 lv = _mm512_setzero_ps();
+        uint32_t* pr = pairs.data() + r * padded / 2;
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+          const __m512 sv = _mm512_loadu_ps(sr + tile * 16);
+          // -inf lanes: exp_neg clamps them to ~1e-38; zero them exactly
+          const __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+          const __m512 p = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(sv, m)));
+          lv = _mm512_add_ps(lv, p);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + tile * 8),
+                              (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        const float l = _mm512_reduce_add_ps(lv);
+        inv[r] = l > 0.f ? 1.f / l : 0.f;
+      }
+
+      // pass 2: P.V, V rows interleaved in pairs (a zero row pads an odd tail)
+      acc.zero();
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t start = tile * 16;
+        const int64_t nk = std::min<int64_t>(ctx - start, 16);
+        const uint16_t* vt = v_cache + tile_base(tile);
+        if (tile + 1 < tiles) prefetch_rows(v_cache + tile_base(tile + 1), stride, d);
+        const int64_t npairs = (nk + 1) / 2;
+        for (int64_t pp = 0; pp < npairs; ++pp) {
+          const uint16_t* va = vt + (2 * pp) * stride;
+          for (int jj = 0; jj < D2; ++jj) {
+            const __m512i a = _mm512_loadu_si512(va + 32 * jj);
+            const __m512i b = 2 * pp + 1 < nk ? _mm512_loadu_si512(va + stride + 32 * jj)
+                                              : _mm512_setzero_si512();
+            vpairs[(pp * D2 + jj) * 2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a, b));
+            vpairs[(pp * D2 + jj) * 2 + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a, b));
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint32_t* pr = pairs.data() + r * padded / 2 + tile * 8;
+          __m512 a[2 * D2];
+          __m512* ar = acc.data + r * 2 * D2;
+          for (int jj = 0; jj < 2 * D2; ++jj) a[jj] = ar[jj];
+          for (int64_t pp = 0; pp < npairs; ++pp) {
+            const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pr[pp]));
+            for (int jj = 0; jj < 2 * D2; ++jj)
+              a[jj] = _mm512_dpbf16_ps(a[jj], pv,
+                                       (__m512bh)_mm512_castps_si512(vpairs[pp * 2 * D2 + jj]));
+          }
+          for (int jj = 0; jj < 2 * D2; ++jj) ar[jj] = a[jj];
+        }
+      }
+
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r / g, j = r % g;
+        float* dst = out + ((seq * q_len + i) * num_heads + kvh * g + j) * d;
+        alignas(64) float lo[16], hi[16];
+        for (int jj = 0; jj < D2; ++jj) {
+          _mm512_store_ps(lo, acc[r * 2 * D2 + 2 * jj]);
+          _mm512_store_ps(hi, acc[r * 2 * D2 + 2 * jj + 1]);
+          // 32-bit lane 4L + w of lo is column 8L + w, of hi column 8L + 4 + w
+          float* col = dst + 32 * jj;
+          for (int lane = 0; lane < 4; ++lane)
+            for (int w = 0; w < 4; ++w) {
+              col[8 * lane + w] = lo[4 * lane + w] * inv[r];
+              col[8 * lane + 4 + w] = hi[4 * lane + w] * inv[r];
+            }
+        }
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
+// The vectorised kernel where it applies (AVX-512, head_dim 64 or 128, tiles of 16 keys
+// inside one block), the portable loop otherwise.
+inline bool dispatch_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                          const int64_t* bt, int64_t max_blocks, const int64_t* ctx,
+                          int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                          float scale, float* out, int num_threads) {
+#if defined(__AVX512BF16__)
+  if (block_size % 16 == 0) {
+    if (head_dim == 64) {
+      attend_bf16<2>(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
+                     num_kv_heads, block_size, scale, out, num_threads);
+      return true;
+    }
+    if (head_dim == 128) {
+      attend_bf16<4>(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
+                     num_kv_heads, block_size, scale, out, num_threads);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
+template <typename T>
+void dispatch(const T* q, const T* k, const T* v, const int64_t* bt, int64_t max_blocks,
+              const int64_t* ctx, int64_t num_seqs, int64_t q_len, int64_t q_stride,
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out,
+              int num_threads) {
+#if defined(__AVX512F__)
+  if (block_size % 16 == 0) {
+    if (head_dim == 64)
+      return attend_avx512<4>(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
+                              num_kv_heads, block_size, scale, out, num_threads);
+    if (head_dim == 128)
+      return attend_avx512<8>(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
+                              num_kv_heads, block_size, scale, out, num_threads);
+  }
+#endif
+  attend(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads, num_kv_heads, head_dim,
+         block_size, scale, out, num_threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// q [num_seqs * q_len, num_heads, head_dim] with q_stride elements between tokens; k_cache, v_cache [blocks, block_size,
+// num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks]; out float32 shaped like q.
+void paged_attention_f32(const float* q, const float* k, const float* v, const int64_t* bt,
+                         int64_t max_blocks, const int64_t* ctx, int64_t num_seqs, int64_t q_len,
+                         int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, float* out, int num_threads) {
+  dispatch(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads, num_kv_heads, head_dim,
+           block_size, scale, out, num_threads);
+}
+
+void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                          const int64_t* bt, int64_t max_blocks, const int64_t* ctx,
+                          int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                          float scale, float* out, int num_threads) {
+  if (dispatch_bf16(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
+                    num_kv_heads, head_dim, block_size, scale, out, num_threads))
+    return;
+  dispatch(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads, num_kv_heads, head_dim,
+           block_size, scale, out, num_threads);
+}
+
+}  // extern "C"

@@ -1,0 +1,206 @@
+"""The native CPU kernels against the torch reference paths they replace.
+
+Paged attention is compared with the gather + SDPA path (fresh random caches, shuffled
+block tables, contexts that end inside and on tile/block edges, strided queries, every
+dispatch branch: AVX-512 float32, AVX512-BF16, the portable loop); the fused bf16 norm
+and activation with transformers' formulas bit for bit; the engine with the kernels
+switched off still runs and agrees.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmctl.serve import cpu_kernels
+from llmctl.serve.attention import AttnMetadata, build_kernel_group, build_paged_group, \
+    paged_attention
+
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.paged_attention_kernel(torch.device("cpu"), torch.float32) is None,
+    reason="no C++ compiler: the native kernels are not built here")
+
+
+def _case(*, heads, kv_heads, head_dim, block_size, contexts, q_len, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(blocks_needed) + 3
+    cache = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=gen)
+    cache = cache.to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in blocks_needed:
+        tables.append(order[used:used + n])
+        used += n
+    tokens = len(contexts) * q_len
+    # q as a strided slice of a fused [tokens, heads + kv_heads, d] tensor, as the model has
+    fused = torch.randn((tokens, heads + kv_heads, head_dim), generator=gen).to(dtype)
+    return cache, tables, fused[:, :heads], num_blocks
+
+
+def _reference(q, cache, tables, contexts, q_len, num_blocks, scale):
+    heads, kv_heads = q.shape[1], cache.shape[3]
+    grp = build_paged_group(0, q_len, contexts, tables, block_size=cache.shape[2],
+                            num_blocks=num_blocks, group_heads=heads // kv_heads,
+                            device=torch.device("cpu"), dtype=torch.float32)
+    meta = AttnMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), groups=[grp])
+    k = torch.zeros((q.shape[0], kv_heads, q.shape[2]))
+    return paged_attention(q.float(), k, k, cache.float(), meta, scale)
+
+
+CASES = {
+    # name: heads, kv_heads, head_dim, block_size
+    "avx512-d64-gqa3": (9, 3, 64, 16),
+    "avx512-d128-mha": (4, 4, 128, 32),
+    "portable-d16": (4, 2, 16, 16),
+    "portable-block8": (6, 2, 64, 8),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("q_len", [1, 3, 20])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_paged_attention_kernel_matches_gather_and_sdpa(case, q_len, dtype):
+    heads, kv_heads, head_dim, block_size = CASES[case]
+    # contexts: shorter than a tile, exactly one tile/block, odd tails, long
+    contexts = [q_len + extra for extra in (0, 5, 15, 16, 31, 33, 200)]
+    cache, tables, q, num_blocks = _case(heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                         block_size=block_size, contexts=contexts,
+                                         q_len=q_len, dtype=dtype)
+    scale = head_dim ** -0.5
+    kernel = cpu_kernels.paged_attention_kernel(torch.device("cpu"), dtype)
+    grp = build_kernel_group(0, q_len, contexts, tables, device=torch.device("cpu"))
+    out = kernel(q, cache, grp.block_tables, grp.context_lens, q_len, scale)
+    ref = _reference(q, cache, tables, contexts, q_len, num_blocks, scale)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    # bf16: the second product rounds probabilities to bf16 (as FlashAttention does)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@needs_kernels
+def test_paged_attention_kernel_reads_only_the_block_table():
+    """Garbage (NaN) in blocks the table does not name never reaches the output."""
+    contexts = [17, 40]
+    cache, tables, q, num_blocks = _case(heads=9, kv_heads=3, head_dim=64, block_size=16,
+                                         contexts=contexts, q_len=1, dtype=torch.bfloat16)
+    named = {b for t in tables for b in t}
+    for b in set(range(num_blocks)) - named:
+        cache[:, b] = float("nan")
+    kernel = cpu_kernels.paged_attention_kernel(torch.device("cpu"), torch.bfloat16)
+    grp = build_kernel_group(0, 1, contexts, tables, device=torch.device("cpu"))
+    out = kernel(q, cache, grp.block_tables, grp.context_lens, 1, 0.125)
+    assert torch.isfinite(out).all()
+
+
+def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward for a bf16 input."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_fused_add_rms_norm_matches_transformers(rows):
+    ops = cpu_kernels.norm_act_kernels(torch.device("cpu"), torch.bfloat16)
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn((rows, 576), generator=gen) * 3).bfloat16()
+    r = torch.randn((rows, 576), generator=gen).bfloat16()
+    w = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    ref_x = x + r
+    ref_h = _hf_rms_norm(ref_x, w, 1e-5)
+    h = ops.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(x, ref_x)  # the residual add is exact bf16 rounding, in place
+    # 1/sqrt against torch.rsqrt may differ in the last float bit: a rare bf16 flip
+    assert (h != ref_h).float().mean().item() < 1e-3
+    torch.testing.assert_close(h.float(), ref_h.float(), atol=0, rtol=2 ** -7)
+    h2 = ops.add_rms_norm(ref_x.clone(), None, w, 1e-5)  # no residual: x untouched
+    torch.testing.assert_close(h2.float(), ref_h.float(), atol=0, rtol=2 ** -7)
+
+
+@needs_kernels
+@pytest.mark.parametrize("width", [128, 1536, 1000])  # 1000: a tail past the 16-lane loop
+def test_fused_silu_mul_matches_torch(width):
+    ops = cpu_kernels.norm_act_kernels(torch.device("cpu"), torch.bfloat16)
+    gate_up = (torch.randn((33, 2 * width), generator=torch.Generator().manual_seed(1)) * 4)
+    gate_up = gate_up.bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = ops.silu_mul(gate_up)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert (out != ref).float().mean().item() < 1e-3  # polynomial exp: rare 1-ulp flips
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-6, rtol=2 ** -7)
+
+
+def test_kernels_absent_for_other_devices_and_dtypes():
+    assert cpu_kernels.paged_attention_kernel(torch.device("meta"), torch.float32) is None
+    assert cpu_kernels.paged_attention_kernel(torch.device("cpu"), torch.float16) is None
+    assert cpu_kernels.norm_act_kernels(torch.device("cpu"), torch.float32) is None
+
+
+@pytest.fixture
+def kernels_off(monkeypatch):
+    monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
+    cpu_kernels._library.cache_clear()
+    yield
+    cpu_kernels._library.cache_clear()
+
+
+def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path, caplog):
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\necho 'fatal: no compiler today' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("LLMCTL_HOME", str(tmp_path / "home"))
+    cpu_kernels._library.cache_clear()
+    try:
+        assert cpu_kernels.paged_attention_kernel(torch.device("cpu"), torch.float32) is None
+        assert "building the CPU kernels failed" in caplog.text
+        assert "no compiler today" in caplog.text
+        assert not list((tmp_path / "home" / "kernels").glob("*.so"))  # nothing half-built
+    finally:
+        cpu_kernels._library.cache_clear()
+
+
+@pytest.mark.usefixtures("kernels_off")
+def test_engine_greedy_on_the_torch_path_equals_transformers(tiny_llama):
+    from llmctl.serve.llm import LLM
+    from tests.serve.test_engine_greedy import _check_against_hf
+
+    llm = LLM(str(tiny_llama), kv_cache_memory="8MiB")
+    assert llm.engine.runner.kernel is None
+    _check_against_hf(tiny_llama, llm)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_smollm2_bf16_kernels_agree_with_the_torch_path(smollm2, monkeypatch):
+    """bf16 SmolLM2 through the engine, kernels on vs off: same greedy continuation for
+    a batch of prompts with mixed lengths (decodes run through the kernel)."""
+    from llmctl.serve.llm import LLM
+    from llmctl.serve.sampling_params import SamplingParams
+    from tests.serve.conftest import PROMPTS, encode
+
+    ids = [encode(smollm2, p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12)
+
+    def run():
+        llm = LLM(str(smollm2), dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=256)
+        return llm, [o.outputs[0].token_ids for o in llm.generate(ids, params)]
+
+    fused, with_kernels = run()
+    assert fused.engine.runner.kernel is not None
+    monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
+    cpu_kernels._library.cache_clear()
+    try:
+        plain, without = run()
+        assert plain.engine.runner.kernel is None
+    finally:
+        cpu_kernels._library.cache_clear()
+    # bf16 rounding differs between the paths (fused norms round like transformers, the
+    # kernel rounds probabilities): allow a late divergence, not an early one
+    for a, b in zip(with_kernels, without):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        assert same >= 6, (a, b)

@@ -13,8 +13,11 @@ that clash with llmctl's. Set it up once (about 9 minutes, 3.5 GB; see FACTS.md)
 
 Both sides get the identical requests (token ids; prompts 32-512 tokens, outputs 32-256,
 EOS ignored, greedy) all at once, offline, and report output tokens / wall second. The
-result goes to ``results/engine-vs-vllm-<label>.json`` and ``.md`` with the command and
-the machine's load average.
+two engines alternate for ``--rounds`` rounds (vLLM, llmctl, vLLM, llmctl, ...): this
+machine's speed drifts by up to 2x over minutes, so each round's ratio compares runs
+minutes apart and the headline is the median ratio. The result goes to
+``results/engine-vs-vllm-<label>.json`` and ``.md`` with the command and the machine's
+load average.
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--label", default=None)
     ap.add_argument("--out-dir", default=str(ROOT / "results"))
     args = ap.parse_args(argv)
@@ -136,11 +140,20 @@ def main(argv=None) -> int:
            "max_num_batched_tokens": args.max_num_batched_tokens,
            "max_model_len": scale["prompt_range"][1] + scale["output_range"][1]}
     load_start = os.getloadavg()[0]
-    results = {"vllm": run_vllm(args.vllm_python, path, work, cfg),
-               "llmctl": run_llmctl(path, work, cfg)}
-    if "error" not in results["vllm"]:
-        results["llmctl_vs_vllm"] = (results["llmctl"]["output_throughput"]
-                                     / results["vllm"]["output_throughput"])
+    rounds = []
+    for _ in range(args.rounds):
+        rounds.append({"vllm": run_vllm(args.vllm_python, path, work, cfg),
+                       "llmctl": run_llmctl(path, work, cfg)})
+        if "error" in rounds[-1]["vllm"]:
+            break
+        rounds[-1]["llmctl_vs_vllm"] = (rounds[-1]["llmctl"]["output_throughput"]
+                                        / rounds[-1]["vllm"]["output_throughput"])
+    results = {"rounds": rounds, "vllm": rounds[-1]["vllm"], "llmctl": rounds[-1]["llmctl"]}
+    ratios = sorted(r["llmctl_vs_vllm"] for r in rounds if "llmctl_vs_vllm" in r)
+    if ratios:
+        mid = len(ratios) // 2
+        results["llmctl_vs_vllm"] = (ratios[mid] if len(ratios) % 2
+                                     else (ratios[mid - 1] + ratios[mid]) / 2)
     loads = [load_start, os.getloadavg()[0]]
     report = {"command": "python benchmarks/engine_vs_vllm.py " + " ".join(sys.argv[1:]),
               "config": {**cfg, "model": args.model, "scale": args.scale,
@@ -155,15 +168,20 @@ def main(argv=None) -> int:
              f"Command: `{report['command']}`", "",
              f"Load average at start {load_start:.2f}, at end {loads[1]:.2f}"
              + (" (contended)." if report["contended"] else "."), "",
-             "| engine | output tok/s | wall s |", "|---|---|---|"]
-    for name in ("llmctl", "vllm"):
-        r = results[name]
-        if "error" in r:
-            lines.append(f"| {name} | error | `{r['error'][-200:]}` |")
-        else:
-            lines.append(f"| {name} | {r['output_throughput']:.1f} | {r['wall_s']:.1f} |")
+             "| round | engine | output tok/s | wall s | llmctl / vLLM |", "|---|---|---|---|---|"]
+    for i, rnd in enumerate(rounds, 1):
+        for name in ("vllm", "llmctl"):
+            r = rnd[name]
+            if "error" in r:
+                lines.append(f"| {i} | {name} | error | `{r['error'][-200:]}` | |")
+                continue
+            ratio = f"{rnd['llmctl_vs_vllm']:.2f}x" if name == "llmctl" and \
+                "llmctl_vs_vllm" in rnd else ""
+            lines.append(f"| {i} | {name} | {r['output_throughput']:.1f} | {r['wall_s']:.1f} "
+                         f"| {ratio} |")
     if "llmctl_vs_vllm" in results:
-        lines += ["", f"llmctl / vLLM: {results['llmctl_vs_vllm']:.2f}x (target >= 1x)"]
+        median = results["llmctl_vs_vllm"]
+        lines += ["", f"llmctl / vLLM, median over rounds: {median:.2f}x (target >= 1x)"]
     write_text(out / f"engine-vs-vllm-{label}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -94,9 +94,15 @@ def _build(cxx: str) -> Path:
     return target
 
 
+def native_enabled() -> bool:
+    """``LLMCTL_CPU_KERNELS=0`` turns off every native CPU path: these kernels and the
+    oneDNN weight packing of :class:`llmctl.serve.quant_linear.PackedLinear`."""
+    return os.environ.get("LLMCTL_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+
+
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("LLMCTL_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+    if not native_enabled():
         return None
     cxx = _compiler()
     if cxx is None:

@@ -28,7 +28,9 @@ dtype: "W4A16"):
   An int4 layer therefore holds its codes twice, packed for the kernel and two per byte:
   1 byte per weight plus scales, against 2 (bf16) and 4 (fp32).
 - everything else (FP8, int8 groups, CUDA) is dequantized once at load into the model
-  dtype: smaller on disk, not faster. Activation quantization in a scheme is not
+  dtype: smaller on disk, not faster.
+- dense bf16 weights on the CPU (plain or dequantized) are reordered once into oneDNN's
+  blocked layout (:class:`PackedLinear`). Activation quantization in a scheme is not
   applied (weights-only execution); :func:`describe` reports which path each layer got.
 """
 
@@ -65,6 +67,51 @@ class DenseLinear:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.weight, self.bias)
+
+
+class PackedLinear:
+    """A dense bf16 weight reordered once into oneDNN's blocked layout for this CPU
+    (``mkldnn._reorder_linear_weight``) and applied with ``mkldnn._linear_pointwise``,
+    instead of repacking it inside every ``F.linear`` call.
+
+    Measured here (2 threads, SmolLM2's four layer matmuls, interleaved A/B): 1.78 vs
+    2.50 ms per layer at 128 rows, 9.9 vs 10.9 ms at 1024 rows; the 49k x 576 lm_head at
+    128 rows 13.5 vs 21.7 ms. float32 gains nothing (stays on :class:`DenseLinear`).
+    The weight is packed for 1024-row batches (the hint changes the blocking): the best of
+    the hints tried at both 128 and 1024 rows.
+    """
+
+    kind = "dense"
+    __slots__ = ("bias", "in_features", "out_features", "weight")
+    BATCH_HINT = 1024
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * 2 + _nbytes(self.bias)
+
+
+def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether dense layers of this dtype/device become :class:`PackedLinear`."""
+    from llmctl.serve.cpu_kernels import native_enabled
+
+    return (dtype == torch.bfloat16 and device.type == "cpu" and native_enabled()
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    """The dense layer for a weight already in its device and dtype."""
+    if packing_available(weight.dtype, weight.device):
+        return PackedLinear(weight, bias)
+    return DenseLinear(weight, bias)
 
 
 # Measured on this machine's CPU (one thread, a 1536 x 576 layer): the int4 kernel takes
@@ -311,7 +358,7 @@ def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *
     if bias is not None:
         bias = bias.to(device=device, dtype=dtype)
     if isinstance(weight, torch.Tensor):
-        return DenseLinear(weight.to(device=device, dtype=dtype).contiguous(), bias)
+        return dense_linear(weight.to(device=device, dtype=dtype).contiguous(), bias)
     kernels = backend == "kernel" and device.type == "cpu"
     # low-bit layers compute in bf16 (or fp16) whatever the model dtype: "W4A16"
     act = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
@@ -319,7 +366,7 @@ def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *
         return Int4Linear(weight.q, weight.scale, weight.zero_point, weight.group_size, bias, act)
     if kernels and weight.num_bits == 8 and weight.scale.shape[1] == 1:
         return Int8Linear(weight.q, weight.scale, weight.zero_point, bias, act)
-    return DenseLinear(weight.dequantize(dtype).to(device).contiguous(), bias)
+    return dense_linear(weight.dequantize(dtype).to(device).contiguous(), bias)
 
 
 # --- the checkpoint's quantization_config ---------------------------------------------

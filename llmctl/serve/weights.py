@@ -15,10 +15,10 @@ from llmctl.errors import NotAModelError
 from llmctl.serve.model import Layer, LlamaModel, ModelSpec
 from llmctl.serve.quant_linear import (
     ConcatLinear,
-    DenseLinear,
     QuantConfig,
     QuantWeight,
     concat_quant,
+    dense_linear,
     load_quant_weight,
     make_linear,
 )
@@ -131,7 +131,8 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
     embed = tensor("model.embed_tokens.weight")
     if spec.tie_word_embeddings or "lm_head.weight" not in read and \
             "lm_head.weight_packed" not in read:
-        lm_head = DenseLinear(embed, None)
+        # tied: a packed layout is a copy (the embedding lookup needs the plain table)
+        lm_head = dense_linear(embed, None)
     else:
         lm_head = fused(["lm_head"], False)
     return LlamaModel(spec, embed=embed, layers=layers, norm=tensor("model.norm.weight"),

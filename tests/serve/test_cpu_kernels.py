@@ -13,8 +13,12 @@ import pytest
 import torch
 
 from llmctl.serve import cpu_kernels
-from llmctl.serve.attention import AttnMetadata, build_kernel_group, build_paged_group, \
-    paged_attention
+from llmctl.serve.attention import (
+    AttnMetadata,
+    build_kernel_group,
+    build_paged_group,
+    paged_attention,
+)
 
 needs_kernels = pytest.mark.skipif(
     cpu_kernels.paged_attention_kernel(torch.device("cpu"), torch.float32) is None,
@@ -204,3 +208,24 @@ def test_smollm2_bf16_kernels_agree_with_the_torch_path(smollm2, monkeypatch):
     for a, b in zip(with_kernels, without):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         assert same >= 6, (a, b)
+
+
+def test_packed_linear_matches_f_linear_and_is_picked_for_bf16_only(monkeypatch):
+    from llmctl.serve.quant_linear import DenseLinear, PackedLinear, dense_linear, packing_available
+
+    cpu = torch.device("cpu")
+    if not packing_available(torch.bfloat16, cpu):
+        pytest.skip("torch here has no oneDNN weight packing")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn((96, 64), generator=gen).bfloat16()
+    b = torch.randn(96, generator=gen).bfloat16()
+    layer = dense_linear(w, b)
+    assert isinstance(layer, PackedLinear) and layer.out_features == 96
+    assert layer.nbytes == w.numel() * 2 + b.numel() * 2
+    for rows in (1, 5, 128):
+        x = torch.randn((rows, 64), generator=gen).bfloat16()
+        torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x, w, b).float(),
+                                   atol=0.05, rtol=0.02)
+    assert isinstance(dense_linear(w.float(), None), DenseLinear)  # float32 gains nothing
+    monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
+    assert isinstance(dense_linear(w, None), DenseLinear)

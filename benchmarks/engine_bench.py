@@ -9,7 +9,9 @@ Parts (each runs in its own subprocess, so memory and threads do not leak betwee
 - ``throughput``: offline output tokens/s for mixed requests (prompts 32-512 tokens, outputs
   32-256, EOS ignored so both sides produce the same tokens) on the engine, against
   transformers ``generate`` with static batching (arrival order, left padding) at its
-  best batch size (picked on a subset, then run on all requests). Also the KV memory
+  best batch size (picked on a subset, then run on all requests). The engine runs once
+  before and once after transformers and reports the mean (the machine drifts over the
+  ~15 minutes transformers takes). Also the KV memory
   waste of the engine during the run: allocated-but-empty slots / allocated slots in
   blocks owned by running sequences, averaged over steps.
 - ``decode``: batch-1 decode tokens/s (time from the first to the last token over the

@@ -84,7 +84,7 @@ def make_generate(backend: str, args) -> tuple:
             return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
         return generate, {"runtime": "llmctl engine (float32)"}
-    from llmctl.build.engine_dir import open_engine
+    from llmctl.engines.engine_dir import open_engine
 
     engine = open_engine(Path(args.work) / f"{args.label}-{backend}", threads=args.threads,
                          spin=False)

@@ -37,8 +37,8 @@ def register(app: typer.Typer) -> None:
         """Compile a model into an engine directory for a runtime (with a manifest)."""
         from pathlib import Path
 
-        from llmctl.build.builder import build_engine as build
-        from llmctl.build.options import CommonOptions, parse_pairs
+        from llmctl.engines.builder import build_engine as build
+        from llmctl.engines.options import CommonOptions, parse_pairs
         from llmctl.cli.output import Output
 
         out = Output(json_mode=json_)

@@ -3,7 +3,7 @@ hand-off to vLLM / TensorRT-LLM for scale beyond one box.
 
 MODEL may also be an engine directory from ``llmctl build-engine`` (ONNX or
 torch-compile): the built-in scheduler and API then drive its runtime (see
-:mod:`llmctl.build.serve_engine`)."""
+:mod:`llmctl.engines.serve_engine`)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
         log_level: str = typer.Option("info", "--log-level"),
     ) -> None:
         """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""
-        from llmctl.build.manifest import is_engine_dir
+        from llmctl.engines.manifest import is_engine_dir
         from llmctl.errors import UsageError
 
         if engine not in ENGINES:

@@ -455,13 +455,13 @@ class EngineCandidate(Candidate, kind="engine"):
 
     @classmethod
     def matches(cls, spec: str) -> bool:
-        from llmctl.build.manifest import is_engine_dir
+        from llmctl.engines.manifest import is_engine_dir
 
         return spec.startswith("engine:") or is_engine_dir(Path(spec).expanduser())
 
     def __init__(self, spec: str, options: CandidateOptions) -> None:
         super().__init__(spec, options)
-        from llmctl.build.engine_dir import open_engine
+        from llmctl.engines.engine_dir import open_engine
 
         self.path = Path(spec.removeprefix("engine:")).expanduser()
         # a TensorRT-LLM directory refuses here, naming the server to run instead

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from llmctl.build.manifest import NotAnEngineError
+from llmctl.engines.manifest import NotAnEngineError
 from llmctl.errors import MissingDependencyError
 from llmctl.eval.candidates import (
     REGISTRY,

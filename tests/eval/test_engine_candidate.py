@@ -9,10 +9,10 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from llmctl.build.manifest import NotAnEngineError
+from llmctl.engines.manifest import NotAnEngineError
 from llmctl.cli.app import build_app
 from llmctl.eval.candidates import EngineCandidate, HFCandidate, open_candidate
-from tests.build.conftest import onnx_fp32  # noqa: F401 - the session fixture, reused
+from tests.engines.conftest import onnx_fp32  # noqa: F401 - the session fixture, reused
 
 runner = CliRunner()
 

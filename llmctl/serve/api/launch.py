@@ -2,7 +2,7 @@
 
 MODEL is a checkpoint (the paged torch engine) or an engine directory from
 ``llmctl build-engine`` (ONNX / torch-compile): then the same scheduler and HTTP API
-drive the directory's runtime (:mod:`llmctl.build.serve_engine`), after its manifest
+drive the directory's runtime (:mod:`llmctl.engines.serve_engine`), after its manifest
 has been checked against this machine.
 """
 
@@ -34,7 +34,7 @@ class ServeOptions:
 
 def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
     """The engine for MODEL, the name /v1/models shows, and aliases clients may send."""
-    from llmctl.build.manifest import is_engine_dir
+    from llmctl.engines.manifest import is_engine_dir
 
     if not is_engine_dir(opts.model):
         from llmctl.serve.llm_engine import LLMEngine
@@ -43,7 +43,7 @@ def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
         return engine, opts.served_model_name or opts.model, ()
     from pathlib import Path
 
-    from llmctl.build.serve_engine import open_serving_engine
+    from llmctl.engines.serve_engine import open_serving_engine
 
     engine = open_serving_engine(opts.model, **opts.engine_kwargs)
     log.info("%s", engine.describe())

@@ -1,7 +1,7 @@
 """What this machine offers an engine: CPU architecture and ISA flags, GPU, runtimes.
 
 A built engine records the same facts about the machine it was built on (see
-:mod:`llmctl.build.manifest`), and its requirements are checked against a fresh probe
+:mod:`llmctl.engines.manifest`), and its requirements are checked against a fresh probe
 before loading. Nothing here imports torch or onnxruntime unless asked for the fact
 that needs it.
 """

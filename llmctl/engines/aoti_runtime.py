@@ -1,4 +1,4 @@
-"""Run an AOTInductor package of :class:`~llmctl.build.static_decoder.StaticDecoder`.
+"""Run an AOTInductor package of :class:`~llmctl.engines.static_decoder.StaticDecoder`.
 
 ``torch._inductor.aoti_load_package`` maps the compiled shared library and its weights;
 nothing is traced or compiled at load time (a fresh process loads in about a second).
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmctl.build.runtime import Runtime, SeqState, split_work
+from llmctl.engines.runtime import Runtime, SeqState, split_work
 
 CHUNK = 64
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmctl import __version__
-from llmctl.build.host import Host
-from llmctl.build.manifest import BuildInfo, EngineManifest, SourceInfo, write_manifest
-from llmctl.build.options import CommonOptions, validate_options
-from llmctl.build.source import resolve_source
-from llmctl.build.targets import BuildContext, get_target
+from llmctl.engines.host import Host
+from llmctl.engines.manifest import BuildInfo, EngineManifest, SourceInfo, write_manifest
+from llmctl.engines.options import CommonOptions, validate_options
+from llmctl.engines.source import resolve_source
+from llmctl.engines.targets import BuildContext, get_target
 from llmctl.utils.atomic import atomic_dir
 
 

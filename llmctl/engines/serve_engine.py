@@ -3,7 +3,7 @@
 :class:`EngineDirLLMEngine` is an :class:`~llmctl.serve.llm_engine.LLMEngine` whose
 model is an engine directory: the scheduler, sampler, detokenizer, n-gram speculation
 and the HTTP API are the ones every model gets; the forward pass is the directory's
-runtime through :class:`~llmctl.build.serve_runner.EngineRunner`. What differs:
+runtime through :class:`~llmctl.engines.serve_runner.EngineRunner`. What differs:
 
 - no torch weights are loaded: the spec (``config.json``, ``generation_config.json``)
   and the tokenizer come from the engine directory, which carries them;
@@ -20,7 +20,7 @@ any model; the runtime then serialises inside one step. Decodes of all running
 sequences are one batched runtime call (the torch-compile runtime splits them into
 groups of its compiled ``max_batch_size``), but every prompt chunk (and every
 speculative verify chunk of ``1 + k`` tokens) runs as its own call, one sequence at a
-time, before the decode batch (:mod:`llmctl.build.runtime`). A joining prompt
+time, before the decode batch (:mod:`llmctl.engines.runtime`). A joining prompt
 therefore delays that step's decodes by its own prefill time.
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from llmctl.build.engine_dir import Engine, open_engine
+from llmctl.engines.engine_dir import Engine, open_engine
 from llmctl.errors import ConfigError, UsageError
 from llmctl.serve.config import EngineConfig, make_engine_config
 from llmctl.serve.kv_cache import KVCachePlan, available_memory, plan_kv_cache

@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
-from llmctl.build.builder import build_engine
-from llmctl.build.engine_dir import open_engine
-from llmctl.build.manifest import read_manifest
-from tests.build.conftest import PROMPTS, _need_onnx, hf_greedy
+from llmctl.engines.builder import build_engine
+from llmctl.engines.engine_dir import open_engine
+from llmctl.engines.manifest import read_manifest
+from tests.engines.conftest import PROMPTS, _need_onnx, hf_greedy
 
 GROUP = 32
 

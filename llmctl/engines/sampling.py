@@ -2,7 +2,7 @@
 
 This is the small sampler of :meth:`Engine.generate` (benchmarks, tests, smoke use).
 Served engine directories go through the engine's own sampler instead
-(:mod:`llmctl.build.serve_runner`), with every SamplingParams feature.
+(:mod:`llmctl.engines.serve_runner`), with every SamplingParams feature.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``--target torch-compile``: an AOTInductor package of the decoder forward.
 
-``torch.export`` traces :class:`~llmctl.build.static_decoder.StaticDecoder` with
+``torch.export`` traces :class:`~llmctl.engines.static_decoder.StaticDecoder` with
 dynamic batch (1..max_batch_size), chunk length and cache length, and
 ``torch._inductor.aoti_compile_and_package`` turns it into ``model.pt2``: generated C++
-kernels compiled with gcc plus the weights. Loading it (:mod:`llmctl.build.aoti_runtime`)
+kernels compiled with gcc plus the weights. Loading it (:mod:`llmctl.engines.aoti_runtime`)
 needs no tracing, no compiler and no Python model code.
 
 What the package ties itself to (and the manifest requires):
@@ -23,10 +23,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmctl.build.manifest import PackageRule, Requirements
-from llmctl.build.options import CommonOptions
-from llmctl.build.source import copy_metadata, float_checkpoint
-from llmctl.build.targets import BuildContext, Target, TargetResult
+from llmctl.engines.manifest import PackageRule, Requirements
+from llmctl.engines.options import CommonOptions
+from llmctl.engines.source import copy_metadata, float_checkpoint
+from llmctl.engines.targets import BuildContext, Target, TargetResult
 from llmctl.errors import UsageError
 
 PACKAGE = "model.pt2"
@@ -86,8 +86,8 @@ class TorchCompileTarget(Target):
         import torch
         from torch.export import Dim, export
 
-        from llmctl.build.host import cpu_flags
-        from llmctl.build.static_decoder import build_static_decoder
+        from llmctl.engines.host import cpu_flags
+        from llmctl.engines.static_decoder import build_static_decoder
 
         opts: TorchCompileOptions = ctx.options
         if opts.threads:
@@ -148,7 +148,7 @@ class TorchCompileTarget(Target):
 
     def open(self, path: Path, manifest, *, threads: int | None = None,
              max_batch_size: int | None = None, **_):
-        from llmctl.build.aoti_runtime import AotiRuntime
+        from llmctl.engines.aoti_runtime import AotiRuntime
 
         return AotiRuntime(path, manifest.target_info, threads=threads,
                            max_batch_size=max_batch_size)

@@ -13,10 +13,10 @@
 Where this is wired:
 
 - ``llmctl serve ENGINE_DIR`` (:mod:`llmctl.serve.api.launch`): :func:`is_engine_dir`
-  picks :func:`llmctl.build.serve_engine.open_serving_engine`, which opens the engine
+  picks :func:`llmctl.engines.serve_engine.open_serving_engine`, which opens the engine
   here (manifest, host compatibility, file hashes) and builds an ``LLMEngine`` whose
   scheduler, sampler and detokenizer drive :meth:`Engine.runner` (see
-  :mod:`llmctl.build.serve_runner` for the contract and what is not supported).
+  :mod:`llmctl.engines.serve_runner` for the contract and what is not supported).
 - ``llmctl eval ENGINE_DIR`` (or ``engine:DIR``): ``EngineCandidate`` in
   :mod:`llmctl.eval.candidates` returns :meth:`Engine.logits` (``torch.from_numpy``)
   as its ``Candidate.logits``, so PPL, KLD and top-1 agreement score the built artifact
@@ -34,16 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from llmctl.build.manifest import (
+from llmctl.engines.manifest import (
     EngineManifest,
     check_compatible,
     integrity_problems,
     is_engine_dir,
     read_manifest,
 )
-from llmctl.build.runtime import Runtime
-from llmctl.build.sampling import log_softmax, sample
-from llmctl.build.targets import get_target
+from llmctl.engines.runtime import Runtime
+from llmctl.engines.sampling import log_softmax, sample
+from llmctl.engines.targets import get_target
 from llmctl.errors import LlmctlError, UsageError
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class Engine:
 
     def runner(self, **kwargs):
         """A ``ModelRunner``-compatible object for llmctl's serving engine."""
-        from llmctl.build.serve_runner import EngineRunner
+        from llmctl.engines.serve_runner import EngineRunner
 
         return EngineRunner(self, **kwargs)
 

@@ -7,7 +7,7 @@ sampled token, plus draft tokens) to the engine's runtime, which keeps each sequ
 cache in a per-sequence state instead of the paged KV pool. The pool's block accounting
 still bounds how many sequences run at once; its blocks are simply not read.
 
-Wiring (done by :class:`llmctl.build.serve_engine.EngineDirLLMEngine`, which
+Wiring (done by :class:`llmctl.engines.serve_engine.EngineDirLLMEngine`, which
 ``llmctl serve ENGINE_DIR`` uses): an ``LLMEngine`` built from the engine directory's
 ``config.json``, ``generation_config.json`` and tokenizer (no torch weights are loaded,
 the KV pool is planned for accounting but never allocated) with ``engine.runner`` set
@@ -26,14 +26,14 @@ to ``open_engine(path).runner()``, and these settings:
 - continuous batching: sequences join and leave the decode batch at every step; a
   prompt chunk (or a speculative verify chunk) runs in its own runtime call, one
   sequence at a time, so that is where a step serialises (see
-  :mod:`llmctl.build.runtime`).
+  :mod:`llmctl.engines.runtime`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from llmctl.build.runtime import SeqState
+from llmctl.engines.runtime import SeqState
 from llmctl.errors import ConfigError
 
 

@@ -3,10 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from llmctl.build.engine_dir import open_engine
-from llmctl.build.sampling import log_softmax
+from llmctl.engines.engine_dir import open_engine
+from llmctl.engines.sampling import log_softmax
 from llmctl.errors import ResourceError
-from tests.build.conftest import PROMPTS, hf_greedy, hf_logits
+from tests.engines.conftest import PROMPTS, hf_greedy, hf_logits
 
 
 def test_fp32_greedy_matches_transformers_for_32_tokens(onnx_fp32, hf_tiny):

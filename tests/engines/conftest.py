@@ -11,8 +11,8 @@ PROMPTS = [[5, 17, 33, 99, 100, 7, 8], [5, 17, 33], [40, 41, 42, 43, 44, 45, 46,
 
 
 def _build(model: Path, target: str, out: Path, **kwargs):
-    from llmctl.build.builder import build_engine
-    from llmctl.build.options import CommonOptions
+    from llmctl.engines.builder import build_engine
+    from llmctl.engines.options import CommonOptions
 
     options = kwargs.pop("options", {})
     build_engine(str(model), target, out, common=CommonOptions(**kwargs), options=options)

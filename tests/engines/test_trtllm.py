@@ -3,11 +3,11 @@ import json
 import pytest
 import yaml
 
-from llmctl.build.builder import build_engine
-from llmctl.build.engine_dir import open_engine
-from llmctl.build.manifest import EngineIncompatibleError, read_manifest
-from llmctl.build.options import CommonOptions
-from llmctl.build.trtllm_options import PINNED_VERSION, validate_options
+from llmctl.engines.builder import build_engine
+from llmctl.engines.engine_dir import open_engine
+from llmctl.engines.manifest import EngineIncompatibleError, read_manifest
+from llmctl.engines.options import CommonOptions
+from llmctl.engines.trtllm_options import PINNED_VERSION, validate_options
 from llmctl.errors import ConfigError, MissingDependencyError, UsageError
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmctl.build.torch_compile_target import ISA_LEVELS, required_flags
-from tests.build.conftest import PROMPTS, hf_greedy, hf_logits
+from llmctl.engines.torch_compile_target import ISA_LEVELS, required_flags
+from tests.engines.conftest import PROMPTS, hf_greedy, hf_logits
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def refuse(*args, **kwargs):
 
 torch.export.export = torch._inductor.aoti_compile_and_package = refuse
 cfx.compile_fx = cfx.compile_fx_aot = torch.compile = refuse
-from llmctl.build.engine_dir import open_engine
+from llmctl.engines.engine_dir import open_engine
 engine = open_engine(sys.argv[1], threads=1)
 prompts = json.loads(sys.argv[2])
 outs = engine.generate(prompts, max_tokens=32, ignore_eos=True)
@@ -34,7 +34,7 @@ def test_package_loads_in_a_fresh_process_and_matches_eager(torch_compiled, hf_t
                                                             tiny_llama, tmp_path):
     import torch
 
-    from llmctl.build.static_decoder import build_static_decoder
+    from llmctl.engines.static_decoder import build_static_decoder
 
     proc = subprocess.run([sys.executable, "-c", FRESH, str(torch_compiled),
                            json.dumps(PROMPTS)], capture_output=True, text=True, cwd=REPO,
@@ -57,7 +57,7 @@ def test_package_loads_in_a_fresh_process_and_matches_eager(torch_compiled, hf_t
 
 
 def test_chunked_prefill_and_rollback_match_full_logits(torch_compiled, hf_tiny):
-    from llmctl.build.engine_dir import open_engine
+    from llmctl.engines.engine_dir import open_engine
 
     engine = open_engine(torch_compiled, threads=1)
     ids = PROMPTS[2] + PROMPTS[0]
@@ -73,7 +73,7 @@ def test_chunked_prefill_and_rollback_match_full_logits(torch_compiled, hf_tiny)
 
 
 def test_batch_larger_than_the_compiled_maximum_is_split(torch_compiled, hf_tiny):
-    from llmctl.build.engine_dir import open_engine
+    from llmctl.engines.engine_dir import open_engine
 
     engine = open_engine(torch_compiled, threads=1)
     assert engine.runtime.max_batch_size == 4
@@ -86,7 +86,7 @@ def test_batch_larger_than_the_compiled_maximum_is_split(torch_compiled, hf_tiny
 def test_manifest_requires_exact_torch_and_the_build_isa(torch_compiled):
     import torch
 
-    from llmctl.build.host import cpu_flags
+    from llmctl.engines.host import cpu_flags
 
     manifest = json.loads((torch_compiled / "llmctl-engine.json").read_text())
     req = manifest["requirements"]

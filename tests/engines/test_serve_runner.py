@@ -2,13 +2,13 @@
 
 import pytest
 
-from tests.build.conftest import PROMPTS, hf_greedy
+from tests.engines.conftest import PROMPTS, hf_greedy
 
 pytest.importorskip("llmctl.serve.llm")
 
 
 def _llm(tiny_llama, engine_dir, **config):
-    from llmctl.build.engine_dir import open_engine
+    from llmctl.engines.engine_dir import open_engine
     from llmctl.serve.llm import LLM
 
     llm = LLM(str(tiny_llama), enable_prefix_caching=False, max_num_batched_tokens=32,

@@ -36,10 +36,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from llmctl.build.manifest import PackageRule, Requirements
-from llmctl.build.options import CommonOptions
-from llmctl.build.source import copy_metadata, float_checkpoint
-from llmctl.build.targets import BuildContext, Target, TargetResult
+from llmctl.engines.manifest import PackageRule, Requirements
+from llmctl.engines.options import CommonOptions
+from llmctl.engines.source import copy_metadata, float_checkpoint
+from llmctl.engines.targets import BuildContext, Target, TargetResult
 from llmctl.errors import LlmctlError, MissingDependencyError, UsageError
 
 # llmctl precision -> builder precision, and the execution providers it builds for.
@@ -130,7 +130,7 @@ class OnnxTarget(Target):
                              "use --precision fp32 or int4 on CPU (fp16 needs --device cuda)")
 
     def build(self, ctx: BuildContext) -> TargetResult:
-        from llmctl.build.host import package_version
+        from llmctl.engines.host import package_version
 
         opts: OnnxOptions = ctx.options
         precision, _ = PRECISIONS[ctx.common.precision]
@@ -182,7 +182,7 @@ class OnnxTarget(Target):
     def open(self, path: Path, manifest, *, device: str | None = None, threads: int | None = None,
              strict_provider: bool = False, max_batch_size: int | None = None,
              spin: bool | None = None, **_):
-        from llmctl.build.onnx_runtime import OrtRuntime
+        from llmctl.engines.onnx_runtime import OrtRuntime
 
         device = device or manifest.target_info.get("execution_provider", "cpu")
         return OrtRuntime(path, device=device, threads=threads, strict_provider=strict_provider,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmctl.build.runtime import Runtime, SeqState, split_work
+from llmctl.engines.runtime import Runtime, SeqState, split_work
 from llmctl.errors import MissingDependencyError, ResourceError
 
 log = logging.getLogger(__name__)

@@ -2,10 +2,10 @@
 
 import pytest
 
-from llmctl.build.builder import build_engine
-from llmctl.build.engine_dir import open_engine
-from llmctl.build.options import CommonOptions
-from tests.build.conftest import _need_onnx
+from llmctl.engines.builder import build_engine
+from llmctl.engines.engine_dir import open_engine
+from llmctl.engines.options import CommonOptions
+from tests.engines.conftest import _need_onnx
 
 pytestmark = pytest.mark.slow
 

@@ -32,11 +32,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmctl.build.manifest import PackageRule, Requirements
-from llmctl.build.options import CommonOptions
-from llmctl.build.source import METADATA_FILES
-from llmctl.build.targets import BuildContext, Target, TargetResult
-from llmctl.build.trtllm_options import PINNED_VERSION, validate_options, validate_with_library
+from llmctl.engines.manifest import PackageRule, Requirements
+from llmctl.engines.options import CommonOptions
+from llmctl.engines.source import METADATA_FILES
+from llmctl.engines.targets import BuildContext, Target, TargetResult
+from llmctl.engines.trtllm_options import PINNED_VERSION, validate_options, validate_with_library
 from llmctl.errors import ConfigError, MissingDependencyError, UsageError
 
 YAML_NAME = "extra_llm_api_options.yaml"
@@ -236,7 +236,7 @@ class TensorRTLLMTarget(Target):
         """With the library and a GPU: validate with TorchLlmArgs and load the model once."""
         if not library_available():
             return None
-        from llmctl.build.host import nvidia_gpus
+        from llmctl.engines.host import nvidia_gpus
 
         problems = validate_with_library(data, str(ctx.out / CHECKPOINT))
         if problems:

@@ -131,7 +131,7 @@ def test_eval_through_the_server_matches_the_source(served_onnx, tiny_llama, tmp
 
 
 def test_prefix_caching_is_forced_off_with_a_warning_and_draft_models_refused(onnx_fp32):
-    from llmctl.build.serve_engine import open_serving_engine
+    from llmctl.engines.serve_engine import open_serving_engine
     from llmctl.errors import UsageError
 
     warnings: list[str] = []
@@ -147,7 +147,7 @@ def test_prefix_caching_is_forced_off_with_a_warning_and_draft_models_refused(on
 
 def test_torch_compile_engine_with_ngram_speculation(torch_compiled, tiny_llama, reference):
     """The compiled engine's max_seq_len (128) caps the context; ngram drafts verify."""
-    from llmctl.build.serve_engine import open_serving_engine
+    from llmctl.engines.serve_engine import open_serving_engine
     from llmctl.serve.sampling_params import SamplingParams
 
     want, _ = reference
@@ -212,7 +212,7 @@ def test_serve_help_says_engine_directories_are_served():
 
 def test_eval_scores_the_torch_compile_engine_against_its_source(torch_compiled, tiny_llama,
                                                                   tmp_path):
-    """(Here rather than in tests/eval: the compiled engine is built once, for tests/build.)"""
+    """(Here rather than in tests/eval: the compiled engine is built once, for tests/engines.)"""
     from llmctl.errors import ConfigError
     from llmctl.eval.runner import EvalConfig, run_eval
     from llmctl.eval.windows import Windowing
@@ -230,7 +230,7 @@ def test_eval_scores_the_torch_compile_engine_against_its_source(torch_compiled,
 
 def test_serve_passes_only_settings_the_user_gave(onnx_fp32, monkeypatch):
     """Defaults (prefix caching on, float32) are not requests to warn about; flags are."""
-    from llmctl.build.serve_engine import engine_dir_settings
+    from llmctl.engines.serve_engine import engine_dir_settings
     from llmctl.serve.api import launch
 
     seen = []

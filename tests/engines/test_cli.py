@@ -3,7 +3,7 @@ import json
 from typer.testing import CliRunner
 
 from llmctl.cli.app import build_app
-from tests.build.conftest import _need_onnx
+from tests.engines.conftest import _need_onnx
 
 runner = CliRunner()
 app = build_app()

@@ -27,7 +27,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llmctl.build.host import Host
+from llmctl.engines.host import Host
 from llmctl.errors import LlmctlError, NotAModelError
 from llmctl.models.manifest import quick_hash
 from llmctl.utils.atomic import write_text
@@ -166,7 +166,7 @@ def _installed(name: str, host: Host) -> str | None:
     for dist in PACKAGE_ALIASES.get(name, (name,)):
         found = host.packages.get(dist)
         if found is None and dist not in host.packages:
-            from llmctl.build.host import package_version
+            from llmctl.engines.host import package_version
 
             found = package_version(dist)
         if found is not None:
@@ -219,7 +219,7 @@ def compatibility_problems(manifest: EngineManifest, host: Host,
 
 
 def _ort_providers() -> list[str]:
-    from llmctl.build.host import ort_providers
+    from llmctl.engines.host import ort_providers
 
     return ort_providers()
 

@@ -18,14 +18,14 @@ from pydantic import BaseModel, ConfigDict
 from llmctl.errors import UsageError
 
 if TYPE_CHECKING:
-    from llmctl.build.manifest import EngineManifest, Requirements
-    from llmctl.build.options import CommonOptions
-    from llmctl.build.source import Source
+    from llmctl.engines.manifest import EngineManifest, Requirements
+    from llmctl.engines.options import CommonOptions
+    from llmctl.engines.source import Source
 
 TARGETS: dict[str, str] = {
-    "onnx": "llmctl.build.onnx_target:OnnxTarget",
-    "torch-compile": "llmctl.build.torch_compile_target:TorchCompileTarget",
-    "tensorrt-llm": "llmctl.build.trtllm_target:TensorRTLLMTarget",
+    "onnx": "llmctl.engines.onnx_target:OnnxTarget",
+    "torch-compile": "llmctl.engines.torch_compile_target:TorchCompileTarget",
+    "tensorrt-llm": "llmctl.engines.trtllm_target:TensorRTLLMTarget",
 }
 
 
@@ -74,7 +74,7 @@ class Target(abc.ABC):
     def build(self, ctx: BuildContext) -> TargetResult: ...
 
     def open(self, path: Path, manifest: EngineManifest, **runtime_options: Any):
-        """A :class:`llmctl.build.runtime.Runtime` over a built engine directory."""
+        """A :class:`llmctl.engines.runtime.Runtime` over a built engine directory."""
         raise UsageError(f"llmctl cannot run {self.name} engines itself",
                          "use the runtime's own server; see the manifest's serve_command")
 

@@ -3,9 +3,9 @@ import shutil
 
 import pytest
 
-from llmctl.build.engine_dir import open_engine
-from llmctl.build.host import Host
-from llmctl.build.manifest import (
+from llmctl.engines.engine_dir import open_engine
+from llmctl.engines.host import Host
+from llmctl.engines.manifest import (
     MANIFEST_NAME,
     EngineIncompatibleError,
     EngineManifest,
@@ -31,7 +31,7 @@ def _manifest(onnx_fp32, **requirements) -> EngineManifest:
 
 
 def test_manifest_records_source_build_and_machine(onnx_fp32, tiny_llama):
-    from llmctl.build.source import source_sha256
+    from llmctl.engines.source import source_sha256
 
     m = read_manifest(onnx_fp32)
     assert m.target == "onnx" and m.precision == "fp32"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 from llmctl.bench.arrivals import parse_rate
 from llmctl.bench.datasets import DatasetSpec
 from llmctl.errors import UsageError
+from llmctl.utils.cmdline import redact_text
 
 SWEEP_PARAMS = ("concurrency", "rate")
 
@@ -76,11 +78,17 @@ class BenchOptions(BaseModel):
     server_command: str | None = None
     serve_args: str | None = None
     server_timeout: float = Field(600.0, gt=0)
+    # dtype of the llmctl serve that bench starts ("auto": see llmctl.utils.device)
+    dtype: str = "auto"
     plots: bool = True
 
     @field_serializer("request_rate", "burstiness")
     def _inf(self, value: float):
         return "inf" if math.isinf(value) else value
+
+    @field_serializer("serve_args", "server_command")
+    def _redacted(self, value: str | None) -> str | None:
+        return redact_text(value)  # reports keep the command, never a key in it
 
     @property
     def run_label(self) -> str:
@@ -96,3 +104,27 @@ def parse_percentiles(text: str) -> list[float]:
         raise UsageError(f"cannot read percentiles {text!r}",
                          "write a comma-separated list in (0, 100], e.g. 50,90,95,99")
     return values
+
+
+def options_from_flags(**flags: Any) -> BenchOptions:
+    """BenchOptions from the command line's flat, textual values: ``dataset`` and
+    ``dataset_path`` plus the DatasetSpec fields, ``request_rate`` ("inf" or a number),
+    ``percentiles`` ("50,90,99"), ``slo`` (["ttft_ms=500"]), ``sweep``
+    ("concurrency=1,4"), ``no_plots``, ``metrics_interval`` (0 = off)."""
+    from llmctl.bench.backends import get_backend
+    from llmctl.bench.metrics import parse_slos
+
+    get_backend(flags.get("backend", "openai-completions"))  # unknown: fail before any work
+    dataset = {"name": flags.pop("dataset", "random"), "path": flags.pop("dataset_path", None)}
+    for key in set(DatasetSpec.model_fields) - {"name", "path"}:
+        if key in flags:
+            dataset[key] = flags.pop(key)
+    return BenchOptions(
+        dataset=DatasetSpec(**dataset),
+        request_rate=parse_rate(flags.pop("request_rate", "inf")),
+        percentiles=parse_percentiles(flags.pop("percentiles", "50,90,95,99")),
+        slos=parse_slos(flags.pop("slo", None)),
+        sweep=parse_sweep(flags.pop("sweep", None)),
+        plots=not flags.pop("no_plots", False),
+        metrics_interval=flags.pop("metrics_interval", 1.0) or None,
+        **flags)

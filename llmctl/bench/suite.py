@@ -40,6 +40,7 @@ from llmctl.bench.server_metrics import flat as server_flat
 from llmctl.bench.target import ModelInfo, model_info
 from llmctl.errors import MissingDependencyError, UsageError
 from llmctl.utils.atomic import write_text
+from llmctl.utils.cmdline import redact, redact_text, shown
 
 SWEEP_ROW_KEYS = ("request_throughput", "output_throughput", "total_token_throughput",
                   "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
@@ -82,6 +83,24 @@ def _served_name(opts: BenchOptions, models: list[str]) -> str:
     return opts.model or ""
 
 
+def _launch_command(opts: BenchOptions, port: int, out) -> list[str]:
+    """The server command; llmctl's own serve gets the dtype resolved here, so the
+    report's command line says which one ran."""
+    if opts.server_command:
+        return server_command(opts.model or "", port, opts.server_command)
+    if any(a.split("=")[0] == "--dtype" for a in shlex.split(opts.serve_args or "")):
+        if opts.dtype != "auto":
+            raise UsageError("--dtype given twice (also in --serve-args)", "pass it once")
+        return server_command(opts.model or "", port, None, opts.serve_args)
+    from llmctl.utils.device import checkpoint_dtype, default_device, resolve_dtype
+
+    choice = resolve_dtype(opts.dtype, device=default_device(),
+                           model_dtype=lambda: checkpoint_dtype(opts.model or ""))
+    out.status(f"server {choice.describe()}")
+    return server_command(opts.model or "", port, None,
+                          shlex.join(["--dtype", choice.dtype]) + " " + (opts.serve_args or ""))
+
+
 def _start_target(opts: BenchOptions, stack: contextlib.ExitStack, out,
                   api_key: str | None) -> _Target:
     launched = command = None
@@ -89,9 +108,9 @@ def _start_target(opts: BenchOptions, stack: contextlib.ExitStack, out,
         base_url = opts.target.rstrip("/")
     else:
         port = free_port()
-        command = server_command(opts.model or "", port, opts.server_command, opts.serve_args)
+        command = _launch_command(opts, port, out)
         base_url = f"http://127.0.0.1:{port}"
-        out.status(f"starting the server: {shlex.join(command)}")
+        out.status(f"starting the server: {shown(command)}")
         launched = stack.enter_context(LaunchedServer(command, base_url,
                                                       timeout=opts.server_timeout))
         out.status(f"server ready after {launched.startup_seconds:.1f} s")
@@ -125,8 +144,9 @@ def _report(opts: BenchOptions, runs: list[RunResult], *, rate: float,
     for result in runs:
         for key, values in raw_arrays(result.records).items():
             arrays.setdefault(key, []).extend(values)
-    engine = {"launched": target.launched is not None, "command": target.command,
-              "serve_args": opts.serve_args, "target": target.base_url,
+    engine = {"launched": target.launched is not None,
+              "command": redact(target.command) if target.command else None,
+              "serve_args": redact_text(opts.serve_args), "target": target.base_url,
               "server_header": target.probe.get("server"),
               "served_models": target.probe.get("models"),
               "startup_seconds": target.launched.startup_seconds if target.launched else None}
@@ -198,6 +218,9 @@ def run_suite(opts: BenchOptions, out, *, command: str, api_key: str | None = No
         raise UsageError("nothing to benchmark",
                          "pass --target URL of a running server, or --model MODEL to start "
                          "llmctl's own server for the run")
+    if opts.dtype != "auto" and (opts.target or opts.server_command):
+        raise UsageError("--dtype sets the dtype of the llmctl serve that bench starts",
+                         "with --target or --server-command, give the dtype to that server")
     info = model_info(opts.model, opts.tokenizer)
     out.status(f"building the {opts.dataset.name} workload ({opts.dataset.num_prompts} prompts)")
     samples = build_dataset(opts.dataset, info.tokenizer)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from llmctl.cli.errors import guarded
-from llmctl.cli.options import JsonOpt, ModelArg
+from llmctl.cli.options import Device, JsonOpt, ModelArg
 
 _TARGETS = "onnx | torch-compile | tensorrt-llm"
 
@@ -21,10 +23,11 @@ def register(app: typer.Typer) -> None:
             None, "--precision",
             help="onnx: fp32 | fp16 (cuda) | int4 | int8; torch-compile: fp32 | bf16 | fp16; "
                  "tensorrt-llm: auto | bf16 | fp16 | fp32. Default: the target's first."),
-        device: str = typer.Option("cpu", "--device", help="cpu | cuda (what the engine "
-                                                            "is built to run on)."),
-        max_batch_size: int = typer.Option(16, "--max-batch-size", min=1,
-                                           help="Largest decode batch the engine takes."),
+        device: Annotated[Device, typer.Option(
+            "--device", help="cpu | cuda (what the engine is built to run on).")] = "cpu",
+        max_batch_size: int = typer.Option(16, "--max-batch-size",
+                                           help="Largest decode batch the engine takes "
+                                                "(1-4096)."),
         max_seq_len: int | None = typer.Option(None, "--max-seq-len", min=16,
                                                   help="Longest sequence (prompt + output)."),
         option: list[str] | None = typer.Option(
@@ -37,9 +40,9 @@ def register(app: typer.Typer) -> None:
         """Compile a model into an engine directory for a runtime (with a manifest)."""
         from pathlib import Path
 
+        from llmctl.cli.output import Output
         from llmctl.engines.builder import build_engine as build
         from llmctl.engines.options import CommonOptions, parse_pairs
-        from llmctl.cli.output import Output
 
         out = Output(json_mode=json_)
         common = CommonOptions(precision=precision, device=device,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import typer
 
-from llmctl.cli.errors import guarded
+from llmctl.cli.errors import guarded, usage_errors
 from llmctl.cli.options import JsonOpt
 
 EXIT_GATE_FAILED = 1
@@ -72,8 +72,8 @@ def register(app: typer.Typer) -> None:
                                                    help="Model name on the server."),
         tokenizer: str | None = typer.Option(None, "--tokenizer",
                                                 help="Tokenizer for a server without --reference."),
-        threads: int | None = typer.Option(None, "--threads",
-                                            help="torch / llama.cpp / engine runtime threads."),
+        threads: int | None = typer.Option(None, "--threads", min=1,
+                                           help="torch / llama.cpp / engine runtime threads."),
         seed: int = typer.Option(0, "--seed", help="Seed (lm-eval sampling; recorded)."),
         no_reference_tasks: bool = typer.Option(
             False, "--no-reference-tasks", help="Do not run tasks on the reference model."),
@@ -99,36 +99,22 @@ def register(app: typer.Typer) -> None:
         _evaluate(out, locals())  # every option above, by name
 
 
-def _usage(exc) -> Exception:
-    from llmctl.errors import UsageError
-
-    return UsageError(exc.message, exc.remedy)
-
-
 def _build_config(args: dict):
-    from pydantic import ValidationError
-
-    from llmctl.errors import UsageError
+    """The typed config; a value it refuses is reported as the option that set it."""
     from llmctl.eval.runner import EvalConfig
     from llmctl.eval.windows import Windowing
 
-    try:
-        windowing = Windowing(ctx=args["ctx"], stride=args["stride"], bos=args["bos"],
-                              score_from=args["score_from"], max_windows=args["max_windows"])
-        return EvalConfig(
-            candidate=args["candidate"], reference=args["reference"],
-            data=None if args["data"] in ("none", "") else args["data"], field=args["field"],
-            windowing=windowing, top_k=args["top_k"], tasks=args["tasks"] or [],
-            task_dir=args["task_dir"], task_limit=args["task_limit"],
-            reference_tasks=not args["no_reference_tasks"] and args["baseline"] is None,
-            seed=args["seed"], dtype=args["dtype"], backend=args["backend"],
-            server_model=args["server_model"], tokenizer=args["tokenizer"],
-            threads=args["threads"], cache_dir=args["cache_dir"])
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise UsageError(f"invalid option {where}: {first['msg']}".replace("Value error, ", ""),
-                         "see llmctl eval --help") from None
+    windowing = Windowing(ctx=args["ctx"], stride=args["stride"], bos=args["bos"],
+                          score_from=args["score_from"], max_windows=args["max_windows"])
+    return EvalConfig(
+        candidate=args["candidate"], reference=args["reference"],
+        data=None if args["data"] in ("none", "") else args["data"], field=args["field"],
+        windowing=windowing, top_k=args["top_k"], tasks=args["tasks"] or [],
+        task_dir=args["task_dir"], task_limit=args["task_limit"],
+        reference_tasks=not args["no_reference_tasks"] and args["baseline"] is None,
+        seed=args["seed"], dtype=args["dtype"], backend=args["backend"],
+        server_model=args["server_model"], tokenizer=args["tokenizer"],
+        threads=args["threads"], cache_dir=args["cache_dir"])
 
 
 def _missing_metric_hint(metric: str, config) -> str:
@@ -159,21 +145,17 @@ def _check_gates(gates, config, baseline) -> None:
 
 
 def _evaluate(out, args: dict) -> None:
-    from llmctl.errors import ConfigError
+    from llmctl.errors import UsageError
     from llmctl.eval.report import attach_gates, load_report, markdown, write_report
     from llmctl.eval.runner import run_eval
     from llmctl.gates import evaluate_gates, junit_xml, load_gates
 
-    try:
+    with usage_errors():
         gates = load_gates(args["gate"], args["gate_file"])
-    except ConfigError as exc:
-        raise _usage(exc) from None
     config = _build_config(args)
     baseline = load_report(args["baseline"]) if args["baseline"] else None
     _check_gates(gates, config, baseline)
     if not config.data and not config.tasks:
-        from llmctl.errors import UsageError
-
         raise UsageError("nothing to evaluate: --data none and no --tasks",
                          "pass --data SOURCE and/or --tasks NAME")
 
@@ -184,11 +166,13 @@ def _evaluate(out, args: dict) -> None:
             _warn_baseline_mismatch(out, report, baseline)
         reference_values = baseline["metrics"] if baseline else report["reference_metrics"]
         try:
-            results = evaluate_gates(gates, report["metrics"], reference_values, report["counts"])
-        except ConfigError as exc:
-            if args["output"]:
+            with usage_errors():
+                results = evaluate_gates(gates, report["metrics"], reference_values,
+                                         report["counts"])
+        except UsageError:
+            if args["output"]:  # the run's numbers are still worth keeping
                 write_report(report, args["output"])
-            raise _usage(exc) from None
+            raise
         attach_gates(report, results, str(args["baseline"]) if args["baseline"] else None,
                      baseline["metrics"] if baseline else None)
     if args["output"]:

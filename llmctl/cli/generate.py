@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from llmctl.cli.errors import guarded
 from llmctl.cli.options import DtypeOpt, JsonOpt, ModelArg, SeedOpt
 
 _BACKENDS = ("engine", "transformers")
+
+
+def _open_unit_interval(value: float) -> float:
+    if not 0.0 < value <= 1.0:  # vLLM's rule; 0 would keep no token at all
+        raise typer.BadParameter(f"{value:g} is not in (0, 1]: use 0 < top_p <= 1 "
+                                 "(1 turns top-p off)")
+    return value
+
+
+TopP = Annotated[float, typer.Option("--top-p", callback=_open_unit_interval,
+                                     help="Nucleus sampling, 0 < top_p <= 1 (1 = off).")]
 
 
 def register(app: typer.Typer) -> None:
@@ -21,12 +34,12 @@ def register(app: typer.Typer) -> None:
         max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Tokens to generate."),
         temperature: float = typer.Option(0.0, "--temperature", min=0.0,
                                           help="0 = greedy."),
-        top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+        top_p: TopP = 1.0,
         top_k: int = typer.Option(0, "--top-k", min=0, help="0 = off (engine only)."),
         min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Engine only."),
         stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
         seed: SeedOpt = 0,
-        dtype: DtypeOpt = "float32",
+        dtype: DtypeOpt = "auto",
         backend: str = typer.Option("engine", "--backend",
                                     help="engine (built-in, paged KV) | transformers."),
         stream: bool = typer.Option(False, "--stream",
@@ -43,6 +56,7 @@ def register(app: typer.Typer) -> None:
         from llmctl.models.loading import load_tokenizer
         from llmctl.models.prompting import encode_prompt
         from llmctl.models.resolve import resolve_model
+        from llmctl.utils.device import checkpoint_dtype, default_device, resolve_dtype
 
         if backend not in _BACKENDS:
             raise UsageError(f"unknown backend {backend!r}", f"use one of: {', '.join(_BACKENDS)}")
@@ -51,18 +65,23 @@ def register(app: typer.Typer) -> None:
             resolved = resolve_model(model, progress=update)
         tokenizer = load_tokenizer(resolved.path)
         ids = encode_prompt(tokenizer, prompt, chat=chat, system=system)
-        out.status(f"loading {resolved.path.name} ({backend})")
+        device = default_device() if backend == "engine" else "cpu"  # hf_generate: CPU
+        choice = resolve_dtype(dtype, device=device,
+                               model_dtype=lambda: checkpoint_dtype(str(resolved.path)))
+        out.status(f"loading {resolved.path.name} ({backend}, {choice.describe()})")
         if backend == "transformers":
-            tokens, elapsed, stop_reason = _transformers(resolved.path, tokenizer, ids, dtype,
-                                                         max_tokens, temperature, top_p, seed)
+            tokens, elapsed, stop_reason = _transformers(resolved.path, tokenizer, ids,
+                                                         choice.dtype, max_tokens, temperature,
+                                                         top_p, seed)
             text = tokenizer.decode(tokens, skip_special_tokens=True)
         else:
             tokens, text, elapsed, stop_reason = _engine(
-                out, str(resolved.path), ids, dtype=dtype, max_tokens=max_tokens,
+                out, str(resolved.path), ids, dtype=choice.dtype, max_tokens=max_tokens,
                 temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop=stop,
                 seed=seed, stream=stream and not json_, speculative=speculative,
                 kv_cache_memory=kv_cache_memory)
-        data = {"model": resolved.reference, "backend": backend, "prompt_tokens": len(ids),
+        data = {"model": resolved.reference, "backend": backend, "dtype": choice.dtype,
+                "dtype_reason": choice.reason, "prompt_tokens": len(ids),
                 "completion_tokens": len(tokens), "text": text, "seconds": round(elapsed, 3),
                 "finish_reason": stop_reason, "token_ids": tokens}
 
@@ -104,7 +123,7 @@ def _engine(out, path, ids, *, dtype, max_tokens, temperature, top_p, top_k, min
     llm = LLM(path, dtype=dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=1,
               max_model_len=max_len, speculative=spec)
     out.status(llm.engine.kv_plan.describe())
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p or 1.0,
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=seed, stop=stop or None)
     start = time.perf_counter()
     final = None

@@ -1,8 +1,10 @@
-"""Option aliases shared by several commands, defined once."""
+"""Option aliases shared by several commands, defined once (choices and ranges included,
+so typer rejects a bad value with exit 2 before any work starts)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Literal
 
 import typer
 
@@ -14,4 +16,22 @@ ModelArg = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 OutputOpt = Annotated[str, typer.Option("--output", "-o", help="Output path.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16.")]
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
+DtypeOpt = Annotated[
+    Dtype,
+    typer.Option("--dtype", help="auto: bfloat16 where the CPU computes it natively "
+                                 "(AVX512-BF16/AMX), else float32; on a GPU the checkpoint's "
+                                 "dtype. Or float32 | bfloat16 | float16."),
+]
+Device = Literal["cpu", "cuda"]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1,
+                                                help="torch threads (default: all cores).")]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+GateOpt = Annotated[list[str] | None, typer.Option(
+    "--gate", help="Fail (exit 1) unless e.g. 'p99_ttft_ms<=500' holds (repeatable).")]
+GateFileOpt = Annotated[Path | None, typer.Option("--gate-file",
+                                                  help="YAML file with gates: [...].")]
+JunitOpt = Annotated[Path | None, typer.Option("--junit",
+                                               help="Write gate results as JUnit XML.")]

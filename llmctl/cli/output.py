@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 
 def _default(obj: Any) -> Any:
@@ -37,17 +38,18 @@ class Output:
         elif not self.quiet:
             render(self.console)
 
+    # Messages are text, not markup: "pip install 'llmctl[plots]'" must keep its brackets.
     def status(self, message: str) -> None:
         if not (self.json_mode or self.quiet):
-            self.err.print(f"[dim]{message}[/dim]")
+            self.err.print(f"[dim]{escape(message)}[/dim]")
 
     def warn(self, message: str) -> None:
-        self.err.print(f"[yellow]warning:[/yellow] {message}")
+        self.err.print(f"[yellow]warning:[/yellow] {escape(message)}")
 
     def error(self, message: str, remedy: str | None = None) -> None:
-        self.err.print(f"[bold red]error:[/bold red] {message}", markup=True)
+        self.err.print(f"[bold red]error:[/bold red] {escape(message)}")
         if remedy:
-            self.err.print(f"  [cyan]hint:[/cyan] {remedy}")
+            self.err.print(f"  [cyan]hint:[/cyan] {escape(remedy)}")
 
     @property
     def interactive(self) -> bool:
@@ -59,8 +61,13 @@ class Output:
         if not self.interactive:
             yield lambda done, total: None
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeRemainingColumn(), console=self.err, transient=True) as bar:

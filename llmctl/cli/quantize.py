@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from llmctl.cli.errors import guarded
-from llmctl.cli.options import JsonOpt, ModelArg
+from llmctl.cli.options import Device, JsonOpt, ModelArg, ThreadsOpt
 
 
 def _is_gguf(format_: str, recipe: str | None) -> bool:
@@ -78,10 +79,11 @@ def register(app: typer.Typer) -> None:
             help="Fail when a group size does not divide a layer (default: use the largest "
                  "valid size below it)."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
-        device: str = typer.Option(None, "--device", help="cpu | cuda (default: cuda if present)."),
+        device: Annotated[Device | None, typer.Option(
+            "--device", help="cpu | cuda (default: cuda if present).")] = None,
         calib_dtype: str = typer.Option("bfloat16", "--calib-dtype",
                                         help="Dtype of calibration activations: bfloat16 | float32."),
-        threads: int = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
+        threads: ThreadsOpt = None,
         gguf_type: str = typer.Option(None, "--type", help="GGUF file type, e.g. Q4_K_M (--format gguf)."),
         imatrix: str = typer.Option(None, "--imatrix", help="GGUF importance matrix: auto or a file."),
         json_: JsonOpt = False,
@@ -101,7 +103,10 @@ def register(app: typer.Typer) -> None:
         from llmctl.models.loading import torch_dtype
         from llmctl.quant.calibration import DEFAULT_SOURCE, CalibrationSpec
         from llmctl.quant.pipeline import PipelineOptions
+        from llmctl.utils.device import resolve_device
 
+        if device is not None:  # unset: the pipeline takes CUDA when there is one
+            device = resolve_device(device)
         if threads:
             torch.set_num_threads(threads)
         spec = CalibrationSpec(calibration or DEFAULT_SOURCE, field, samples, seq_len, seed,

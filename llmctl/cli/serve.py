@@ -1,5 +1,6 @@
 """``llmctl serve``: the built-in engine behind an OpenAI-compatible HTTP API, or a
-hand-off to vLLM / TensorRT-LLM for scale beyond one box.
+hand-off to vLLM / TensorRT-LLM for scale beyond one box. The work is in
+:mod:`llmctl.serve.startup`.
 
 MODEL may also be an engine directory from ``llmctl build-engine`` (ONNX or
 torch-compile): the built-in scheduler and API then drive its runtime (see
@@ -7,14 +8,14 @@ torch-compile): the built-in scheduler and API then drive its runtime (see
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from llmctl.cli.errors import guarded
-from llmctl.cli.options import DtypeOpt
+from llmctl.cli.options import DtypeOpt, LogLevel
 
-ENGINES = ("llmctl", "vllm", "trtllm")
+Opt = typer.Option
 
 ServeModelArg = Annotated[
     str,
@@ -23,108 +24,68 @@ ServeModelArg = Annotated[
                         "its runtime runs under llmctl's scheduler; prefix caching off, "
                         "--dtype ignored, no --draft-model).", show_default=False),
 ]
+Host = Annotated[str, Opt("--host")]
+Port = Annotated[int, Opt("--port", min=0, max=65535)]
+ServedName = Annotated[str | None, Opt("--served-model-name",
+                                       help="Name clients send as `model`.")]
+Engine = Annotated[str, Opt("--engine", help="llmctl (built-in) | vllm | trtllm (hand-off).")]
+EnginePython = Annotated[str | None, Opt("--engine-python",
+                                         help="Python of the venv holding vllm/trtllm.")]
+TensorParallel = Annotated[int, Opt("--tensor-parallel-size", min=1,
+                                    help="Hand-off engines only.")]
+ApiKey = Annotated[str | None, Opt("--api-key", envvar="LLMCTL_API_KEY",
+                                   help="Require 'Authorization: Bearer KEY' on /v1/*.")]
+MaxQueue = Annotated[int, Opt("--max-queue", min=1,
+                              help="Waiting requests before 429 + Retry-After.")]
+RequestTimeout = Annotated[float | None, Opt("--request-timeout", min=0.001,
+                                             help="Seconds before a request gets 408.")]
+GracePeriod = Annotated[float, Opt("--grace-period", min=0.0,
+                                   help="Seconds in-flight requests get on SIGTERM.")]
+KvCacheMemory = Annotated[str, Opt("--kv-cache-memory",
+                                   help="KV budget: '512MiB' or a fraction of free RAM.")]
+BlockSize = Annotated[int, Opt("--block-size", min=1)]
+MaxModelLen = Annotated[int | None, Opt("--max-model-len", min=1)]
+MaxNumSeqs = Annotated[int, Opt("--max-num-seqs", min=1)]
+MaxBatchedTokens = Annotated[int, Opt("--max-num-batched-tokens", min=1)]
+PrefixCaching = Annotated[bool, Opt("--prefix-caching/--no-prefix-caching")]
+ChunkedPrefill = Annotated[bool, Opt("--chunked-prefill/--no-chunked-prefill")]
+Speculative = Annotated[Literal["ngram", "draft"] | None,
+                        Opt("--speculative", help="ngram | draft (with --draft-model).")]
+DraftModel = Annotated[str | None, Opt("--draft-model")]
+NumSpecTokens = Annotated[int, Opt("--num-speculative-tokens", min=1)]
+Threads = Annotated[int | None, Opt("--threads", min=1,
+                                    help="torch threads (engine dirs: runtime threads).")]
+LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
+
+
+def serve(
+    ctx: typer.Context, model: ServeModelArg, host: Host = "127.0.0.1", port: Port = 8000,
+    served_model_name: ServedName = None, engine: Engine = "llmctl",
+    engine_python: EnginePython = None, tensor_parallel_size: TensorParallel = 1,
+    api_key: ApiKey = None, max_queue: MaxQueue = 256, request_timeout: RequestTimeout = None,
+    grace_period: GracePeriod = 10.0, dtype: DtypeOpt = "auto",
+    kv_cache_memory: KvCacheMemory = "2GiB", block_size: BlockSize = 16,
+    max_model_len: MaxModelLen = None, max_num_seqs: MaxNumSeqs = 64,
+    max_num_batched_tokens: MaxBatchedTokens = 512, prefix_caching: PrefixCaching = True,
+    chunked_prefill: ChunkedPrefill = True, speculative: Speculative = None,
+    draft_model: DraftModel = None, num_speculative_tokens: NumSpecTokens = 4,
+    threads: Threads = None, log_level: LogLevelOpt = "info",
+) -> None:
+    """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""
+    settings = {k: v for k, v in locals().items() if k != "ctx"}
+    from llmctl.serve.startup import ServeSettings
+    from llmctl.serve.startup import serve as run
+
+    given = frozenset(name for name in settings if _given(ctx, name))
+    raise typer.Exit(run(ServeSettings(**settings, given=given),
+                         say=lambda line: typer.echo(line, err=True)))
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    # by name: typer vendors its own click, with its own ParameterSource enum
+    source = ctx.get_parameter_source(name)
+    return getattr(source, "name", None) in ("COMMANDLINE", "ENVIRONMENT")
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
-    @guarded
-    def serve(
-        ctx: typer.Context,
-        model: ServeModelArg,
-        host: str = typer.Option("127.0.0.1", "--host"),
-        port: int = typer.Option(8000, "--port", min=0, max=65535),
-        served_model_name: str = typer.Option(None, "--served-model-name",
-                                              help="Name clients send as `model`."),
-        engine: str = typer.Option("llmctl", "--engine",
-                                   help="llmctl (built-in) | vllm | trtllm (hand-off)."),
-        engine_python: str = typer.Option(None, "--engine-python",
-                                          help="Python of the venv holding vllm/trtllm."),
-        tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
-                                                 help="Hand-off engines only."),
-        api_key: str = typer.Option(None, "--api-key", envvar="LLMCTL_API_KEY",
-                                    help="Require 'Authorization: Bearer KEY' on /v1/*."),
-        max_queue: int = typer.Option(256, "--max-queue", min=1,
-                                      help="Waiting requests before 429 + Retry-After."),
-        request_timeout: float = typer.Option(None, "--request-timeout", min=0.001,
-                                              help="Seconds before a request gets 408."),
-        grace_period: float = typer.Option(10.0, "--grace-period", min=0.0,
-                                           help="Seconds in-flight requests get on SIGTERM."),
-        dtype: DtypeOpt = "float32",
-        kv_cache_memory: str = typer.Option("2GiB", "--kv-cache-memory",
-                                            help="KV budget: '512MiB' or a fraction of free RAM."),
-        block_size: int = typer.Option(16, "--block-size", min=1),
-        max_model_len: int = typer.Option(None, "--max-model-len", min=1),
-        max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1),
-        max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", min=1),
-        prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching"),
-        chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill"),
-        speculative: str = typer.Option(None, "--speculative",
-                                        help="ngram | draft (with --draft-model)."),
-        draft_model: str = typer.Option(None, "--draft-model"),
-        num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", min=1),
-        threads: int = typer.Option(None, "--threads", min=1, help="torch threads (engine dirs: runtime threads)."),
-        log_level: str = typer.Option("info", "--log-level"),
-    ) -> None:
-        """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""
-        from llmctl.engines.manifest import is_engine_dir
-        from llmctl.errors import UsageError
-
-        if engine not in ENGINES:
-            raise UsageError(f"unknown engine {engine!r}", f"choose one of: {', '.join(ENGINES)}")
-        engine_dir = is_engine_dir(model)
-        if engine_dir and engine != "llmctl":
-            raise UsageError(f"{model} is an engine directory; --engine {engine} serves "
-                             "checkpoints", "serve the engine directory with the built-in "
-                             "engine (no --engine), or pass its source checkpoint")
-        if engine_dir and draft_model:
-            raise UsageError(f"{model} is an engine directory: a draft model cannot run with it "
-                             "(draft models need the paged torch runner)",
-                             "use --speculative ngram, or serve the source checkpoint")
-        if engine != "llmctl":
-            _handoff(engine, model, host, port, served_model_name, api_key, max_model_len,
-                     dtype, tensor_parallel_size, engine_python)
-            return
-        import logging
-
-        from llmctl.serve.api.launch import ServeOptions, run_server
-
-        logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-        engine_kwargs = dict(
-            dtype=_canonical_dtype(dtype), kv_cache_memory=kv_cache_memory,
-            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
-            enable_chunked_prefill=chunked_prefill, num_threads=threads)
-        if engine_dir:  # what the user did not set is not a request to warn about
-            for key, param in (("enable_prefix_caching", "prefix_caching"), ("dtype", "dtype")):
-                # by name: typer vendors its own click, with its own ParameterSource enum
-                source = ctx.get_parameter_source(param)
-                if getattr(source, "name", None) not in ("COMMANDLINE", "ENVIRONMENT"):
-                    engine_kwargs.pop(key)
-        if speculative:
-            engine_kwargs["speculative"] = {"method": speculative, "draft_model": draft_model,
-                                            "num_speculative_tokens": num_speculative_tokens}
-        opts = ServeOptions(model=model, host=host, port=port,
-                            served_model_name=served_model_name, api_key=api_key,
-                            max_queue=max_queue, request_timeout=request_timeout,
-                            grace_period=grace_period, log_level=log_level,
-                            engine_kwargs=engine_kwargs)
-        raise typer.Exit(run_server(opts))
-
-
-def _canonical_dtype(name: str) -> str:
-    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
-
-
-def _handoff(engine, model, host, port, served_model_name, api_key, max_model_len, dtype,
-             tensor_parallel_size, engine_python) -> None:
-    from llmctl.models.resolve import resolve_model
-    from llmctl.serve.api.handoff import HANDOFF_ENGINES, HandoffOptions, run_handoff
-
-    resolved = resolve_model(model)
-    opts = HandoffOptions(model_path=resolved.path, served_name=served_model_name or model,
-                          host=host, port=port, api_key=api_key, max_model_len=max_model_len,
-                          dtype=_canonical_dtype(dtype), python=engine_python,
-                          tensor_parallel_size=tensor_parallel_size)
-    cmd = HANDOFF_ENGINES[engine](opts)
-    typer.echo("starting: " + " ".join(cmd), err=True)
-    raise typer.Exit(run_handoff(cmd))
+    app.command()(guarded(serve))

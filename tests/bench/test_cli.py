@@ -67,9 +67,15 @@ def test_report_written_schema_valid_and_consistent(server, tiny_llama, tmp_path
     assert report["metadata"]["dataset"]["fingerprint"] == report["dataset"]["fingerprint"]
     assert report["server_metrics"]["available"] and report["server_generation_tokens"] == 32
     assert path.with_suffix(".md").read_text().startswith("# llmctl bench: smoke")
-    pytest.importorskip("matplotlib")
     png = path.with_name(path.stem + "-cdf.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    try:
+        import matplotlib  # noqa: F401 - the optional [plots] extra
+    except ImportError:  # without it: no plot, and a warning that says what to install
+        assert not png.exists() and (
+            "plots need matplotlib (pip install 'llmctl[plots]' (or matplotlib)); plots skipped"
+            in result.output)
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_same_seed_same_prompts_and_arrivals(server, tiny_llama, tmp_path):
@@ -210,19 +216,39 @@ def test_launched_server_that_exits_reports_its_error(tiny_llama, tmp_path):
 
 
 def test_default_launch_is_llmctl_serve(tiny_llama, tmp_path):
-    """Without --target, ``python -m llmctl serve MODEL`` is started; until the server
-    exists that fails with serve's own message, afterwards the run must succeed."""
+    """Without --target, ``python -m llmctl serve MODEL --dtype D`` is started, with D the
+    dtype auto resolves to on this machine (named in the report's command line)."""
+    from llmctl.utils.device import default_device, resolve_dtype
+
+    expected = resolve_dtype("auto", device=default_device()).dtype
     result = bench("--model", tiny_llama, "-n", 2, "--input-len", 8, "--output-len", 2,
                    "--result-dir", tmp_path, "--no-plots", "--server-timeout", 300)
-    if "not available yet" in result.output:
-        assert result.exit_code == 1 and "llmctl serve" in result.output
-    else:  # the real server on the tiny model
-        assert result.exit_code == 0, result.output
-        report = only_report(tmp_path)
-        validate(report)
-        assert report["completed"] == 2 and report["failed"] == 0
-        assert report["metadata"]["engine"]["command"][1:4] == ["-m", "llmctl", "serve"]
-        assert report["total_output_tokens"] == sum(report["output_lens"]) > 0
+    assert result.exit_code == 0, result.output
+    assert f"server dtype auto -> {expected}" in result.output
+    report = only_report(tmp_path)
+    validate(report)
+    assert report["completed"] == 2 and report["failed"] == 0
+    command = report["metadata"]["engine"]["command"]
+    assert command[1:4] == ["-m", "llmctl", "serve"]
+    assert command[command.index("--dtype") + 1] == expected
+    assert report["config"]["dtype"] == "auto"
+    assert report["total_output_tokens"] == sum(report["output_lens"]) > 0
+
+
+def test_dtype_is_only_for_the_server_bench_starts(tmp_path):
+    result = bench("--target", "http://127.0.0.1:9", "--dtype", "float32", "--result-dir",
+                   tmp_path)
+    assert result.exit_code == 2 and "--dtype sets the dtype of the llmctl serve" in result.output
+
+
+def test_secrets_stay_out_of_reports():
+    from llmctl.bench.config import options_from_flags
+
+    opts = options_from_flags(model="m", serve_args="--api-key s3cret --max-num-seqs 4",
+                              server_command="srv --api-key=s3cret --port {port}")
+    dumped = json.dumps(opts.model_dump(mode="json"))
+    assert "s3cret" not in dumped and "--api-key ***" in dumped
+    assert opts.serve_args.startswith("--api-key s3cret")  # the server itself gets the key
 
 
 def test_target_dying_still_writes_a_report(tiny_llama, tmp_path):

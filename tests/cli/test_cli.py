@@ -70,9 +70,10 @@ def test_generate_equals_transformers_greedy(tiny_llama):
     ids = tok("The file object")["input_ids"]
     expected = hf_generate(load_model(tiny_llama), tok, ids, max_tokens=12)
     result = run("generate", str(tiny_llama), "--prompt", "The file object", "--max-tokens",
-                 "12", "--json")
+                 "12", "--dtype", "float32", "--json")  # exact tokens: float32 only
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
+    assert data["dtype"] == "float32" and data["dtype_reason"] == "as requested"
     assert data["token_ids"] == expected
     assert data["completion_tokens"] == len(expected)
 
@@ -123,3 +124,56 @@ def test_chat_without_template_is_a_usage_error(tiny_llama, tmp_path):
     result = run("generate", str(plain), "--prompt", "x", "--chat")
     assert result.exit_code == 2
     assert "no chat template" in result.output
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch):
+    """A CPU-only machine whose flags the test chooses."""
+    from llmctl.utils import device
+
+    monkeypatch.setattr(device, "cuda_available", lambda: False)
+
+    def with_flags(*flags):
+        monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(flags))
+
+    return with_flags
+
+
+@pytest.mark.parametrize("flags,dtype,line", [
+    (("avx2", "avx512_bf16"), "bfloat16", "dtype auto -> bfloat16 (CPU has AVX512-BF16)"),
+    (("avx2",), "float32", "dtype auto -> float32 (CPU without native bfloat16)"),
+])
+def test_generate_defaults_to_dtype_auto_and_says_why(tiny_llama, fake_cpu, flags, dtype, line):
+    fake_cpu(*flags)
+    result = run("generate", str(tiny_llama), "--prompt", "The file object", "--max-tokens",
+                 "2")
+    assert result.exit_code == 0, result.output
+    assert line in result.output
+    data = json.loads(run("generate", str(tiny_llama), "--prompt", "x", "--max-tokens", "1",
+                          "--json").stdout)
+    assert data["dtype"] == dtype
+
+
+def test_serve_resolves_dtype_auto_once_and_logs_it(tiny_llama, fake_cpu, monkeypatch, caplog):
+    import logging
+
+    from llmctl.serve.api import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "run_server", lambda opts, ready=None: seen.append(opts) or 0)
+    fake_cpu("amx_tile", "amx_bf16")
+    with caplog.at_level(logging.INFO, logger="llmctl.serve"):
+        assert run("serve", str(tiny_llama)).exit_code == 0
+        assert run("serve", str(tiny_llama), "--dtype", "float32").exit_code == 0
+    assert [o.engine_kwargs["dtype"] for o in seen] == ["bfloat16", "float32"]
+    assert "dtype auto -> bfloat16 (CPU has AMX-BF16)" in caplog.messages
+    assert "dtype float32 (as requested)" in caplog.messages
+
+
+def test_serve_engine_settings_are_checked_before_loading(tiny_llama, monkeypatch):
+    from llmctl.serve.api import launch
+
+    monkeypatch.setattr(launch, "run_server", lambda opts, ready=None: pytest.fail("ran"))
+    result = run("serve", str(tiny_llama), "--speculative", "draft")  # no --draft-model
+    assert result.exit_code == 2, result.output
+    assert "draft_model" in result.output and "Traceback" not in result.output

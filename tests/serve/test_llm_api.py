@@ -70,7 +70,7 @@ def test_cli_generate_backends_agree(tiny_llama):
     runner = CliRunner()
     app = build_app()
     args = ["generate", str(tiny_llama), "--prompt", "The file object", "--max-tokens", "12",
-            "--json"]
+            "--dtype", "float32", "--json"]  # exact tokens: float32 only
     engine = json.loads(runner.invoke(app, args).stdout)
     hf = json.loads(runner.invoke(app, args + ["--backend", "transformers"]).stdout)
     assert engine["backend"] == "engine" and hf["backend"] == "transformers"

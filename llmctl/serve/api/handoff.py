@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmctl.errors import MissingDependencyError
+from llmctl.errors import MissingDependencyError, UsageError
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,55 @@ def vllm_command(opts: HandoffOptions) -> list[str]:
     return cmd + list(opts.extra_args)
 
 
+# llmctl serve options a hand-off engine has no equivalent for: refused, never dropped
+# (a dropped --api-key would serve without authentication). trtllm-serve of the pinned
+# TensorRT-LLM (engines.trtllm_options.PINNED_VERSION, 1.2.1) has no API key option
+# (NVIDIA/TensorRT-LLM#9950) and no served model name (added in 1.3 by #11711): its
+# clients send the model path as `model`.
+UNSUPPORTED: dict[str, dict[str, str]] = {
+    "trtllm": {
+        "--api-key": "trtllm-serve has no API key option: put an authenticating proxy in "
+                     "front of it, or serve with --engine vllm or the built-in engine",
+        "--served-model-name": "trtllm-serve 1.2 serves the model under its path: drop the "
+                               "flag and send the path as `model`",
+    },
+}
+
+
+def refuse_unsupported(engine: str, given: set[str]) -> None:
+    """UsageError naming the first option in ``given`` that ``engine`` cannot honour."""
+    for flag, remedy in UNSUPPORTED.get(engine, {}).items():
+        if flag in given:
+            raise UsageError(f"--engine {engine} does not support {flag}", remedy)
+
+
+def _llm_api_options_file(options: dict) -> Path:
+    """A YAML for trtllm-serve --extra_llm_api_options, named by its content (so
+    repeated starts reuse one small file rather than leaving a new one each time)."""
+    import hashlib
+    import os
+    import tempfile
+
+    import yaml
+
+    from llmctl.engines.trtllm_options import validate_options
+    from llmctl.utils.atomic import write_text
+
+    problems = validate_options(options)
+    if problems:
+        raise UsageError(f"cannot pass to trtllm-serve: {'; '.join(problems)}",
+                         "see llmctl/engines/trtllm_options.py")
+    text = yaml.safe_dump(options, sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"llmctl-trtllm-{os.getuid()}-{digest}.yaml"
+    if not path.is_file():
+        write_text(path, text)
+    return path
+
+
 def trtllm_command(opts: HandoffOptions) -> list[str]:
+    if opts.api_key:
+        refuse_unsupported("trtllm", {"--api-key"})
     exe = shutil.which("trtllm-serve")
     if exe is None:
         raise MissingDependencyError(
@@ -76,6 +124,8 @@ def trtllm_command(opts: HandoffOptions) -> list[str]:
         cmd += ["--max_seq_len", str(opts.max_model_len)]
     if opts.tensor_parallel_size > 1:
         cmd += ["--tp_size", str(opts.tensor_parallel_size)]
+    if opts.dtype and opts.dtype != "auto":  # an LLM-API option, not a flag, in 1.2
+        cmd += ["--extra_llm_api_options", str(_llm_api_options_file({"dtype": opts.dtype}))]
     return cmd + list(opts.extra_args)
 
 

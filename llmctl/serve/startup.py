@@ -1,0 +1,148 @@
+"""From ``llmctl serve`` settings to a running server.
+
+1. Check the combination: a known engine; an engine directory (from ``llmctl
+   build-engine``) runs only on the built-in scheduler, without a draft model.
+2. Hand-off engines (vLLM, TensorRT-LLM) get their own command line, logged with
+   secrets redacted; options they cannot honour are refused, never dropped.
+3. The built-in engine gets its configuration, with ``--dtype auto`` resolved once
+   (:mod:`llmctl.utils.device`) and the choice logged. An engine directory receives only
+   the settings given on the command line: defaults are not requests to warn about.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmctl.errors import UsageError
+
+log = logging.getLogger("llmctl.serve")
+
+ENGINES = ("llmctl", "vllm", "trtllm")
+
+
+@dataclass
+class ServeSettings:
+    """What ``llmctl serve`` was asked for (the command line's options, typed)."""
+
+    model: str
+    engine: str = "llmctl"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    engine_python: str | None = None
+    tensor_parallel_size: int = 1
+    max_queue: int = 256
+    request_timeout: float | None = None
+    grace_period: float = 10.0
+    log_level: str = "info"
+    dtype: str = "auto"
+    kv_cache_memory: str = "2GiB"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefix_caching: bool = True
+    chunked_prefill: bool = True
+    speculative: str | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4
+    threads: int | None = None
+    # option names (as fields above) the user gave on the command line or in the environment
+    given: frozenset[str] = field(default_factory=frozenset)
+
+
+def check(settings: ServeSettings) -> bool:
+    """Refuse impossible combinations; True when MODEL is an engine directory."""
+    from llmctl.engines.manifest import is_engine_dir
+
+    engine, model = settings.engine, settings.model
+    if engine not in ENGINES:
+        raise UsageError(f"unknown engine {engine!r}", f"choose one of: {', '.join(ENGINES)}")
+    engine_dir = is_engine_dir(model)
+    if engine_dir and engine != "llmctl":
+        raise UsageError(f"{model} is an engine directory; --engine {engine} serves "
+                         "checkpoints", "serve the engine directory with the built-in "
+                         "engine (no --engine), or pass its source checkpoint")
+    if engine_dir and settings.draft_model:
+        raise UsageError(f"{model} is an engine directory: a draft model cannot run with it "
+                         "(draft models need the paged torch runner)",
+                         "use --speculative ngram, or serve the source checkpoint")
+    return engine_dir
+
+
+def handoff_command(settings: ServeSettings) -> list[str]:
+    """The hand-off engine's own command line for these settings."""
+    from llmctl.models.resolve import resolve_model
+    from llmctl.serve.api.handoff import HANDOFF_ENGINES, HandoffOptions, refuse_unsupported
+    from llmctl.utils.device import canonical_dtype
+
+    given = {"--" + name.replace("_", "-") for name in settings.given}
+    if settings.api_key:  # from the flag or $LLMCTL_API_KEY
+        given.add("--api-key")
+    refuse_unsupported(settings.engine, given)
+    resolved = resolve_model(settings.model)
+    opts = HandoffOptions(
+        model_path=resolved.path, served_name=settings.served_model_name or settings.model,
+        host=settings.host, port=settings.port, api_key=settings.api_key,
+        max_model_len=settings.max_model_len, dtype=canonical_dtype(settings.dtype),
+        python=settings.engine_python, tensor_parallel_size=settings.tensor_parallel_size)
+    return HANDOFF_ENGINES[settings.engine](opts)
+
+
+def engine_kwargs(settings: ServeSettings, engine_dir: bool) -> dict[str, Any]:
+    """EngineConfig keywords; dtype auto resolved here (checkpoints only) and logged."""
+    kwargs: dict[str, Any] = {
+        "dtype": settings.dtype, "kv_cache_memory": settings.kv_cache_memory,
+        "block_size": settings.block_size, "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "enable_prefix_caching": settings.prefix_caching,
+        "enable_chunked_prefill": settings.chunked_prefill, "num_threads": settings.threads}
+    if engine_dir:  # what the user did not set is not a request to warn about
+        for key, name in (("enable_prefix_caching", "prefix_caching"), ("dtype", "dtype")):
+            if name not in settings.given:
+                kwargs.pop(key)
+    else:
+        from llmctl.utils.device import checkpoint_dtype, default_device, resolve_dtype
+
+        choice = resolve_dtype(settings.dtype, device=default_device(),
+                               model_dtype=lambda: checkpoint_dtype(settings.model))
+        log.info("%s", choice.describe())
+        kwargs["dtype"] = choice.dtype
+    if settings.speculative:
+        kwargs["speculative"] = {"method": settings.speculative,
+                                 "draft_model": settings.draft_model,
+                                 "num_speculative_tokens": settings.num_speculative_tokens}
+    return kwargs
+
+
+def serve(settings: ServeSettings, say: Callable[[str], None] = log.info) -> int:
+    """Run the server (or the hand-off engine) in the foreground; its exit code. ``say``
+    shows the hand-off command (whatever the log level)."""
+    engine_dir = check(settings)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
+    if settings.engine != "llmctl":
+        from llmctl.serve.api.handoff import run_handoff
+        from llmctl.utils.cmdline import shown
+
+        cmd = handoff_command(settings)
+        say(f"starting: {shown(cmd)}")
+        return run_handoff(cmd)
+    from llmctl.serve.api.launch import ServeOptions, run_server
+    from llmctl.serve.config import EngineConfig
+
+    kwargs = engine_kwargs(settings, engine_dir)
+    # Checked before anything loads; a pydantic error names the field, which the CLI
+    # reports as the option that set it (exit 2).
+    EngineConfig(model=settings.model, **kwargs)
+    opts = ServeOptions(model=settings.model, host=settings.host, port=settings.port,
+                        served_model_name=settings.served_model_name, api_key=settings.api_key,
+                        max_queue=settings.max_queue, request_timeout=settings.request_timeout,
+                        grace_period=settings.grace_period, log_level=settings.log_level,
+                        engine_kwargs=kwargs)
+    return run_server(opts)

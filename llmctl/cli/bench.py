@@ -87,6 +87,9 @@ Reports = Annotated[list[Path], typer.Argument(help="Report JSON files; the firs
                                                      "baseline.")]
 Metric = Annotated[list[str] | None, Opt("--metric", help="Only these metrics.")]
 
+# Options that are not the run's configuration (BenchOptions): secrets, gates, output mode.
+_NOT_BENCH_OPTIONS = {"ctx", "api_key", "gate", "gate_file", "junit", "json_"}
+
 
 def bench(
     ctx: typer.Context, target: Target = None, model: Model = None,
@@ -130,9 +133,6 @@ def bench(
         verdict = run_verdict(result, gates, junit)
     out.result(verdict.data, lambda console: show_run(console, result, verdict))
     _exit(out, verdict)
-
-
-_NOT_BENCH_OPTIONS = {"ctx", "api_key", "gate", "gate_file", "junit", "json_"}
 
 
 def compare(reports: Reports, metric: Metric = None, gate: GateOpt = None,

@@ -56,10 +56,13 @@ def register(app: typer.Typer) -> None:
         task_limit: int | None = typer.Option(None, "--task-limit", help="Items per task."),
         gate: list[str] | None = typer.Option(
             None, "--gate", help="e.g. 'ppl_ratio<=1.05', 'mean_kld<=0.05', "
-                                 "'wilson(task.science-mc.acc)>=0.9*reference' (repeatable)."),
+                                 "'delta(task.science-mc.acc)>=-0.05' (paired vs the "
+                                 "reference), 'wilson_low(task.science-mc.acc)>=0.6' "
+                                 "(repeatable)."),
         gate_file: Path | None = typer.Option(None, "--gate-file", help="YAML with gates: [...]"),
         baseline: Path | None = typer.Option(
-            None, "--baseline", help="Eval report whose metrics are the 'reference' in gates."),
+            None, "--baseline", help="Eval report whose metrics (and per-item task results, "
+                                     "for delta gates) are the 'reference' in gates."),
         junit: Path | None = typer.Option(None, "--junit", help="Write gate results as JUnit XML."),
         output: Path | None = typer.Option(None, "--output", "-o",
                                               help="Report JSON (Markdown written next to it)."),
@@ -129,9 +132,10 @@ def _missing_metric_hint(metric: str, config) -> str:
     return "check the metric name"
 
 
-def _check_gates(gates, config, baseline) -> None:
+def _check_gates(gates, config, baseline, baseline_path) -> None:
+    """Reject, before anything runs, gates this run cannot judge (usage errors, exit 2)."""
     from llmctl.errors import UsageError
-    from llmctl.eval.runner import expected_metrics
+    from llmctl.eval.runner import counted_metrics, expected_metrics
 
     produced = expected_metrics(config)
     for g in gates:
@@ -139,9 +143,67 @@ def _check_gates(gates, config, baseline) -> None:
             raise UsageError(f"gate {g.text!r}: this run produces no metric {g.metric!r}",
                              f"{_missing_metric_hint(g.metric, config)}; metrics of this run: "
                              f"{', '.join(sorted(produced)[:12]) or 'none'}, ...")
+        if g.form == "delta":
+            _check_delta(g, config, baseline, baseline_path)
+            continue
+        if g.side() is not None and g.metric not in counted_metrics(config):
+            raise UsageError(f"gate {g.text!r}: Wilson bounds apply to proportions measured "
+                             f"on N items, and {g.metric} is not one",
+                             "proportions of this run: "
+                             + (", ".join(sorted(counted_metrics(config))) or "none"))
         if g.relative and baseline is None and not config.reference:
             raise UsageError(f"gate {g.text!r} compares with a reference value",
                              "pass --reference MODEL or --baseline REPORT.json")
+
+
+def _baseline_remedy(path) -> str:
+    return (f"regenerate {path} with this version (llmctl eval REFERENCE_MODEL --tasks ... "
+            "-o FILE.json), or pass --reference MODEL instead of --baseline")
+
+
+def _check_delta(gate, config, baseline, baseline_path) -> None:
+    """A paired gate needs per-item results of the candidate and of its reference."""
+    from llmctl.errors import UsageError
+    from llmctl.eval.paired import outcomes, split_metric
+    from llmctl.eval.runner import is_store
+    from llmctl.eval.tasks import expand_task_names, task_metric_name
+
+    parts = split_metric(gate.metric)
+    if parts is None:
+        raise UsageError(f"gate {gate.text!r}: delta(...) pairs per-item task results",
+                         "use it on task.NAME.acc or task.NAME.acc_norm")
+    task, kind = parts
+    harness = {task_metric_name(n) for n in expand_task_names(config.tasks)
+               if n.startswith("lm_eval:")}
+    if task in harness:
+        raise UsageError(f"gate {gate.text!r}: lm-eval tasks report aggregates, not items",
+                         "gate lm-eval tasks with wilson_low(...) or run the items as a "
+                         "JSONL task (--tasks FILE.jsonl)")
+    if baseline is not None:
+        if outcomes((baseline.get("tasks") or {}).get(task), kind) is None:
+            raise UsageError(f"gate {gate.text!r}: baseline {baseline_path} has no per-item "
+                             f"results for task {task}", _baseline_remedy(baseline_path))
+        return
+    if not config.reference:
+        raise UsageError(f"gate {gate.text!r} compares with a reference's answers item by item",
+                         "pass --reference MODEL or --baseline REPORT.json")
+    if is_store(config.reference) or not config.reference_tasks:
+        raise UsageError(f"gate {gate.text!r}: the reference's tasks are not run",
+                         "pass --reference MODEL (a model, not a stored .safetensors, and "
+                         "without --no-reference-tasks) or --baseline REPORT.json")
+
+
+def _paired(gates, report: dict, baseline: dict | None, baseline_path) -> dict | None:
+    from llmctl.eval.paired import paired_counts
+
+    metrics = [g.metric for g in gates if g.form == "delta"]
+    if not metrics:
+        return None
+    if baseline is not None:
+        return paired_counts(metrics, report["tasks"], baseline.get("tasks"),
+                             f"baseline {baseline_path}", _baseline_remedy(baseline_path))
+    return paired_counts(metrics, report["tasks"], report.get("reference_tasks"),
+                         "the reference run", "run the reference on the same --tasks")
 
 
 def _evaluate(out, args: dict) -> None:
@@ -153,8 +215,9 @@ def _evaluate(out, args: dict) -> None:
     with usage_errors():
         gates = load_gates(args["gate"], args["gate_file"])
     config = _build_config(args)
-    baseline = load_report(args["baseline"]) if args["baseline"] else None
-    _check_gates(gates, config, baseline)
+    with usage_errors():
+        baseline = load_report(args["baseline"]) if args["baseline"] else None
+    _check_gates(gates, config, baseline, args["baseline"])
     if not config.data and not config.tasks:
         raise UsageError("nothing to evaluate: --data none and no --tasks",
                          "pass --data SOURCE and/or --tasks NAME")
@@ -167,8 +230,9 @@ def _evaluate(out, args: dict) -> None:
         reference_values = baseline["metrics"] if baseline else report["reference_metrics"]
         try:
             with usage_errors():
+                paired = _paired(gates, report, baseline, args["baseline"])
                 results = evaluate_gates(gates, report["metrics"], reference_values,
-                                         report["counts"])
+                                         report["counts"], paired)
         except UsageError:
             if args["output"]:  # the run's numbers are still worth keeping
                 write_report(report, args["output"])
@@ -189,10 +253,12 @@ def _evaluate(out, args: dict) -> None:
         console.print(Markdown(markdown(report)))
 
     out.result(report, render)
+    for r in results:
+        if r.warning:
+            out.warn(r.warning)
     failed = [r for r in results if not r.passed]
     if failed:
-        listing = "; ".join(f"{r.gate.text} (got {r.compared:.6g}, threshold {r.threshold:.6g})"
-                            for r in failed)
+        listing = "; ".join(f"{r.gate.text} ({r.describe()})" for r in failed)
         out.error(f"{len(failed)} of {len(results)} gates failed: {listing}")
         raise typer.Exit(EXIT_GATE_FAILED)
 

@@ -29,6 +29,12 @@ def _pm(metrics: dict, key: str, scale: float = 1.0, digits: int = 4, unit: str 
     return f"{text} ± {_f(se * scale, digits)}{unit}" if se is not None else text
 
 
+GATE_NOTE = ("*compared*: the value, or the 95% bound a `wilson`/`delta` gate judges "
+             "(`delta`: candidate minus reference on the same items, Tango's score bound). "
+             "*detectable drop*: the smallest change the gate tells from no change at 95% "
+             "confidence at this n (a rise, for `<=` gates).")
+
+
 def attach_gates(report: dict[str, Any], results: list[GateResult], baseline: str | None,
                  baseline_metrics: dict[str, Any] | None = None) -> None:
     report["gates"] = [r.to_dict() for r in results]
@@ -102,10 +108,19 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"## Gates: {verdict}", ""]
         if report.get("baseline"):
             lines += [f"`reference` values from `{report['baseline']}`", ""]
-        lines += ["| gate | value | compared | threshold | result |", "| --- | --- | --- | --- | --- |"]
+        lines += ["| gate | value | compared | threshold | n | detectable drop | result |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for g in report["gates"]:
-            lines.append(f"| `{g['gate']}` | {_f(g['value'])} | {_f(g['compared'])} | "
-                         f"{_f(g['threshold'])} | {'pass' if g['passed'] else '**FAIL**'} |")
+            value = _f(g["value"])
+            if g.get("form") == "delta":
+                value += f" ({g['losses']} lost, {g['gains']} gained)"
+            bound = f" ({g['bound']})" if g.get("bound") else ""
+            lines.append(f"| `{g['gate']}` | {value} | {_f(g['compared'])}{bound} | "
+                         f"{_f(g['threshold'])} | {_f(g.get('n'))} | "
+                         f"{_f(g.get('detectable_drop'), 3)} | "
+                         f"{'pass' if g['passed'] else '**FAIL**'} |")
+        lines += ["", GATE_NOTE, ""]
+        lines += [f"- warning: {g['warning']}" for g in report["gates"] if g.get("warning")]
         lines.append("")
     return "\n".join(lines)
 

@@ -260,6 +260,17 @@ def expected_metrics(config: EvalConfig) -> set[str]:
     return names
 
 
+def counted_metrics(config: EvalConfig) -> set[str]:
+    """The proportions among ``expected_metrics``: the run reports how many items (or
+    tokens) each was measured on, so Wilson bounds apply."""
+    from llmctl.eval.tasks import task_metric_name
+
+    names = {"same_top_p"} if config.data and config.reference else set()
+    for name in expand_task_names(config.tasks):
+        names.update(f"task.{task_metric_name(name)}.{m}" for m in ("acc", "acc_norm"))
+    return names
+
+
 def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
     from llmctl.report import run_metadata
 
@@ -273,6 +284,7 @@ def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     reference_metrics: dict[str, Any] = {}
     counts: dict[str, int] = {}
+    ref_tasks_out: dict[str, Any] = {}  # per-item outcomes, for paired delta gates
     per_window: list[dict] = []
     store = ref_tokenizer = reference = None
     data_info = windows_info = None
@@ -289,6 +301,7 @@ def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
         start = time.perf_counter()
         for result in _reference_tasks(reference, config, ui):
             reference_metrics.update(result.metrics())
+            ref_tasks_out[result.name] = result.report_entry()
         timings["reference_tasks_s"] = round(time.perf_counter() - start, 2)
     if reference is not None:
         reference.close()  # free its weights before the candidate loads
@@ -329,10 +342,7 @@ def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
             for result in run_tasks(candidate, config, ui, "tasks"):
                 metrics.update(result.metrics())
                 counts.update(result.counts())
-                tasks_out[result.name] = {"n": result.n, "acc": result.acc,
-                                          "acc_norm": result.acc_norm, "source": result.source,
-                                          **{k: v for k, v in result.details.items() if k != "items"},
-                                          "items": result.details.get("items")}
+                tasks_out[result.name] = result.report_entry()
             timings["tasks_s"] = round(time.perf_counter() - start, 2)
         described = candidate.describe()
     finally:
@@ -352,6 +362,7 @@ def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
         definitions=DEFINITIONS)
     return {"schema": REPORT_SCHEMA, "metadata": metadata, "metrics": metrics,
             "reference_metrics": reference_metrics, "counts": counts, "tasks": tasks_out,
+            "reference_tasks": ref_tasks_out,
             "per_window": per_window, "timings_s": timings}
 
 

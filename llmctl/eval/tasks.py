@@ -64,6 +64,13 @@ class TaskResult:
     def counts(self) -> dict[str, int]:
         return {f"task.{self.name}.acc": self.n, f"task.{self.name}.acc_norm": self.n}
 
+    def report_entry(self) -> dict[str, Any]:
+        """The task's block in an eval report; ``items`` (id, acc and acc_norm as 0/1, ...)
+        is what paired ``delta(...)`` gates compare item by item (None for lm-eval tasks)."""
+        return {"n": self.n, "acc": self.acc, "acc_norm": self.acc_norm, "source": self.source,
+                **{k: v for k, v in self.details.items() if k != "items"},
+                "items": self.details.get("items")}
+
 
 def builtin_task_names() -> list[str]:
     return sorted(p.stem for p in TASK_DIR.glob("*.jsonl"))
@@ -151,7 +158,9 @@ def score_task(candidate, task: MCTask, limit: int | None = None,
         pred, pred_norm = int(np.argmax(lls)), int(np.argmax(lls / lengths))
         correct += pred == item.gold
         correct_norm += pred_norm == item.gold
-        per_item.append({"id": item.id, "pred": pred, "pred_norm": pred_norm, "gold": item.gold,
+        per_item.append({"id": item.id, "acc": int(pred == item.gold),
+                         "acc_norm": int(pred_norm == item.gold), "pred": pred,
+                         "pred_norm": pred_norm, "gold": item.gold,
                          "loglikelihoods": [round(float(x), 5) for x in lls]})
         if progress:
             progress(i + 1, len(items))

@@ -12,8 +12,10 @@
 
 Where this is wired:
 
-- ``llmctl serve ENGINE_DIR`` (:mod:`llmctl.serve.api.launch`): :func:`is_engine_dir`
-  picks :func:`llmctl.engines.serve_engine.open_serving_engine`, which opens the engine
+- ``llmctl serve ENGINE_DIR``: the model source this package registers with
+  :mod:`llmctl.serve.sources` (:mod:`llmctl.engines.serve_source`) claims it with
+  :func:`is_engine_dir` and calls
+  :func:`llmctl.engines.serve_engine.open_serving_engine`, which opens the engine
   here (manifest, host compatibility, file hashes) and builds an ``LLMEngine`` whose
   scheduler, sampler and detokenizer drive :meth:`Engine.runner` (see
   :mod:`llmctl.engines.serve_runner` for the contract and what is not supported).

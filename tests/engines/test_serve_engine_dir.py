@@ -246,3 +246,36 @@ def test_serve_passes_only_settings_the_user_gave(onnx_fp32, monkeypatch):
     assert warnings == []
     engine_dir_settings(onnx_fp32, asked, warnings.append)
     assert len(warnings) == 1 and "prefix caching is off" in warnings[0]
+
+
+_FRESH_SERVE = """
+import sys
+
+from typer.testing import CliRunner
+
+from llmctl.cli.app import build_app
+from llmctl.serve.api import launch
+from llmctl.serve.sources import source_for
+
+assert "llmctl.engines" not in sys.modules, "the serve layer imported llmctl.engines"
+launch.run_server = lambda opts, ready=None: print("source:", source_for(opts.model).name) or 0
+result = CliRunner().invoke(build_app(), ["serve", sys.argv[1]])
+print(result.output, result.exception)
+"""
+
+
+def test_cli_serve_registers_engine_directories_in_a_fresh_interpreter(tmp_path):
+    """llmctl.serve never imports llmctl.engines (tests/test_import_graph.py); the engine
+    directory source exists only because the CLI imports llmctl.engines. A fresh process
+    shows that happens before MODEL is opened (this test module has imported it already)."""
+    import subprocess
+    import sys
+
+    from llmctl.engines.manifest import MANIFEST_NAME
+    from tests.test_import_graph import ROOT
+
+    (tmp_path / MANIFEST_NAME).write_text("{}")  # claiming reads no more than this
+    proc = subprocess.run([sys.executable, "-c", _FRESH_SERVE, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "source: engine-dir" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from llmctl.engines.engine_dir import open_engine
-from llmctl.engines.sampling import log_softmax
 from llmctl.errors import ResourceError
+from llmctl.eval.metrics import log_softmax
 from tests.engines.conftest import PROMPTS, hf_greedy, hf_logits
 
 

@@ -4,8 +4,6 @@ greedy output over HTTP equal to the offline engine on the source checkpoint."""
 from __future__ import annotations
 
 import json
-import platform
-import shutil
 import threading
 
 import httpx
@@ -13,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmctl.cli.app import build_app
+from tests.engines.conftest import incompatible_copy
 from tests.serve.api.conftest import start_server
 
 PROMPTS = [[5, 17, 33, 99, 100, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49] * 3,
@@ -172,19 +171,8 @@ def test_torch_compile_engine_with_ngram_speculation(torch_compiled, tiny_llama,
 runner = CliRunner()
 
 
-def _incompatible_copy(engine_dir, tmp_path):
-    """The same engine, as if built on a machine of another architecture."""
-    copy = tmp_path / "foreign-engine"
-    shutil.copytree(engine_dir, copy)
-    manifest = copy / "llmctl-engine.json"
-    data = json.loads(manifest.read_text())
-    data["requirements"]["arch"] = "aarch64" if platform.machine() != "aarch64" else "x86_64"
-    manifest.write_text(json.dumps(data))
-    return copy
-
-
 def test_serve_refuses_an_engine_built_for_another_machine(onnx_fp32, tmp_path):
-    copy = _incompatible_copy(onnx_fp32, tmp_path)
+    copy = incompatible_copy(onnx_fp32, tmp_path)
     result = runner.invoke(build_app(), ["serve", str(copy), "--port", "0"])
     assert result.exit_code == 1, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

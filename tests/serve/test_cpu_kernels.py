@@ -178,15 +178,17 @@ def test_every_kernel_file_is_hashed_and_packaged():
     """A header the .cpp files include is part of the build key (editing it rebuilds) and
     of the package data (an installed llmctl can compile the kernels)."""
     import re
-    import tomllib
 
     on_disk = {p.name for p in CSRC.iterdir() if p.suffix in (".cpp", ".h")}
     assert {p.name for p in cpu_kernels.SOURCES} == on_disk
     included = {name for src in cpu_kernels.SOURCES
                 for name in re.findall(r'#include "([^"]+)"', src.read_text())}
     assert included and included <= on_disk
-    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["llmctl.serve"]
+    # [tool.setuptools.package-data] (read by pattern: tomllib is not in Python 3.10)
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    patterns = re.findall(r'"([^"]+)"', re.search(r'^"llmctl\.serve" = \[(.*)\]$', pyproject,
+                                                  re.MULTILINE).group(1))
+    assert "csrc/*.cpp" in patterns
     assert all(any(fnmatch.fnmatch(f"csrc/{name}", pat) for pat in patterns) for name in on_disk)
 
 

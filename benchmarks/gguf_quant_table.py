@@ -69,16 +69,13 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "results" / "gguf-quant-table"))
     args = parser.parse_args()
 
+    import numpy as np
     import torch
 
     torch.set_num_threads(args.threads)
+    from llmctl.eval.metrics import PositionStats, comparison_summary, dense_position_stats
     from llmctl.gguf import imatrix as im
-    from llmctl.gguf.compare import (
-        heldout_windows,
-        llamacpp_logits,
-        token_stats,
-        transformers_logits,
-    )
+    from llmctl.gguf.compare import heldout_windows, llamacpp_logits, transformers_logits
     from llmctl.gguf.export import quantize_to_gguf
     from llmctl.models.resolve import resolve_model
     from llmctl.report import run_metadata
@@ -111,19 +108,21 @@ def main() -> int:
                                        threads=args.threads)
             t = time.perf_counter()
             logits = llamacpp_logits(out, windows, threads=args.threads)
-            stats = token_stats(reference, logits, windows)
+            stats = comparison_summary(PositionStats.concat([
+                dense_position_stats(r[:-1], c[:-1], np.asarray(w[1:]))
+                for r, c, w in zip(reference, logits, windows)]))
             del logits
             row = {
                 "label": label, "type": gguf_type, "imatrix": use_imatrix,
                 "engine": summary["engine"], "size_bytes": summary["size"],
                 "bits_per_weight": summary["bits_per_weight"], "types": summary["types"],
                 "fallbacks": len(summary["fallbacks"]), "export_seconds": summary["seconds"],
-                "eval_seconds": time.perf_counter() - t, **stats.to_dict(),
+                "eval_seconds": time.perf_counter() - t, **stats,
                 **_speed(out, args.threads, windows[0], 64),
             }
             rows.append(row)
             print(f"{label:>16}  {row['bits_per_weight']:5.2f} bpw  PPL {row['ppl']:.4f}  "
-                  f"KLD {row['mean_kld']:.5f}  top1 {row['same_top1']:.3f}", flush=True)
+                  f"KLD {row['mean_kld']:.5f}  top1 {row['same_top_p']:.3f}", flush=True)
             out.unlink()
     result = {
         "benchmark": "gguf-quant-table",
@@ -131,10 +130,11 @@ def main() -> int:
         "model": args.model,
         "model_path": str(model_dir),
         "data": {"source": "builtin:pydoc-heldout", "windows": len(windows),
-                 "seq_len": args.seq_len, "tokens_scored": rows[0]["tokens"] if rows else 0},
+                 "seq_len": args.seq_len,
+                 "tokens_scored": rows[0]["tokens_scored"] if rows else 0},
         "imatrix": {"source": "builtin:pydoc-calib", "samples": args.imatrix_samples,
                     "seq_len": 512, "seconds": imatrix_seconds if imatrix_file else None},
-        "reference": {"engine": "transformers float32", "ppl": rows[0]["ppl_reference"]
+        "reference": {"engine": "transformers float32", "ppl": rows[0]["ref_ppl"]
                       if rows else None, "seconds": ref_seconds},
         "threads": args.threads,
         "metadata_start": meta_start,
@@ -165,7 +165,7 @@ def render_markdown(result: dict) -> str:
         ("ΔPPL vs float", lambda r: f"{r['ppl'] - ref_ppl:+.4f}"),
         ("mean KLD", lambda r: f"{r['mean_kld']:.6f}"),
         ("99% KLD", lambda r: f"{r['p99_kld']:.5f}"),
-        ("same top token", lambda r: f"{100 * r['same_top1']:.2f}%"),
+        ("same top token", lambda r: f"{100 * r['same_top_p']:.2f}%"),
         ("fallback tensors", lambda r: str(r["fallbacks"])),
         ("written by", lambda r: r["engine"]),
         ("prompt processing t/s @ 512", lambda r: f"{r['pp_tokens_per_s']:.0f}"),

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmctl.engines.runtime import Runtime, SeqState, split_work
+from llmctl.engines.runtime import BatchedRuntime, BatchedState, DecodeBatch
 
 CHUNK = 64
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -26,15 +26,13 @@ def _round_up(n: int) -> int:
     return max(CHUNK, -(-n // CHUNK) * CHUNK)
 
 
-class AotiState(SeqState):
-    __slots__ = ("batch", "k", "row", "v")
+class AotiState(BatchedState):
+    __slots__ = ("k", "v")
 
     def __init__(self) -> None:
         super().__init__()
         self.k: torch.Tensor | None = None  # [L, 1, H, cap, d]
         self.v: torch.Tensor | None = None
-        self.batch: _Batch | None = None
-        self.row = -1
 
     def views(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.batch is not None:
@@ -43,19 +41,21 @@ class AotiState(SeqState):
         assert self.k is not None and self.v is not None
         return self.k[:, :, :, :self.length], self.v[:, :, :, :self.length]
 
-    def detach(self) -> None:
-        if self.batch is not None:
-            k, v = self.views()
-            self.k, self.v = k.clone(), v.clone()
-            self.batch, self.row = None, -1
+    def _copy_out(self) -> None:
+        k, v = self.views()
+        self.k, self.v = k.clone(), v.clone()
+
+    def _drop_own(self) -> None:
+        self.k = self.v = None
 
 
-class _Batch:
+class _Batch(DecodeBatch):
     def __init__(self, states: list[AotiState], k: torch.Tensor, v: torch.Tensor) -> None:
-        self.states, self.k, self.v = states, k, v
+        super().__init__(states)
+        self.k, self.v = k, v  # [L, B, H, cap, d]
 
 
-class AotiRuntime(Runtime):
+class AotiRuntime(BatchedRuntime):
     def __init__(self, path: Path, info: dict, *, threads: int | None = None,
                  max_batch_size: int | None = None) -> None:
         if threads:
@@ -82,25 +82,12 @@ class AotiRuntime(Runtime):
         return torch.zeros((self.num_layers, batch, self.kv_heads, cap, self.head_dim),
                            dtype=self.dtype)
 
-    @torch.inference_mode()
+    @torch.inference_mode()  # the whole step, cache copies included: no autograd state
     def forward(self, states: list[AotiState], chunks: list[list[int]],
                 all_logits: bool = False) -> list[np.ndarray]:
-        self._check(states, chunks)
-        out: list[np.ndarray | None] = [None] * len(states)
-        decode, single = split_work(chunks)
-        for i in single:
-            out[i] = self._run_one(states[i], chunks[i], all_logits)
-        step = self.max_batch_size or len(decode) or 1
-        for lo in range(0, len(decode), step):
-            part = decode[lo:lo + step]
-            rows = self._decode([states[i] for i in part], [chunks[i][0] for i in part])
-            for j, i in enumerate(part):
-                out[i] = rows[j:j + 1] if all_logits else rows[j]
-        return out  # type: ignore[return-value]
+        return super().forward(states, chunks, all_logits)
 
-    def _run_one(self, state: AotiState, chunk: list[int], all_logits: bool) -> np.ndarray:
-        if state.batch is not None:
-            self._leave_batch(state)
+    def _prefill(self, state: AotiState, chunk: list[int], all_logits: bool) -> np.ndarray:
         n, t = state.length, len(chunk)
         if n == 0:  # nothing cached: a one-slot dummy cache, masked out entirely
             k_in = v_in = self._empty(1, 1)
@@ -119,15 +106,6 @@ class AotiRuntime(Runtime):
         state.length = n + t
         return (logits[0] if all_logits else logits[0, -1]).numpy()
 
-    def _leave_batch(self, state: AotiState) -> None:
-        batch = state.batch
-        if batch is not None and batch is self._batch:
-            for s in batch.states:
-                s.detach()
-            self._batch = None
-        else:
-            state.detach()
-
     def _gather(self, states: list[AotiState]) -> _Batch:
         cap = _round_up(max(s.length for s in states) + 1)
         k, v = self._empty(len(states), cap), self._empty(len(states), cap)
@@ -135,23 +113,9 @@ class AotiRuntime(Runtime):
             sk, sv = s.views()
             k[:, row:row + 1, :, :s.length] = sk
             v[:, row:row + 1, :, :s.length] = sv
-        old = self._batch
-        if old is not None:
-            keep = {id(s) for s in states}
-            for s in old.states:
-                if id(s) not in keep and s.batch is old:
-                    s.detach()
-        batch = _Batch(list(states), k, v)
-        for row, s in enumerate(states):
-            s.k = s.v = None
-            s.batch, s.row = batch, row
-        return batch
+        return _Batch(states, k, v)
 
-    def _decode(self, states: list[AotiState], tokens: list[int]) -> np.ndarray:
-        batch = self._batch
-        if batch is None or len(batch.states) != len(states) or any(
-                a is not b for a, b in zip(batch.states, states)):
-            batch = self._batch = self._gather(states)
+    def _decode(self, batch: _Batch, states: list[AotiState], tokens: list[int]) -> np.ndarray:
         lengths = torch.tensor([s.length for s in states])
         if int(lengths.max()) + 1 > batch.k.shape[3]:  # grow by one chunk
             cap = _round_up(int(lengths.max()) + 1)

@@ -12,8 +12,10 @@
 
 Where this is wired:
 
-- ``llmctl serve ENGINE_DIR`` (:mod:`llmctl.serve.api.launch`): :func:`is_engine_dir`
-  picks :func:`llmctl.engines.serve_engine.open_serving_engine`, which opens the engine
+- ``llmctl serve ENGINE_DIR``: the model source this package registers with
+  :mod:`llmctl.serve.sources` (:mod:`llmctl.engines.serve_source`) claims it with
+  :func:`is_engine_dir` and calls
+  :func:`llmctl.engines.serve_engine.open_serving_engine`, which opens the engine
   here (manifest, host compatibility, file hashes) and builds an ``LLMEngine`` whose
   scheduler, sampler and detokenizer drive :meth:`Engine.runner` (see
   :mod:`llmctl.engines.serve_runner` for the contract and what is not supported).
@@ -42,7 +44,6 @@ from llmctl.engines.manifest import (
     read_manifest,
 )
 from llmctl.engines.runtime import Runtime
-from llmctl.engines.sampling import log_softmax, sample
 from llmctl.engines.targets import get_target
 from llmctl.errors import LlmctlError, UsageError
 
@@ -105,8 +106,10 @@ class Engine:
         """``log p(window[i] | window[:i])`` for ``i = 1 .. len(window) - 1``."""
         if len(window) < 2:
             raise UsageError("a window needs at least two tokens", "pass a longer window")
-        lp = log_softmax(self.logits(window[:-1]))
-        return lp[np.arange(len(window) - 1), np.asarray(window[1:])].astype(np.float32)
+        import torch
+
+        lp = torch.log_softmax(torch.from_numpy(self.logits(window[:-1])).double(), dim=-1)
+        return lp.numpy()[np.arange(len(window) - 1), np.asarray(window[1:])].astype(np.float32)
 
     # --- generation ------------------------------------------------------------------------
     def generate(self, prompts: Sequence[int] | Sequence[Sequence[int]], *, max_tokens: int,
@@ -118,7 +121,11 @@ class Engine:
         All prompts are prefilled (one call each), then decode together, one batched
         call per step; a finished sequence leaves the batch. Returns the new token ids
         (a stop / EOS token included, as the engine and HF generate do).
+
+        Tokens are drawn by the serving engine's sampler (:mod:`llmctl.serve.sampler`):
+        prompt ``i`` with ``seed`` draws as a served request with ``seed + i`` would.
         """
+        import torch
         single = len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))
         batch = [list(prompts)] if single else [list(p) for p in prompts]
         if not batch or any(not p for p in batch):
@@ -126,16 +133,18 @@ class Engine:
         if max_tokens < 1:
             raise UsageError(f"max_tokens must be >= 1, got {max_tokens}", "ask for a token")
         stops = set(stop_token_ids) | (set() if ignore_eos else set(self.eos_token_ids))
-        rngs = [np.random.default_rng(None if seed is None else seed + i)
-                for i in range(len(batch))]
+        generators = [None if seed is None else torch.Generator().manual_seed(seed + i)
+                      for i in range(len(batch))]
+        shared = torch.Generator()
+        shared.seed()  # unseeded prompts: a fresh non-deterministic draw
         states = [self.runtime.new_state() for _ in batch]
         outputs: list[list[int]] = [[] for _ in batch]
         rows = self.runtime.forward(states, batch)
         live = list(range(len(batch)))
         while live:
             next_live, tokens = [], []
-            for j, i in enumerate(live):
-                token = sample(rows[j], temperature, top_p, rngs[i])
+            drawn = _next_tokens(rows, temperature, top_p, [generators[i] for i in live], shared)
+            for i, token in zip(live, drawn):
                 outputs[i].append(token)
                 if token not in stops and len(outputs[i]) < max_tokens and \
                         states[i].length < self.max_len:
@@ -151,6 +160,23 @@ class Engine:
         from llmctl.engines.serve_runner import EngineRunner
 
         return EngineRunner(self, **kwargs)
+
+
+def _next_tokens(rows, temperature: float, top_p: float, generators, shared) -> list[int]:
+    """One token per row of last-position logits, with the serving engine's sampler."""
+    import torch
+
+    from llmctl.serve.sampler import exponential_race, filter_logits
+
+    logits = torch.from_numpy(np.stack([np.asarray(r, dtype=np.float32) for r in rows]))
+    if temperature == 0.0:
+        return logits.argmax(dim=-1).tolist()  # lowest id on ties
+    logits = logits / temperature
+    if top_p < 1.0:
+        n = len(logits)
+        logits = filter_logits(logits, torch.zeros(n, dtype=torch.long),
+                               torch.full((n,), float(top_p)), torch.zeros(n))
+    return exponential_race(logits.softmax(dim=-1), generators, shared).tolist()
 
 
 def open_engine(path: str | Path, *, check: bool = True, verify_files: bool = True,

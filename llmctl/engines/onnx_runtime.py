@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmctl.engines.runtime import Runtime, SeqState, split_work
+from llmctl.engines.runtime import BatchedRuntime, BatchedState, DecodeBatch
 from llmctl.errors import MissingDependencyError, ResourceError
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,12 @@ PROVIDERS: dict[str, list[str]] = {
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
-class OrtState(SeqState):
-    __slots__ = ("batch", "kv", "row")
+class OrtState(BatchedState):
+    __slots__ = ("kv",)
 
     def __init__(self) -> None:
         super().__init__()
         self.kv: list[tuple[np.ndarray, np.ndarray]] | None = None  # own [1, H, L, d] arrays
-        self.batch: _Batch | None = None  # or a row of a shared decode buffer
-        self.row = -1
 
     def views(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """This sequence's K/V per layer as ``[1, H, length, d]`` (views, no copy)."""
@@ -62,22 +60,20 @@ class OrtState(SeqState):
         n = self.length
         return [(k[:, :, :n], v[:, :, :n]) for k, v in self.kv]
 
-    def detach(self) -> None:
-        """Copy this row out of its shared buffer (the buffer is being replaced)."""
-        if self.batch is not None:
-            self.kv = [(k.copy(), v.copy()) for k, v in self.views()]
-            self.batch, self.row = None, -1
+    def _copy_out(self) -> None:
+        self.kv = [(k.copy(), v.copy()) for k, v in self.views()]
+
+    def _drop_own(self) -> None:
+        self.kv = None
 
 
-class _Batch:
-    """A right-padded decode buffer shared by ``states`` (row i = states[i])."""
-
+class _Batch(DecodeBatch):
     def __init__(self, states: list[OrtState], kv: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        self.states = states
-        self.kv = kv
+        super().__init__(states)
+        self.kv = kv  # per layer (k, v) [B, H, width, d]
 
 
-class OrtRuntime(Runtime):
+class OrtRuntime(BatchedRuntime):
     def __init__(self, path: Path, *, device: str = "cpu", threads: int | None = None,
                  strict_provider: bool = False, max_len: int | None = None,
                  max_batch_size: int | None = None, spin: bool | None = None) -> None:
@@ -143,19 +139,6 @@ class OrtRuntime(Runtime):
         state.kv = [(empty, empty) for _ in range(self.num_layers)]
         return state
 
-    def forward(self, states: list[OrtState], chunks: list[list[int]],
-                all_logits: bool = False) -> list[np.ndarray]:
-        self._check(states, chunks)
-        out: list[np.ndarray | None] = [None] * len(states)
-        decode, single = split_work(chunks)
-        for i in single:
-            out[i] = self._run_one(states[i], chunks[i], all_logits)
-        if decode:
-            rows = self._decode([states[i] for i in decode], [chunks[i][0] for i in decode])
-            for j, i in enumerate(decode):
-                out[i] = rows[j:j + 1] if all_logits else rows[j]
-        return out  # type: ignore[return-value]
-
     def describe(self) -> dict:
         return {**super().describe(), "requested_provider": self.requested,
                 "active_providers": self.active_providers,
@@ -173,24 +156,13 @@ class OrtRuntime(Runtime):
         res = self.session.run(self.output_names, self._feeds(ids, mask, kv))
         return res[self._logits_index], [(res[a], res[b]) for a, b in self._present_index]
 
-    def _run_one(self, state: OrtState, chunk: list[int], all_logits: bool) -> np.ndarray:
-        if state.batch is not None:
-            self._leave_batch(state)
+    def _prefill(self, state: OrtState, chunk: list[int], all_logits: bool) -> np.ndarray:
         total = state.length + len(chunk)
         ids = np.asarray([chunk], dtype=np.int64)
         mask = np.ones((1, total), dtype=np.int64)
         logits, state.kv = self._run(ids, mask, state.views())
         state.length = total
         return logits[0].astype(np.float32) if all_logits else logits[0, -1].astype(np.float32)
-
-    def _leave_batch(self, state: OrtState) -> None:
-        batch = state.batch
-        if batch is not None and self._batch is batch:
-            for s in batch.states:
-                s.detach()
-            self._batch = None
-        else:
-            state.detach()
 
     def _gather(self, states: list[OrtState]) -> _Batch:
         """A new right-padded buffer holding ``states`` in order (copies each row once)."""
@@ -206,24 +178,9 @@ class OrtRuntime(Runtime):
                 k[row, :, :s.length] = sk[0]
                 v[row, :, :s.length] = sv[0]
             kv.append((k, v))
-        old = self._batch
-        if old is not None:  # rows of the old buffer that are not moving lose their home
-            keep = {id(s) for s in states}
-            for s in old.states:
-                if id(s) not in keep and s.batch is old:
-                    s.detach()
-        for row, s in enumerate(states):
-            s.kv, s.batch, s.row = None, None, row
-        batch = _Batch(list(states), kv)
-        for s in states:
-            s.batch = batch
-        return batch
+        return _Batch(states, kv)
 
-    def _decode(self, states: list[OrtState], tokens: list[int]) -> np.ndarray:
-        batch = self._batch
-        if batch is None or len(batch.states) != len(states) or any(
-                a is not b for a, b in zip(batch.states, states)):
-            batch = self._batch = self._gather(states)
+    def _decode(self, batch: _Batch, states: list[OrtState], tokens: list[int]) -> np.ndarray:
         width = batch.kv[0][0].shape[2] + 1
         lengths = np.asarray([s.length for s in states])
         mask = (np.arange(width)[None, :] <= lengths[:, None]).astype(np.int64)

@@ -29,6 +29,10 @@ it (k = 128: 88-90 %). When a
 candidate only reports some of those tokens (an OpenAI server's top logprobs), the
 unknown ones join the lumped bucket on both sides; the result is still a lower bound.
 llama.cpp also truncates: it drops reference tokens with log p < -16.
+
+With both models' full logit rows in memory (:func:`dense_position_stats`, for small
+comparisons such as a GGUF against its float model in ``tests/gguf``), KL is exact:
+``sum_i p_i (log p_i - log q_i)`` over the whole vocabulary, in float64.
 """
 
 from __future__ import annotations
@@ -125,6 +129,24 @@ def position_stats(ref: ReferenceRows, cand: CandidateRows) -> PositionStats:
     p_diff = np.exp(-nll) - np.exp(-nll_ref)
     same_top = cand.top1 == ref.top_ids[:, 0]
     return PositionStats(nll, nll_ref, kld, p_diff, same_top)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities of each row of ``logits``, in float64."""
+    x = logits.astype(np.float64)
+    return x - _logsumexp(x)[..., None]
+
+
+def dense_position_stats(reference: np.ndarray, candidate: np.ndarray,
+                         targets: np.ndarray) -> PositionStats:
+    """:func:`position_stats` from full logit rows ([N, vocab] each; row i scores
+    ``targets[i]``), with the exact KL over the whole vocabulary."""
+    p, q = log_softmax(reference), log_softmax(candidate)
+    rows = np.arange(len(targets))
+    nll, nll_ref = -q[rows, targets], -p[rows, targets]
+    kld = (np.exp(p) * (p - q)).sum(axis=-1)
+    same_top = q.argmax(axis=-1) == p.argmax(axis=-1)  # lowest id on ties, on both sides
+    return PositionStats(nll, nll_ref, kld, np.exp(-nll) - np.exp(-nll_ref), same_top)
 
 
 def mean_and_se(x: np.ndarray) -> tuple[float, float]:

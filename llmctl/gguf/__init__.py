@@ -1,1 +1,7 @@
-"""GGUF, llama.cpp's file format: reading (import) and writing (export)."""
+"""GGUF out: a checkpoint into llama.cpp's file format (writer, block quantizers, recipes,
+importance matrices) and llama.cpp itself (quantizer, runtime).
+
+Reading a GGUF in is the model layer's (:mod:`llmctl.models.gguf_reader`,
+:mod:`llmctl.models.gguf_import`): every command resolves the embedded GGUF model, so the
+reader sits below this package, which loads checkpoints through :mod:`llmctl.models`.
+"""

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from llmctl.gguf.reader import read_metadata
+from llmctl.models.gguf_reader import read_metadata
 
 
 def type_counts(tensors: list[dict[str, Any]]) -> dict[str, int]:

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from llmctl.gguf.reader import GGUFCheckpoint, open_checkpoint
+from llmctl.models.gguf_reader import GGUFCheckpoint, open_checkpoint
 from llmctl.models.manifest import write_manifest
 from llmctl.utils.atomic import atomic_dir
 

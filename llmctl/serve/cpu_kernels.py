@@ -7,6 +7,7 @@
 - :file:`csrc/norm_act.cpp`: residual add + RMSNorm and SwiGLU's ``silu(g) * u`` for
   bfloat16 activations in one pass each, with transformers' roundings (torch's bf16
   RMSNorm alone cost a fifth of the matrix products' time on a prefill step).
+- :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use.
 
 Built with the system C++ compiler (``$CXX``, else ``c++``), ``-O3 -march=native
 -fopenmp``, into ``$LLMCTL_HOME/kernels/`` under a name that hashes the source, the
@@ -38,8 +39,10 @@ from llmctl.home import llmctl_home
 
 log = logging.getLogger("llmctl.serve")
 
+# Everything the library is built from, all hashed into its file name (so editing the
+# header rebuilds too); the .cpp files are the compiler's inputs.
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("paged_attention.cpp", "norm_act.cpp"))
+                for name in ("paged_attention.cpp", "norm_act.cpp", "simd_math.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
 # torch dtype -> exported symbol
@@ -83,8 +86,9 @@ def _build(cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".llmctl_cpu-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True,
-                              text=True, check=False)
+        units = [str(src) for src in SOURCES if src.suffix == ".cpp"]
+        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, *units], capture_output=True, text=True,
+                              check=False)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip()[-2000:])
         os.replace(tmp, target)  # concurrent builders each rename a complete file

@@ -3,6 +3,9 @@ package compiles C++ with gcc, about 20 s on an idle 2-core machine)."""
 
 from __future__ import annotations
 
+import json
+import platform
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,17 @@ def _build(model: Path, target: str, out: Path, **kwargs):
     options = kwargs.pop("options", {})
     build_engine(str(model), target, out, common=CommonOptions(**kwargs), options=options)
     return out
+
+
+def incompatible_copy(engine_dir: Path, tmp_path: Path) -> Path:
+    """The same engine, as if built on a machine of another architecture."""
+    copy = tmp_path / "foreign-engine"
+    shutil.copytree(engine_dir, copy)
+    manifest = copy / "llmctl-engine.json"
+    data = json.loads(manifest.read_text())
+    data["requirements"]["arch"] = "aarch64" if platform.machine() != "aarch64" else "x86_64"
+    manifest.write_text(json.dumps(data))
+    return copy
 
 
 def _need_onnx() -> None:

@@ -4,8 +4,6 @@ greedy output over HTTP equal to the offline engine on the source checkpoint."""
 from __future__ import annotations
 
 import json
-import platform
-import shutil
 import threading
 
 import httpx
@@ -13,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmctl.cli.app import build_app
+from tests.engines.conftest import incompatible_copy
 from tests.serve.api.conftest import start_server
 
 PROMPTS = [[5, 17, 33, 99, 100, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49] * 3,
@@ -172,19 +171,8 @@ def test_torch_compile_engine_with_ngram_speculation(torch_compiled, tiny_llama,
 runner = CliRunner()
 
 
-def _incompatible_copy(engine_dir, tmp_path):
-    """The same engine, as if built on a machine of another architecture."""
-    copy = tmp_path / "foreign-engine"
-    shutil.copytree(engine_dir, copy)
-    manifest = copy / "llmctl-engine.json"
-    data = json.loads(manifest.read_text())
-    data["requirements"]["arch"] = "aarch64" if platform.machine() != "aarch64" else "x86_64"
-    manifest.write_text(json.dumps(data))
-    return copy
-
-
 def test_serve_refuses_an_engine_built_for_another_machine(onnx_fp32, tmp_path):
-    copy = _incompatible_copy(onnx_fp32, tmp_path)
+    copy = incompatible_copy(onnx_fp32, tmp_path)
     result = runner.invoke(build_app(), ["serve", str(copy), "--port", "0"])
     assert result.exit_code == 1, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
@@ -246,3 +234,36 @@ def test_serve_passes_only_settings_the_user_gave(onnx_fp32, monkeypatch):
     assert warnings == []
     engine_dir_settings(onnx_fp32, asked, warnings.append)
     assert len(warnings) == 1 and "prefix caching is off" in warnings[0]
+
+
+_FRESH_SERVE = """
+import sys
+
+from typer.testing import CliRunner
+
+from llmctl.cli.app import build_app
+from llmctl.serve.api import launch
+from llmctl.serve.sources import source_for
+
+assert "llmctl.engines" not in sys.modules, "the serve layer imported llmctl.engines"
+launch.run_server = lambda opts, ready=None: print("source:", source_for(opts.model).name) or 0
+result = CliRunner().invoke(build_app(), ["serve", sys.argv[1]])
+print(result.output, result.exception)
+"""
+
+
+def test_cli_serve_registers_engine_directories_in_a_fresh_interpreter(tmp_path):
+    """llmctl.serve never imports llmctl.engines (tests/test_import_graph.py); the engine
+    directory source exists only because the CLI imports llmctl.engines. A fresh process
+    shows that happens before MODEL is opened (this test module has imported it already)."""
+    import subprocess
+    import sys
+
+    from llmctl.engines.manifest import MANIFEST_NAME
+    from tests.test_import_graph import ROOT
+
+    (tmp_path / MANIFEST_NAME).write_text("{}")  # claiming reads no more than this
+    proc = subprocess.run([sys.executable, "-c", _FRESH_SERVE, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "source: engine-dir" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -110,3 +110,29 @@ def test_named_isa_levels_require_only_their_flags(isa, must, must_not):
 def test_native_isa_requires_the_build_cpus_extensions():
     host = frozenset({"avx2", "amx_tile", "hypervisor", "fpu", "avx512f"})
     assert required_flags("native", host) == ["amx_tile", "avx2", "avx512f"]
+
+
+def test_sampling_draws_what_the_serving_engine_draws(torch_compiled, tiny_llama):
+    """Engine.generate samples with the serving engine's sampler (llmctl.serve.sampler):
+    seeded, it draws the tokens llmctl's engine draws from the source checkpoint. Float32,
+    so both see the same logits to ~1e-5; a flip needs two tokens' p/E that close."""
+    from llmctl.engines.engine_dir import open_engine
+    from llmctl.serve.llm import LLM
+    from llmctl.serve.sampling_params import SamplingParams
+
+    engine = open_engine(torch_compiled, threads=1)
+    llm = LLM(str(tiny_llama), kv_cache_memory="8MiB")
+    for seed, prompt in enumerate(PROMPTS):
+        for top_p in (1.0, 0.8):
+            params = SamplingParams(max_tokens=16, temperature=0.9, top_p=top_p, seed=seed,
+                                    ignore_eos=True)
+            want = llm.generate([prompt], params)[0].outputs[0].token_ids
+            got = engine.generate(prompt, max_tokens=16, temperature=0.9, top_p=top_p,
+                                  seed=seed, ignore_eos=True)
+            assert got == want, (seed, top_p)
+    # a batch: prompt i draws as a request seeded seed + i, whatever else is in the batch
+    batch = engine.generate(PROMPTS, max_tokens=16, temperature=0.9, seed=5, ignore_eos=True)
+    alone = [engine.generate(p, max_tokens=16, temperature=0.9, seed=5 + i, ignore_eos=True)
+             for i, p in enumerate(PROMPTS)]
+    assert batch == alone
+    assert len({tuple(out) for out in batch}) == len(PROMPTS)  # not a constant draw

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-import platform
-import shutil
 
 import pytest
 from typer.testing import CliRunner
 
-from llmctl.engines.manifest import NotAnEngineError
 from llmctl.cli.app import build_app
+from llmctl.engines.manifest import NotAnEngineError
 from llmctl.eval.candidates import EngineCandidate, HFCandidate, open_candidate
-from tests.engines.conftest import onnx_fp32  # noqa: F401 - the session fixture, reused
+from tests.engines.conftest import (
+    incompatible_copy,
+    onnx_fp32,  # noqa: F401 - the session fixture, reused
+)
 
 runner = CliRunner()
 
@@ -54,12 +55,7 @@ def test_fp32_onnx_engine_matches_its_source(onnx_fp32, tiny_llama, eval_cache, 
 
 def test_eval_refuses_an_engine_built_for_another_machine(onnx_fp32, tiny_llama,  # noqa: F811
                                                            eval_cache, tmp_path):
-    copy = tmp_path / "foreign-engine"
-    shutil.copytree(onnx_fp32, copy)
-    manifest = copy / "llmctl-engine.json"
-    data = json.loads(manifest.read_text())
-    data["requirements"]["arch"] = "aarch64" if platform.machine() != "aarch64" else "x86_64"
-    manifest.write_text(json.dumps(data))
+    copy = incompatible_copy(onnx_fp32, tmp_path)
     result = _eval(str(copy), "--data", "builtin:pydoc-heldout", "--ctx", "48",
                    "--max-windows", "1", "--cache-dir", str(eval_cache))
     assert result.exit_code == 1, result.output

@@ -11,6 +11,8 @@ from llmctl.eval.metrics import (
     ReferenceRows,
     coarse_kld,
     comparison_summary,
+    dense_position_stats,
+    log_softmax,
     mean_and_se,
     perplexity_summary,
     position_stats,
@@ -135,3 +137,41 @@ def test_position_stats_from_rows():
     np.testing.assert_allclose(st.p_diff, [-0.1, 0.0], atol=1e-12)
     expected0 = 0.6 * math.log(0.6 / 0.7) + 0.3 * math.log(0.3 / 0.2)
     assert st.kld[0] == pytest.approx(expected0)
+
+
+def test_dense_position_stats_from_full_logits_by_hand():
+    """Both models' full rows (the GGUF-vs-float comparisons): exact KL, NLLs, Δp, top-1."""
+    rng = np.random.default_rng(2)
+    ref = rng.normal(0, 3, (30, 50)).astype(np.float32)
+    cand = ref + rng.normal(0, 0.5, ref.shape).astype(np.float32)
+    targets = rng.integers(0, 50, 30)
+    st = dense_position_stats(ref, cand, targets)
+    p, q = _log_softmax(ref.astype(np.float64)), _log_softmax(cand.astype(np.float64))
+    rows = np.arange(30)
+    np.testing.assert_allclose(st.kld, (np.exp(p) * (p - q)).sum(1), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(st.nll, -q[rows, targets], rtol=1e-12)
+    np.testing.assert_allclose(st.nll_ref, -p[rows, targets], rtol=1e-12)
+    np.testing.assert_allclose(st.p_diff, np.exp(q[rows, targets]) - np.exp(p[rows, targets]),
+                               atol=1e-15)
+    assert st.same_top.tolist() == (ref.argmax(1) == cand.argmax(1)).tolist()
+    assert 0 < st.same_top.mean() < 1  # the noise flips some argmaxes: both outcomes seen
+    # the same rows through the top-k path with k = vocabulary give the same numbers
+    ids, top, tail = _split(p, 50)
+    coarse = position_stats(
+        ReferenceRows(ids, top, tail, p[rows, targets]),
+        CandidateRows(q[rows, targets], q.argmax(1), np.take_along_axis(q, ids, 1),
+                      np.full(30, -np.inf)))
+    for field in ("nll", "nll_ref", "kld", "p_diff", "same_top"):
+        np.testing.assert_allclose(getattr(st, field), getattr(coarse, field), atol=1e-12)
+
+
+def test_dense_stats_of_a_model_against_itself():
+    logits = np.random.default_rng(3).normal(0, 2, (8, 20))
+    s = comparison_summary(dense_position_stats(logits, logits.copy(), np.arange(8)))
+    assert s["max_kld"] < 1e-12 and s["same_top_p"] == 1.0 and s["ppl"] == s["ref_ppl"]
+
+
+def test_log_softmax_is_stable_for_large_logits():
+    lp = log_softmax(np.array([[1000.0, 1000.0, -np.inf], [0.0, 0.0, 0.0]]))
+    want = [[math.log(0.5), math.log(0.5), -np.inf], [-math.log(3)] * 3]
+    np.testing.assert_allclose(lp, want, atol=1e-15)

@@ -7,7 +7,7 @@ import pytest
 
 from llmctl.errors import MissingDependencyError, UsageError
 from llmctl.gguf.export import plan_gguf, quantize_to_gguf
-from llmctl.gguf.reader import open_checkpoint, read_metadata
+from llmctl.models.gguf_reader import open_checkpoint, read_metadata
 
 
 def _types(path):

@@ -81,8 +81,8 @@ def test_imatrix_lowers_the_weighted_error_llama_cpp_minimises(llama_cpp, tiny_l
     from safetensors.numpy import load_file
 
     from llmctl.gguf.export import quantize_to_gguf
-    from llmctl.gguf.reader import open_checkpoint
     from llmctl.models.architectures import expand_tensor_names, get_architecture
+    from llmctl.models.gguf_reader import open_checkpoint
 
     file = save_imatrix(tiny_imatrix, tmp_path / "imatrix.gguf")
     plain = quantize_to_gguf(tiny_llama_256, tmp_path / "plain.gguf", "IQ4_XS")

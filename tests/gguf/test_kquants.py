@@ -7,7 +7,7 @@ import pytest
 
 from llmctl.errors import UsageError
 from llmctl.gguf.export import plan_gguf, quantize_to_gguf
-from llmctl.gguf.reader import open_checkpoint, read_metadata
+from llmctl.models.gguf_reader import open_checkpoint, read_metadata
 
 
 def _types(path):
@@ -70,8 +70,9 @@ def test_k_quant_export_reads_back_within_a_step(llama_cpp, tiny_llama_256, q4_k
 
 
 def test_kld_against_the_float_model_is_ordered_by_precision(llama_cpp, tiny_llama_256, tmp_path):
-    """KL(transformers float32 || llama.cpp GGUF) per position, mean over 64 tokens."""
-    from llmctl.gguf.compare import kl_divergence, llamacpp_logits, transformers_logits
+    """KL(transformers float32 || llama.cpp GGUF) per position, mean over 63 tokens."""
+    from llmctl.eval.metrics import dense_position_stats
+    from llmctl.gguf.compare import llamacpp_logits, transformers_logits
 
     ids = list(range(3, 67))
     ref = transformers_logits(tiny_llama_256, [ids])[0]
@@ -80,7 +81,8 @@ def test_kld_against_the_float_model_is_ordered_by_precision(llama_cpp, tiny_lla
         summary = quantize_to_gguf(tiny_llama_256, tmp_path / f"{gguf_type}.gguf", gguf_type)
         logits = llamacpp_logits(summary["path"], [ids])[0]
         assert np.isfinite(logits).all()
-        kld[gguf_type] = float(kl_divergence(ref, logits).mean())
+        stats = dense_position_stats(ref[:-1], logits[:-1], np.asarray(ids[1:]))
+        kld[gguf_type] = float(stats.kld.mean())
     assert kld["F32"] < 1e-6, kld
     order = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0"]
     assert [kld[t] for t in order] == sorted(kld[t] for t in order), kld
@@ -102,12 +104,8 @@ def test_smollm2_kld_is_ordered_and_fallbacks_are_reported(llama_cpp, smollm2, t
     Q4_K_M on this model (results/gguf-quant-table.md); on K-quant-sized rows the full
     order holds (test_kld_against_the_float_model_is_ordered_by_precision).
     """
-    from llmctl.gguf.compare import (
-        heldout_windows,
-        llamacpp_logits,
-        token_stats,
-        transformers_logits,
-    )
+    from llmctl.eval.metrics import PositionStats, dense_position_stats
+    from llmctl.gguf.compare import heldout_windows, llamacpp_logits, transformers_logits
 
     windows = heldout_windows(smollm2, seq_len=256, count=1)
     reference = transformers_logits(smollm2, windows)
@@ -116,7 +114,10 @@ def test_smollm2_kld_is_ordered_and_fallbacks_are_reported(llama_cpp, smollm2, t
     for gguf_type in order:
         path = tmp_path / f"{gguf_type}.gguf"
         summaries[gguf_type] = quantize_to_gguf(smollm2, path, gguf_type)
-        kld[gguf_type] = token_stats(reference, llamacpp_logits(path, windows), windows).mean_kld
+        stats = PositionStats.concat([
+            dense_position_stats(r[:-1], c[:-1], np.asarray(w[1:]))
+            for r, c, w in zip(reference, llamacpp_logits(path, windows), windows)])
+        kld[gguf_type] = float(stats.kld.mean())
         path.unlink()
     assert [kld[t] for t in order] == sorted(kld.values()), kld
     fallbacks = {f["tensor"]: f for f in summaries["Q4_K_M"]["fallbacks"]}

@@ -19,7 +19,7 @@ ROPE = {
 def test_scaled_rope_logits_match_transformers(llama_cpp, tmp_path, kind):
     from llmctl.gguf.compare import llamacpp_logits, transformers_logits
     from llmctl.gguf.export import quantize_to_gguf
-    from llmctl.gguf.reader import read_metadata
+    from llmctl.models.gguf_reader import read_metadata
     from tests.tiny import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / kind, layers=1, rope_parameters=dict(ROPE[kind]))

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from llmctl.gguf.reader import open_checkpoint, read_metadata
 from llmctl.gguf.writer import export_gguf
 from llmctl.models.gguf_import import import_gguf
+from llmctl.models.gguf_reader import open_checkpoint, read_metadata
 
 
 def _state(directory):

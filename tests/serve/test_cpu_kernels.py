@@ -9,6 +9,9 @@ switched off still runs and agrees.
 
 from __future__ import annotations
 
+import fnmatch
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -166,6 +169,48 @@ def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path, caplog):
         assert not list((tmp_path / "home" / "kernels").glob("*.so"))  # nothing half-built
     finally:
         cpu_kernels._library.cache_clear()
+
+
+CSRC = Path(cpu_kernels.__file__).parent / "csrc"
+
+
+def test_every_kernel_file_is_hashed_and_packaged():
+    """A header the .cpp files include is part of the build key (editing it rebuilds) and
+    of the package data (an installed llmctl can compile the kernels)."""
+    import re
+
+    on_disk = {p.name for p in CSRC.iterdir() if p.suffix in (".cpp", ".h")}
+    assert {p.name for p in cpu_kernels.SOURCES} == on_disk
+    included = {name for src in cpu_kernels.SOURCES
+                for name in re.findall(r'#include "([^"]+)"', src.read_text())}
+    assert included and included <= on_disk
+    # [tool.setuptools.package-data] (read by pattern: tomllib is not in Python 3.10)
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    patterns = re.findall(r'"([^"]+)"', re.search(r'^"llmctl\.serve" = \[(.*)\]$', pyproject,
+                                                  re.MULTILINE).group(1))
+    assert "csrc/*.cpp" in patterns
+    assert all(any(fnmatch.fnmatch(f"csrc/{name}", pat) for pat in patterns) for name in on_disk)
+
+
+def test_editing_the_shared_header_rebuilds(monkeypatch, tmp_path):
+    # a stand-in compiler that writes an empty library: only the build key is under test
+    fake = tmp_path / "c++"
+    fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && { shift; : > "$1"; }; '
+                    'shift; done\n')
+    fake.chmod(0o755)
+    copies = []
+    for src in cpu_kernels.SOURCES:
+        copies.append(tmp_path / "csrc" / src.name)
+        copies[-1].parent.mkdir(exist_ok=True)
+        copies[-1].write_text(src.read_text())
+    monkeypatch.setattr(cpu_kernels, "SOURCES", tuple(copies))
+    monkeypatch.setenv("LLMCTL_HOME", str(tmp_path / "home"))
+    first = cpu_kernels._build(str(fake))
+    assert cpu_kernels._build(str(fake)) == first  # unchanged sources: the cached build
+    header = tmp_path / "csrc" / "simd_math.h"
+    header.write_text(header.read_text() + "\n// edited\n")
+    second = cpu_kernels._build(str(fake))
+    assert second != first and second.is_file()
 
 
 @pytest.mark.usefixtures("kernels_off")

@@ -1,9 +1,9 @@
 """Assemble engine + app + uvicorn from ``llmctl serve`` options.
 
-MODEL is a checkpoint (the paged torch engine) or an engine directory from
-``llmctl build-engine`` (ONNX / torch-compile): then the same scheduler and HTTP API
-drive the directory's runtime (:mod:`llmctl.engines.serve_engine`), after its manifest
-has been checked against this machine.
+MODEL is opened by the first model source (:mod:`llmctl.serve.sources`) that claims it:
+an engine directory from ``llmctl build-engine`` once :mod:`llmctl.engines` is imported
+(it registers itself; the CLI imports it), otherwise a checkpoint on the paged torch
+engine.
 """
 
 from __future__ import annotations
@@ -34,25 +34,12 @@ class ServeOptions:
 
 def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
     """The engine for MODEL, the name /v1/models shows, and aliases clients may send."""
-    from llmctl.engines.manifest import is_engine_dir
+    from llmctl.serve.sources import open_model
 
-    if not is_engine_dir(opts.model):
-        from llmctl.serve.llm_engine import LLMEngine
-
-        engine = LLMEngine.from_args(opts.model, **opts.engine_kwargs)
-        return engine, opts.served_model_name or opts.model, ()
-    from pathlib import Path
-
-    from llmctl.engines.serve_engine import open_serving_engine
-
-    engine = open_serving_engine(opts.model, **opts.engine_kwargs)
-    log.info("%s", engine.describe())
+    opened = open_model(opts.model, opts.engine_kwargs)
     if opts.served_model_name:
-        return engine, opts.served_model_name, ()
-    # the directory's name says what was built (e.g. smollm2-onnx-int4); the path as
-    # typed is accepted too, as it is for a checkpoint
-    name = Path(opts.model).resolve().name
-    return engine, name, (opts.model,) if opts.model != name else ()
+        return opened.engine, opts.served_model_name, ()
+    return opened.engine, opened.name, opened.aliases
 
 
 def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:

@@ -13,7 +13,9 @@
 // Three implementations, picked by dispatch(): AVX512-BF16 for a bf16 cache (both
 // products on vdpbf16ps, two passes), AVX-512 float32 math for float32 or bf16 without
 // that extension (online softmax over 16-key tiles), and a portable loop for other head
-// sizes, block sizes and CPUs.
+// sizes, block sizes and CPUs. All three see a call through Call and a work item through
+// Item (where its query, output and K/V rows are); the two online-softmax ones share
+// OnlineRows (queries in float32, running max and sum, accumulators).
 //
 // Built by llmctl/serve/cpu_kernels.py with -O3 -march=native -fopenmp and loaded with
 // ctypes (a C ABI, no torch headers: it compiles in a few seconds).
@@ -22,24 +24,17 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd_math.h"
 
 namespace {
 
+using namespace llmctl_simd;
+
 inline float load(const float* p, int64_t i) { return p[i]; }
 
-inline float load(const uint16_t* p, int64_t i) {
-  // bfloat16 is the top half of a float32
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
@@ -47,81 +42,129 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = load(src, i);
 }
 
+// One call: q [num_seqs * q_len, num_heads, head_dim] with q_stride elements between
+// tokens; k_cache, v_cache [blocks, block_size, num_kv_heads, head_dim]; block_tables
+// [num_seqs, max_blocks]; out float32 [num_seqs * q_len, num_heads, head_dim].
 template <typename T>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-            int64_t max_blocks, const int64_t* context_lens, int64_t num_seqs, int64_t q_len,
-            int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-            float scale, float* out, int num_threads) {
-  const int64_t g = num_heads / num_kv_heads;
-  const int64_t rows = g * q_len;
-  const int64_t d = head_dim;
-  const int64_t items = num_seqs * num_kv_heads;
+struct Call {
+  const T* q;
+  const T* k_cache;
+  const T* v_cache;
+  const int64_t* block_tables;
+  int64_t max_blocks;
+  const int64_t* context_lens;
+  int64_t num_seqs, q_len, q_stride, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  float* out;
+  int num_threads;
 
-#pragma omp parallel num_threads(num_threads)
+  int64_t group() const { return num_heads / num_kv_heads; }  // query heads per KV head
+  int64_t rows() const { return group() * q_len; }              // rows of one work item
+  int64_t items() const { return num_seqs * num_kv_heads; }
+};
+
+// Work item `index`: sequence seq, KV head kvh. Its row r = i * g + j is query position
+// i of head kvh * g + j, which sees keys 0 .. ctx - q_len + i.
+template <typename T>
+struct Item {
+  const Call<T>& c;
+  int64_t seq, kvh, ctx, g;
+  const int64_t* table;
+
+  Item(const Call<T>& call, int64_t index)
+      : c(call), seq(index / call.num_kv_heads), kvh(index % call.num_kv_heads),
+        ctx(call.context_lens[seq]), g(call.group()), table(call.block_tables + seq * call.max_blocks) {}
+
+  int64_t last_key(int64_t r) const { return ctx - c.q_len + r / g; }
+  const T* q_row(int64_t r) const {
+    return c.q + (seq * c.q_len + r / g) * c.q_stride + (kvh * g + r % g) * c.head_dim;
+  }
+  float* out_row(int64_t r) const {
+    return c.out + ((seq * c.q_len + r / g) * c.num_heads + kvh * g + r % g) * c.head_dim;
+  }
+  // where key / value `pos` of this KV head starts in k_cache / v_cache
+  int64_t kv_offset(int64_t pos) const {
+    const int64_t block = table[pos / c.block_size];
+    return ((block * c.block_size + pos % c.block_size) * c.num_kv_heads + kvh) * c.head_dim;
+  }
+};
+
+// Per-thread state of the online softmax over one work item's rows: the queries scaled
+// to float32, accumulators, running max m and sum l, and the last key each row sees.
+struct OnlineRows {
+  int64_t rows, d;
+  std::vector<float> qf, acc, m, l;
+  std::vector<int64_t> limit;
+
+  OnlineRows(int64_t rows, int64_t d)
+      : rows(rows), d(d), qf(rows * d), acc(rows * d), m(rows), l(rows), limit(rows) {}
+
+  template <typename T>
+  void start(const Item<T>& it, float scale) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = it.q_row(r);
+      float* dst = qf.data() + r * d;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) dst[x] = load(src, x) * scale;
+      limit[r] = it.last_key(r);
+      m[r] = -INFINITY;
+      l[r] = 0.f;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+  }
+
+  // out = acc / l; a row that saw no key gets zeros
+  template <typename T>
+  void finish(const Item<T>& it) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = it.out_row(r);
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      const float* ar = acc.data() + r * d;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) dst[x] = ar[x] * inv;
+    }
+  }
+};
+
+template <typename T>
+void attend(const Call<T>& c) {
+  const int64_t d = c.head_dim;
+#pragma omp parallel num_threads(c.num_threads)
   {
-    // per-thread scratch: queries, accumulators, running max/sum, one K/V row in float
-    std::vector<float> qf(rows * d), acc(rows * d), m(rows), l(rows), kf(d), vf(d), s(rows);
-    std::vector<int64_t> limit(rows);
+    OnlineRows st(c.rows(), d);
+    std::vector<float> kf(d), vf(d);  // one K and one V row in float32
 
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq = item / num_kv_heads;
-      const int64_t kvh = item % num_kv_heads;
-      const int64_t ctx = context_lens[seq];
-      const int64_t* table = block_tables + seq * max_blocks;
-      // row r = i * g + j: query position i, head kvh * g + j
-      for (int64_t i = 0; i < q_len; ++i) {
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = i * g + j;
-          const T* src = q + (seq * q_len + i) * q_stride + (kvh * g + j) * d;
-          float* dst = qf.data() + r * d;
-#pragma omp simd
-          for (int64_t x = 0; x < d; ++x) dst[x] = load(src, x) * scale;
-          limit[r] = ctx - q_len + i;
-          m[r] = -INFINITY;
-          l[r] = 0.f;
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-
-      for (int64_t pos = 0; pos < ctx; ++pos) {
-        const int64_t block = table[pos / block_size];
-        const int64_t off = ((block * block_size + pos % block_size) * num_kv_heads + kvh) * d;
-        to_float(k_cache + off, kf.data(), d);
-        to_float(v_cache + off, vf.data(), d);
-        for (int64_t r = 0; r < rows; ++r) {
-          if (pos > limit[r]) continue;
-          const float* qr = qf.data() + r * d;
+    for (int64_t index = 0; index < c.items(); ++index) {
+      const Item<T> it(c, index);
+      st.start(it, c.scale);
+      for (int64_t pos = 0; pos < it.ctx; ++pos) {
+        const int64_t off = it.kv_offset(pos);
+        to_float(c.k_cache + off, kf.data(), d);
+        to_float(c.v_cache + off, vf.data(), d);
+        for (int64_t r = 0; r < st.rows; ++r) {
+          if (pos > st.limit[r]) continue;
+          const float* qr = st.qf.data() + r * d;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t x = 0; x < d; ++x) dot += qr[x] * kf[x];
-          float* ar = acc.data() + r * d;
-          if (dot > m[r]) {
+          float* ar = st.acc.data() + r * d;
+          if (dot > st.m[r]) {
             // new running max: rescale what was accumulated under the old one
-            const float c = std::exp(m[r] - dot);
-            l[r] = l[r] * c + 1.f;
+            const float rescale = std::exp(st.m[r] - dot);
+            st.l[r] = st.l[r] * rescale + 1.f;
 #pragma omp simd
-            for (int64_t x = 0; x < d; ++x) ar[x] = ar[x] * c + vf[x];
-            m[r] = dot;
+            for (int64_t x = 0; x < d; ++x) ar[x] = ar[x] * rescale + vf[x];
+            st.m[r] = dot;
           } else {
-            const float p = std::exp(dot - m[r]);
-            l[r] += p;
+            const float p = std::exp(dot - st.m[r]);
+            st.l[r] += p;
 #pragma omp simd
             for (int64_t x = 0; x < d; ++x) ar[x] += p * vf[x];
           }
         }
       }
-
-      for (int64_t i = 0; i < q_len; ++i) {
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = i * g + j;
-          float* dst = out + ((seq * q_len + i) * num_heads + kvh * g + j) * d;
-          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-          const float* ar = acc.data() + r * d;
-#pragma omp simd
-          for (int64_t x = 0; x < d; ++x) dst[x] = ar[x] * inv;
-        }
-      }
+      st.finish(it);
     }
   }
 }
@@ -149,137 +192,84 @@ inline void load_row(const float* p, __m512* out) {
 
 template <int D4>
 inline void load_row(const uint16_t* p, __m512* out) {
-  for (int j = 0; j < D4; ++j) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(p + 16 * j)));
-    out[j] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
-}
-
-// exp(x) for x <= 0: 2^(x log2 e) = 2^n * 2^f with n = floor, f in [0, 1); 2^f by a
-// degree-6 polynomial (relative error < 2e-7), 2^n applied by scalef. Inputs are clamped
-// at -87 (exp = 1.6e-38): masked lanes are zeroed by the caller.
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  for (int j = 0; j < D4; ++j) out[j] = load_bf16(p + 16 * j);
 }
 
 // Blocks of up to 16 keys: the 16 scores of a row are one vector, so the softmax
 // (max, exp, sum) is vectorised over keys; Q and the accumulators stay in float32.
+// 16-key tiles never straddle a block: dispatch() sends only block sizes that are a
+// multiple of 16 here.
 template <int D4, typename T>
-void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                   int64_t max_blocks, const int64_t* context_lens, int64_t num_seqs,
-                   int64_t q_len, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                   float scale, float* out, int num_threads) {
+void attend_avx512(const Call<T>& c) {
   constexpr int64_t d = 16 * D4;
-  const int64_t g = num_heads / num_kv_heads;
-  const int64_t rows = g * q_len;
-  const int64_t items = num_seqs * num_kv_heads;
+  const int64_t stride = c.num_kv_heads * d;  // between the K/V rows of one KV head
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(c.num_threads)
   {
-    std::vector<float> qf(rows * d), acc(rows * d), m(rows), l(rows), probs(rows * 16),
-        scores(rows * 16);
-    std::vector<int64_t> limit(rows);
+    OnlineRows st(c.rows(), d);
+    std::vector<float> probs(st.rows * 16), scores(st.rows * 16);
 
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq = item / num_kv_heads;
-      const int64_t kvh = item % num_kv_heads;
-      const int64_t ctx = context_lens[seq];
-      const int64_t* table = block_tables + seq * max_blocks;
-      for (int64_t i = 0; i < q_len; ++i) {
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = i * g + j;
-          const T* src = q + (seq * q_len + i) * q_stride + (kvh * g + j) * d;
-          for (int64_t x = 0; x < d; ++x) qf[r * d + x] = load(src, x) * scale;
-          limit[r] = ctx - q_len + i;
-          m[r] = -INFINITY;
-          l[r] = 0.f;
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-
-      for (int64_t start = 0; start < ctx; start += 16) {
-        const int64_t nk = ctx - start < 16 ? ctx - start : 16;
-        // 16-key tiles never straddle a block when block_size is a multiple of 16; the
-        // caller guarantees it (other sizes take the generic path)
-        const int64_t block = table[start / block_size];
-        const int64_t base = ((block * block_size + start % block_size) * num_kv_heads + kvh) * d;
-        const int64_t stride = num_kv_heads * d;
-        if (start + 16 < ctx) {
-          const int64_t nb = table[(start + 16) / block_size];
-          const int64_t next = ((nb * block_size + (start + 16) % block_size) * num_kv_heads + kvh) * d;
-          prefetch_rows(k_cache + next, stride, d);
-          prefetch_rows(v_cache + next, stride, d);
+    for (int64_t index = 0; index < c.items(); ++index) {
+      const Item<T> it(c, index);
+      st.start(it, c.scale);
+      for (int64_t start = 0; start < it.ctx; start += 16) {
+        const int64_t nk = it.ctx - start < 16 ? it.ctx - start : 16;
+        const int64_t base = it.kv_offset(start);
+        if (start + 16 < it.ctx) {
+          const int64_t next = it.kv_offset(start + 16);
+          prefetch_rows(c.k_cache + next, stride, d);
+          prefetch_rows(c.v_cache + next, stride, d);
         }
         // scores: each K row loaded once and dotted with every row's query
         for (int64_t t = 0; t < nk; ++t) {
           __m512 kv[D4];
-          load_row<D4>(k_cache + base + t * stride, kv);
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* qr = qf.data() + r * d;
+          load_row<D4>(c.k_cache + base + t * stride, kv);
+          for (int64_t r = 0; r < st.rows; ++r) {
+            const float* qr = st.qf.data() + r * d;
             __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
             for (int j = 1; j < D4; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * j), kv[j], s);
             scores[r * 16 + t] = _mm512_reduce_add_ps(s);
           }
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          if (limit[r] < start) {
+        for (int64_t r = 0; r < st.rows; ++r) {
+          if (st.limit[r] < start) {
             // no visible key in this tile: no weight for any of its values
             _mm512_storeu_ps(probs.data() + r * 16, _mm512_setzero_ps());
             continue;
           }
-          const int64_t visible = limit[r] - start + 1;  // keys t < visible are seen
+          const int64_t visible = st.limit[r] - start + 1;  // keys t < visible are seen
           const int64_t valid = visible < nk ? visible : nk;
           const __mmask16 live = static_cast<__mmask16>((1u << valid) - 1u);
           const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, scores.data() + r * 16);
           const float bm = _mm512_reduce_max_ps(s);
-          const float nm = bm > m[r] ? bm : m[r];
-          const float c = std::exp(m[r] - nm);  // 0 on the first tile (m = -inf)
-          const __m512 p = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(s, _mm512_set1_ps(nm))));
-          l[r] = l[r] * c + _mm512_reduce_add_ps(p);
-          m[r] = nm;
+          const float nm = bm > st.m[r] ? bm : st.m[r];
+          const float rescale = std::exp(st.m[r] - nm);  // 0 on the first tile (m = -inf)
+          const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(nm))));
+          st.l[r] = st.l[r] * rescale + _mm512_reduce_add_ps(p);
+          st.m[r] = nm;
           _mm512_storeu_ps(probs.data() + r * 16, p);
-          float* ar = acc.data() + r * d;
-          const __m512 cv = _mm512_set1_ps(c);
+          float* ar = st.acc.data() + r * d;
+          const __m512 cv = _mm512_set1_ps(rescale);
           for (int j = 0; j < D4; ++j)
             _mm512_storeu_ps(ar + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * j), cv));
         }
         // values: each V row loaded once, added into every row that sees it
         for (int64_t t = 0; t < nk; ++t) {
           __m512 vv[D4];
-          load_row<D4>(v_cache + base + t * stride, vv);
-          for (int64_t r = 0; r < rows; ++r) {
+          load_row<D4>(c.v_cache + base + t * stride, vv);
+          for (int64_t r = 0; r < st.rows; ++r) {
             const float pr = probs[r * 16 + t];
             if (!(pr > 0.f)) continue;  // masked, underflowed, or a skipped row
             const __m512 pv = _mm512_set1_ps(pr);
-            float* ar = acc.data() + r * d;
+            float* ar = st.acc.data() + r * d;
             for (int j = 0; j < D4; ++j)
               _mm512_storeu_ps(ar + 16 * j,
                                _mm512_fmadd_ps(pv, vv[j], _mm512_loadu_ps(ar + 16 * j)));
           }
         }
       }
-
-      for (int64_t i = 0; i < q_len; ++i) {
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = i * g + j;
-          float* dst = out + ((seq * q_len + i) * num_heads + kvh * g + j) * d;
-          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-          for (int64_t x = 0; x < d; ++x) dst[x] = acc[r * d + x] * inv;
-        }
-      }
+      st.finish(it);
     }
   }
 }
@@ -332,21 +322,15 @@ inline __m512 reduce16(__m512* v) {
 // pass are independent, so the core overlaps them; the online form chains every tile
 // through a max -> exp -> rescale dependency and ran at a third of the speed.
 template <int D2>  // head_dim = 32 * D2
-void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                 const int64_t* block_tables, int64_t max_blocks, const int64_t* context_lens,
-                 int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t block_size, float scale, float* out,
-                 int num_threads) {
+void attend_bf16(const Call<uint16_t>& c) {
   constexpr int64_t d = 32 * D2;
-  const int64_t g = num_heads / num_kv_heads;
-  const int64_t rows = g * q_len;
-  const int64_t items = num_seqs * num_kv_heads;
-  const int64_t stride = num_kv_heads * d;
+  const int64_t rows = c.rows();
+  const int64_t stride = c.num_kv_heads * d;  // between the K/V rows of one KV head
   int64_t max_ctx = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) max_ctx = std::max(max_ctx, context_lens[s]);
+  for (int64_t s = 0; s < c.num_seqs; ++s) max_ctx = std::max(max_ctx, c.context_lens[s]);
   const int64_t padded = (max_ctx + 15) / 16 * 16;
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(c.num_threads)
   {
     // per row: 2 * D2 accumulators (unpacklo and unpackhi halves of each 32 columns)
     Vectors acc(rows * 2 * D2), vpairs(8 * 2 * D2);
@@ -355,33 +339,26 @@ void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
     std::vector<float> inv(rows);
 
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq = item / num_kv_heads;
-      const int64_t kvh = item % num_kv_heads;
-      const int64_t ctx = context_lens[seq];
+    for (int64_t index = 0; index < c.items(); ++index) {
+      const Item<uint16_t> it(c, index);
+      const int64_t ctx = it.ctx;
       const int64_t tiles = (ctx + 15) / 16;
-      const int64_t* table = block_tables + seq * max_blocks;
-      auto tile_base = [&](int64_t tile) {
-        const int64_t start = tile * 16;
-        const int64_t block = table[start / block_size];
-        return ((block * block_size + start % block_size) * num_kv_heads + kvh) * d;
-      };
+      auto tile_base = [&](int64_t tile) { return it.kv_offset(tile * 16); };
 
       // pass 1: scores, -inf where a query may not look (causality, past the context)
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t start = tile * 16;
         const int64_t nk = std::min<int64_t>(ctx - start, 16);
-        const uint16_t* kt = k_cache + tile_base(tile);
-        if (tile + 1 < tiles) prefetch_rows(k_cache + tile_base(tile + 1), stride, d);
+        const uint16_t* kt = c.k_cache + tile_base(tile);
+        if (tile + 1 < tiles) prefetch_rows(c.k_cache + tile_base(tile + 1), stride, d);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = r / g, j = r % g;
-          const int64_t visible = ctx - q_len + i - start + 1;  // keys t < visible are seen
+          const int64_t visible = it.last_key(r) - start + 1;  // keys t < visible are seen
           float* sr = scores.data() + r * padded + start;
           if (visible <= 0) {
             _mm512_storeu_ps(sr, _mm512_set1_ps(-INFINITY));
             continue;
           }
-          const uint16_t* qr = q + (seq * q_len + i) * q_stride + (kvh * g + j) * d;
+          const uint16_t* qr = it.q_row(r);
           __m512bh qv[D2];
           for (int jj = 0; jj < D2; ++jj) qv[jj] = (__m512bh)_mm512_loadu_si512(qr + 32 * jj);
           // all 16 rows of the tile, also past ctx: the tile lies inside one allocated
@@ -399,7 +376,7 @@ void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
           const __mmask16 live = static_cast<__mmask16>((1u << valid) - 1u);
           _mm512_storeu_ps(sr, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
                                                   _mm512_mul_ps(reduce16(part),
-                                                                _mm512_set1_ps(scale))));
+                                                                _mm512_set1_ps(c.scale))));
         }
       }
 
@@ -414,9 +391,9 @@ void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
         uint32_t* pr = pairs.data() + r * padded / 2;
         for (int64_t tile = 0; tile < tiles; ++tile) {
           const __m512 sv = _mm512_loadu_ps(sr + tile * 16);
-          // -inf lanes: exp_neg clamps them to ~1e-38; zero them exactly
+          // -inf lanes: exp_ps clamps them to ~1e-38; zero them exactly
           const __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-          const __m512 p = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(sv, m)));
+          const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(sv, m)));
           lv = _mm512_add_ps(lv, p);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + tile * 8),
                               (__m256i)_mm512_cvtneps_pbh(p));
@@ -430,8 +407,8 @@ void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t start = tile * 16;
         const int64_t nk = std::min<int64_t>(ctx - start, 16);
-        const uint16_t* vt = v_cache + tile_base(tile);
-        if (tile + 1 < tiles) prefetch_rows(v_cache + tile_base(tile + 1), stride, d);
+        const uint16_t* vt = c.v_cache + tile_base(tile);
+        if (tile + 1 < tiles) prefetch_rows(c.v_cache + tile_base(tile + 1), stride, d);
         const int64_t npairs = (nk + 1) / 2;
         for (int64_t pp = 0; pp < npairs; ++pp) {
           const uint16_t* va = vt + (2 * pp) * stride;
@@ -459,8 +436,7 @@ void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
       }
 
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = r / g, j = r % g;
-        float* dst = out + ((seq * q_len + i) * num_heads + kvh * g + j) * d;
+        float* dst = it.out_row(r);
         alignas(64) float lo[16], hi[16];
         for (int jj = 0; jj < D2; ++jj) {
           _mm512_store_ps(lo, acc[r * 2 * D2 + 2 * jj]);
@@ -479,61 +455,41 @@ void attend_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
 }
 #endif  // __AVX512BF16__
 
-// The vectorised kernel where it applies (AVX-512, head_dim 64 or 128, tiles of 16 keys
-// inside one block), the portable loop otherwise.
-inline bool dispatch_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                          const int64_t* bt, int64_t max_blocks, const int64_t* ctx,
-                          int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                          float scale, float* out, int num_threads) {
-#if defined(__AVX512BF16__)
-  if (block_size % 16 == 0) {
-    if (head_dim == 64) {
-      attend_bf16<2>(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
-                     num_kv_heads, block_size, scale, out, num_threads);
-      return true;
-    }
-    if (head_dim == 128) {
-      attend_bf16<4>(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
-                     num_kv_heads, block_size, scale, out, num_threads);
-      return true;
-    }
+// The vectorised kernels where they apply (head_dim 64 or 128, tiles of 16 keys inside
+// one block), the portable loop otherwise.
+template <typename T>
+void dispatch(const Call<T>& c) {
+#if defined(__AVX512F__)
+  if (c.block_size % 16 == 0) {
+    if (c.head_dim == 64) return attend_avx512<4>(c);
+    if (c.head_dim == 128) return attend_avx512<8>(c);
   }
 #endif
-  return false;
+  attend(c);
 }
 
-template <typename T>
-void dispatch(const T* q, const T* k, const T* v, const int64_t* bt, int64_t max_blocks,
-              const int64_t* ctx, int64_t num_seqs, int64_t q_len, int64_t q_stride,
-              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out,
-              int num_threads) {
-#if defined(__AVX512F__)
-  if (block_size % 16 == 0) {
-    if (head_dim == 64)
-      return attend_avx512<4>(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
-                              num_kv_heads, block_size, scale, out, num_threads);
-    if (head_dim == 128)
-      return attend_avx512<8>(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
-                              num_kv_heads, block_size, scale, out, num_threads);
+void dispatch(const Call<uint16_t>& c) {
+#if defined(__AVX512BF16__)
+  if (c.block_size % 16 == 0) {
+    if (c.head_dim == 64) return attend_bf16<2>(c);
+    if (c.head_dim == 128) return attend_bf16<4>(c);
   }
 #endif
-  attend(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads, num_kv_heads, head_dim,
-         block_size, scale, out, num_threads);
+  dispatch<uint16_t>(c);
 }
 
 }  // namespace
 
 extern "C" {
 
-// q [num_seqs * q_len, num_heads, head_dim] with q_stride elements between tokens; k_cache, v_cache [blocks, block_size,
-// num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks]; out float32 shaped like q.
+// The layouts are Call's.
 void paged_attention_f32(const float* q, const float* k, const float* v, const int64_t* bt,
                          int64_t max_blocks, const int64_t* ctx, int64_t num_seqs, int64_t q_len,
-                         int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, float* out, int num_threads) {
-  dispatch(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads, num_kv_heads, head_dim,
-           block_size, scale, out, num_threads);
+                         int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, float* out,
+                         int num_threads) {
+  dispatch(Call<float>{q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
+                       num_kv_heads, head_dim, block_size, scale, out, num_threads});
 }
 
 void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
@@ -541,11 +497,8 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* 
                           int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                           float scale, float* out, int num_threads) {
-  if (dispatch_bf16(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
-                    num_kv_heads, head_dim, block_size, scale, out, num_threads))
-    return;
-  dispatch(q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads, num_kv_heads, head_dim,
-           block_size, scale, out, num_threads);
+  dispatch(Call<uint16_t>{q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
+                          num_kv_heads, head_dim, block_size, scale, out, num_threads});
 }
 
 }  // extern "C"

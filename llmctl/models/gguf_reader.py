@@ -1,4 +1,8 @@
-"""Read a GGUF file into Hugging Face terms: a config dict and float tensors."""
+"""Read a GGUF file into Hugging Face terms: a config dict and float tensors.
+
+The model layer reads GGUF (a ``.gguf`` reference becomes a checkpoint through
+:mod:`llmctl.models.gguf_import`); :mod:`llmctl.gguf` writes it.
+"""
 
 from __future__ import annotations
 

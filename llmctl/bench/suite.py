@@ -92,7 +92,8 @@ def _launch_command(opts: BenchOptions, port: int, out) -> list[str]:
         if opts.dtype != "auto":
             raise UsageError("--dtype given twice (also in --serve-args)", "pass it once")
         return server_command(opts.model or "", port, None, opts.serve_args)
-    from llmctl.utils.device import checkpoint_dtype, default_device, resolve_dtype
+    from llmctl.models.resolve import checkpoint_dtype
+    from llmctl.utils.device import default_device, resolve_dtype
 
     choice = resolve_dtype(opts.dtype, device=default_device(),
                            model_dtype=lambda: checkpoint_dtype(opts.model or ""))

@@ -55,8 +55,8 @@ def register(app: typer.Typer) -> None:
         from llmctl.errors import UsageError
         from llmctl.models.loading import load_tokenizer
         from llmctl.models.prompting import encode_prompt
-        from llmctl.models.resolve import resolve_model
-        from llmctl.utils.device import checkpoint_dtype, default_device, resolve_dtype
+        from llmctl.models.resolve import checkpoint_dtype, resolve_model
+        from llmctl.utils.device import default_device, resolve_dtype
 
         if backend not in _BACKENDS:
             raise UsageError(f"unknown backend {backend!r}", f"use one of: {', '.join(_BACKENDS)}")

@@ -73,6 +73,7 @@ def serve(
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""
     settings = {k: v for k, v in locals().items() if k != "ctx"}
+    import llmctl.engines  # noqa: F401 - registers engine directories as a model source
     from llmctl.serve.startup import ServeSettings
     from llmctl.serve.startup import serve as run
 

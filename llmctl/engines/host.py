@@ -17,17 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from llmctl.report import cpu_model
-
-
-def cpu_flags() -> frozenset[str]:
-    """The ISA flags the kernel reports (``/proc/cpuinfo``), empty where unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+from llmctl.utils.cpu import cpu_flags
 
 
 def package_version(name: str) -> str | None:

@@ -36,7 +36,7 @@ from llmctl.engines.manifest import PackageRule, Requirements
 from llmctl.engines.options import CommonOptions
 from llmctl.engines.source import METADATA_FILES
 from llmctl.engines.targets import BuildContext, Target, TargetResult
-from llmctl.engines.trtllm_options import PINNED_VERSION, validate_options, validate_with_library
+from llmctl.serve.trtllm_options import PINNED_VERSION, validate_options, validate_with_library
 from llmctl.errors import ConfigError, MissingDependencyError, UsageError
 
 YAML_NAME = "extra_llm_api_options.yaml"

@@ -113,3 +113,15 @@ def resolve_model(reference: str, progress: Progress | None = None) -> ResolvedM
         "pass an existing directory, a .gguf file, a hub id (org/name) or one of: "
         + ", ".join(EMBEDDED),
     )
+
+
+def checkpoint_dtype(reference: str) -> str | None:
+    """``torch_dtype`` from a model's config.json (resolving the reference first)."""
+    import json
+
+    path = resolve_model(reference).path
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("torch_dtype") or config.get("dtype")

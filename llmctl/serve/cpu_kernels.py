@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from llmctl.home import llmctl_home
+from llmctl.utils.cpu import cpu_flags
 
 log = logging.getLogger("llmctl.serve")
 
@@ -58,16 +59,6 @@ ARGTYPES = {
 }
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def _compiler() -> str | None:
     cxx = os.environ.get("CXX") or "c++"
     return shutil.which(cxx)
@@ -77,7 +68,7 @@ def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              check=False).stdout
     key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS),
-                                    version, _cpu_flags()]).encode()).hexdigest()[:16]
+                                    version, " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
     out_dir = llmctl_home() / "kernels"
     target = out_dir / f"llmctl_cpu-{key}.so"
     if target.is_file():

@@ -57,12 +57,14 @@ class ServeSettings:
 
 def check(settings: ServeSettings) -> bool:
     """Refuse impossible combinations; True when MODEL is an engine directory."""
-    from llmctl.engines.manifest import is_engine_dir
+    from llmctl.serve.sources import CheckpointSource, source_for
 
     engine, model = settings.engine, settings.model
     if engine not in ENGINES:
         raise UsageError(f"unknown engine {engine!r}", f"choose one of: {', '.join(ENGINES)}")
-    engine_dir = is_engine_dir(model)
+    # a MODEL that a registered source other than plain checkpoints claims (an engine
+    # directory from `llmctl build-engine`) runs only on the built-in engine
+    engine_dir = not isinstance(source_for(model), CheckpointSource)
     if engine_dir and engine != "llmctl":
         raise UsageError(f"{model} is an engine directory; --engine {engine} serves "
                          "checkpoints", "serve the engine directory with the built-in "
@@ -107,7 +109,8 @@ def engine_kwargs(settings: ServeSettings, engine_dir: bool) -> dict[str, Any]:
             if name not in settings.given:
                 kwargs.pop(key)
     else:
-        from llmctl.utils.device import checkpoint_dtype, default_device, resolve_dtype
+        from llmctl.models.resolve import checkpoint_dtype
+        from llmctl.utils.device import default_device, resolve_dtype
 
         choice = resolve_dtype(settings.dtype, device=default_device(),
                                model_dtype=lambda: checkpoint_dtype(settings.model))

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmctl.errors import UsageError
+from llmctl.utils.cpu import cpu_flags
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -47,12 +48,6 @@ def canonical_dtype(name: str, option: str = "--dtype") -> str:
         raise UsageError(f"invalid value for {option}: {name!r}",
                          f"use one of: auto, {', '.join(FLOAT_DTYPES)} (or bf16, fp16, fp32)")
     return value
-
-
-def cpu_flags() -> frozenset[str]:
-    from llmctl.engines.host import cpu_flags as read_flags  # /proc/cpuinfo, no torch
-
-    return read_flags()
 
 
 def native_bf16(flags: frozenset[str] | None = None) -> str | None:
@@ -124,17 +119,3 @@ def resolve_dtype(requested: str = "auto", *, device: str = "cpu",
     if feature:
         return DtypeChoice("auto", "bfloat16", f"CPU has {feature}")
     return DtypeChoice("auto", "float32", "CPU without native bfloat16")
-
-
-def checkpoint_dtype(model: str) -> str | None:
-    """``torch_dtype`` from a model's config.json (resolving the reference first)."""
-    import json
-
-    from llmctl.models.resolve import resolve_model
-
-    path = resolve_model(model).path
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config.get("torch_dtype") or config.get("dtype")

@@ -7,7 +7,7 @@ from llmctl.engines.builder import build_engine
 from llmctl.engines.engine_dir import open_engine
 from llmctl.engines.manifest import EngineIncompatibleError, read_manifest
 from llmctl.engines.options import CommonOptions
-from llmctl.engines.trtllm_options import PINNED_VERSION, validate_options
+from llmctl.serve.trtllm_options import PINNED_VERSION, validate_options
 from llmctl.errors import ConfigError, MissingDependencyError, UsageError
 
 

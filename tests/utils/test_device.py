@@ -3,6 +3,7 @@
 import pytest
 
 from llmctl.errors import UsageError
+from llmctl.models.resolve import checkpoint_dtype
 from llmctl.utils import device
 
 ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"})  # AMD Zen 4: no AMX
@@ -75,5 +76,5 @@ def test_checkpoint_dtype_reads_config(tiny_llama):
     import json
 
     expected = json.loads((tiny_llama / "config.json").read_text())
-    assert device.checkpoint_dtype(str(tiny_llama)) == (expected.get("torch_dtype")
+    assert checkpoint_dtype(str(tiny_llama)) == (expected.get("torch_dtype")
                                                         or expected.get("dtype"))

@@ -66,7 +66,7 @@ def vllm_command(opts: HandoffOptions) -> list[str]:
 
 # llmctl serve options a hand-off engine has no equivalent for: refused, never dropped
 # (a dropped --api-key would serve without authentication). trtllm-serve of the pinned
-# TensorRT-LLM (engines.trtllm_options.PINNED_VERSION, 1.2.1) has no API key option
+# TensorRT-LLM (serve.trtllm_options.PINNED_VERSION, 1.2.1) has no API key option
 # (NVIDIA/TensorRT-LLM#9950) and no served model name (added in 1.3 by #11711): its
 # clients send the model path as `model`.
 UNSUPPORTED: dict[str, dict[str, str]] = {
@@ -95,13 +95,13 @@ def _llm_api_options_file(options: dict) -> Path:
 
     import yaml
 
-    from llmctl.engines.trtllm_options import validate_options
+    from llmctl.serve.trtllm_options import validate_options
     from llmctl.utils.atomic import write_text
 
     problems = validate_options(options)
     if problems:
         raise UsageError(f"cannot pass to trtllm-serve: {'; '.join(problems)}",
-                         "see llmctl/engines/trtllm_options.py")
+                         "see llmctl/serve/trtllm_options.py")
     text = yaml.safe_dump(options, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     path = Path(tempfile.gettempdir()) / f"llmctl-trtllm-{os.getuid()}-{digest}.yaml"

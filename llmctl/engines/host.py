@@ -14,7 +14,6 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
 from llmctl.report import cpu_model
 from llmctl.utils.cpu import cpu_flags

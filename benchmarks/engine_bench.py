@@ -1,8 +1,8 @@
 """Benchmarks of the built-in engine (issue 4), each comparison measured in the same run.
 
     python benchmarks/engine_bench.py                     # everything, full scale
-    python benchmarks/engine_bench.py --scale small       # a quick smoke run
-    python benchmarks/engine_bench.py --parts decode,prefix --threads 2
+    python benchmarks/engine_bench.py --dtype bfloat16 --parts throughput --rounds 3
+    python benchmarks/engine_bench.py --scale small --out-dir /tmp/smoke   # a smoke run
 
 Parts (each runs in its own subprocess, so memory and threads do not leak between them):
 

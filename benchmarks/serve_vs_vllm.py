@@ -94,7 +94,7 @@ def llmctl_command(model: str, port: int, lim: Limits) -> list[str]:
             "--max-model-len", str(lim.max_model_len), "--max-num-seqs", str(lim.max_num_seqs),
             "--max-num-batched-tokens", str(lim.max_num_batched_tokens),
             "--kv-cache-memory", f"{lim.kv_gib}GiB", "--prefix-caching", "--chunked-prefill",
-            "--threads", str(len(lim.cpus)), "--log-level", "warning"]
+            "--threads", str(len(lim.cpus)), "--log-level", "info"]
 
 
 def vllm_command(python: str, model: str, port: int, lim: Limits) -> list[str]:

@@ -214,8 +214,8 @@ def report(args, results: list[dict], builds: dict, frame: dict) -> None:
           f"Prompts: {b} x {args.input_len} tokens of pydoc-heldout; {args.output_len} output "
           "tokens, greedy, EOS ignored. Ratios against eager transformers measured in the "
           "same run.", "",
-          f"| backend | batch 1 decode tok/s | vs hf | batch {b} output tok/s | vs hf | "
-          (f"batch {b} decode tok/s | greedy = hf | load 1-min before / after | other procs "
+          (f"| backend | batch 1 decode tok/s | vs hf | batch {b} output tok/s | vs hf | "
+           f"batch {b} decode tok/s | greedy = hf | load 1-min before / after | other procs "
            "(cores) |"),
           "|---|---|---|---|---|---|---|---|---|", *rows, "",
           "Builds (from the engines' manifests):", "",

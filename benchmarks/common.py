@@ -42,15 +42,19 @@ THREAD_ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "OMP
 
 
 # --- the tree being measured ---------------------------------------------------------------
+def changed_files(porcelain: str) -> list[str]:
+    """Paths from ``git status --porcelain`` (v1: two status columns, a space, the path)."""
+    return [line[3:] for line in porcelain.splitlines() if len(line) > 3]
+
+
 def tree_state() -> dict[str, Any]:
     """HEAD and whether tracked files differ from it (untracked files do not count)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
-                              timeout=10, check=False).stdout.strip()
+                              timeout=10, check=False).stdout
 
-    commit = git("rev-parse", "HEAD") or None
-    changed = [line[3:] for line in git("status", "--porcelain",
-                                        "--untracked-files=no").splitlines()]
+    commit = git("rev-parse", "HEAD").strip() or None
+    changed = changed_files(git("status", "--porcelain", "--untracked-files=no"))
     return {"commit": commit, "dirty": bool(changed), "changed_files": changed,
             "describe": f"{commit}-dirty" if changed else commit}
 
@@ -72,9 +76,10 @@ def refuse_dirty(state: dict[str, Any], allow_dirty: bool, out: Path | str | Non
         return
     if state["dirty"] and not allow_dirty:
         files = ", ".join(state["changed_files"][:5])
-        raise SystemExit(f"error: the tree has uncommitted changes ({files}): results must name "
-                         "a commit; commit or stash them, or pass --allow-dirty (the output "
-                         "is then marked DIRTY)")
+        print(f"error: the tree has uncommitted changes ({files}): results must name a commit; "
+              "commit or stash them, or pass --allow-dirty (the output is then marked DIRTY)",
+              file=sys.stderr)
+        raise SystemExit(2)
 
 
 # --- the machine ---------------------------------------------------------------------------

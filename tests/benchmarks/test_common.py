@@ -60,10 +60,13 @@ def test_measured_round_fills_the_record():
     assert len(record["load_before"]) == 3
 
 
-def test_dirty_tree_is_refused_unless_allowed():
+def test_dirty_tree_is_refused_unless_allowed(capsys):
     state = {"dirty": True, "changed_files": ["llmctl/serve/model.py"], "commit": "abc"}
-    with pytest.raises(SystemExit, match="--allow-dirty"):
+    with pytest.raises(SystemExit) as exc:
         refuse_dirty(state, allow_dirty=False)
+    assert exc.value.code == 2  # a usage error
+    err = capsys.readouterr().err
+    assert "llmctl/serve/model.py" in err and "--allow-dirty" in err
     refuse_dirty(state, allow_dirty=True)
     refuse_dirty({**state, "dirty": False, "changed_files": []}, allow_dirty=False)
 
@@ -85,3 +88,7 @@ def test_dirty_tree_is_refused_only_for_results(tmp_path):
         refuse_dirty(state, allow_dirty=False, out=common.RESULTS)
     with pytest.raises(SystemExit):
         refuse_dirty(state, allow_dirty=False, out=common.RESULTS / "serve-vs-vllm.json")
+
+
+def test_changed_files_keep_their_first_character():
+    assert common.changed_files(" M benchmarks/a.py\nM  b.py\n") == ["benchmarks/a.py", "b.py"]

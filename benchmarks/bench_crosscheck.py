@@ -23,8 +23,9 @@ Target: every ratio within 15 % (0.85 .. 1.15).
     python benchmarks/bench_crosscheck.py --server url --target http://127.0.0.1:8000 \
         --served-model-name NAME
 
-Writes ``results/bench-crosscheck-<server>.json`` and ``.md`` with the exact commands
-and the machine's load before and after each run.
+Writes ``results/bench-crosscheck-<server>.json`` and ``.md`` with the exact commands,
+the commit (a dirty tree is refused unless ``--allow-dirty``) and, for each run, the load
+before and after and the CPU other processes used meanwhile (``common.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import common
 
 GUIDELLM = "/work/venvs/guidellm/bin/guidellm"
 TOLERANCE = 0.15
@@ -76,7 +80,10 @@ def measured(fn):
     """Run one tool; add the server's CPU seconds and the client's (whole process)."""
     def wrapper(args, url, name, concurrency, out_dir, server_pid=None):
         server0, client0 = cpu_seconds(server_pid), children_cpu()
-        result = fn(args, url, name, concurrency, out_dir)
+        record = {"name": f"{fn.__name__.removeprefix('run_')} c={concurrency}"}
+        with common.measured_round(record, args.threads):
+            result = fn(args, url, name, concurrency, out_dir)
+        result["round"] = record
         server1 = cpu_seconds(server_pid)
         result["client_cpu_s"] = round(children_cpu() - client0, 2)
         if server0 is not None and server1 is not None:
@@ -217,7 +224,7 @@ def median_of(runs: list[dict], key: str) -> float | None:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# `llmctl bench` vs guidellm cross-check", "",
+    lines = [*common.header_markdown(result["run"], "`llmctl bench` vs guidellm cross-check"),
              f"- server: {result['server']} ({result['target']}), model `{result['model']}`",
              f"- workload: random {result['input_len']} in / {result['output_len']} out "
              f"(ignore_eos), {result['num_prompts']} requests per level, concurrency "
@@ -267,6 +274,8 @@ def main() -> None:
     p.add_argument("--guidellm", default=GUIDELLM)
     p.add_argument("-o", "--output", help="JSON path (default results/bench-crosscheck-"
                                           "<server>.json)")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="measure an uncommitted tree anyway (the output says DIRTY)")
     args = p.parse_args()
     if args.tokenizer is None:
         from llmctl.models.resolve import resolve_model
@@ -275,6 +284,10 @@ def main() -> None:
     from llmctl.report import machine, run_metadata
 
     levels = [int(c) for c in args.concurrency.split(",")]
+    output = Path(args.output or REPO / "results" / f"bench-crosscheck-{args.server}.json")
+    frame = common.start_run("bench-crosscheck", {"server": args.server, "levels": levels,
+                                                  "rounds": args.rounds},
+                             allow_dirty=args.allow_dirty, threads=args.threads, out=output)
     version = subprocess.run([args.guidellm, "--version"], capture_output=True,
                              text=True, check=False).stdout.strip()
     load_start = load()
@@ -320,11 +333,11 @@ def main() -> None:
                           for k in COMPARED),
         "metadata": run_metadata(fake_server_delays=FAKE_DELAYS if args.server == "fake"
                                  else None),
+        "run": common.finish_run(frame, [run["round"] for level in result_levels
+                                         for tool in ("llmctl_runs", "guidellm_runs")
+                                         for run in level[tool]]),
     }
-    out = Path(args.output or REPO / "results" / f"bench-crosscheck-{args.server}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
+    common.write_report(output.parent, output.stem, result, markdown(result))
     print(markdown(result))
 
 

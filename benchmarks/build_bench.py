@@ -21,9 +21,10 @@ Metrics (definitions as in vLLM's benchmarks):
 EOS is ignored so every backend produces N tokens; greedy tokens of batch 1 are
 compared with transformers' (``agree`` = leading tokens equal). Threads are set
 deliberately (torch, OpenMP and ONNX Runtime pools; OMP_WAIT_POLICY=PASSIVE and ORT
-spinning off, because busy-waiting pools collapse on a contended machine). The load
-average is recorded before and after every backend: above ~2 on this 2-core machine
-the numbers are contended and only the ratios measured in the same run mean much.
+spinning off, because busy-waiting pools collapse on a contended machine). Every
+backend's run records the load average before and after and the CPU other processes
+used meanwhile; a run is contended when that passes a quarter of a core (``common.py``,
+which also refuses a dirty tree unless ``--allow-dirty``).
 
 Writes ``results/build-bench-<label>.json`` and ``.md``.
 """
@@ -42,6 +43,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common
 
 # backend -> (engine target, precision) for the engine-directory backends
 ENGINES = {"onnx-fp32": ("onnx", "fp32"), "onnx-int4": ("onnx", "int4"),
@@ -178,9 +182,7 @@ def agree(a: list[int], b: list[int]) -> int:
     return n
 
 
-def report(args, results: list[dict], builds: dict, command: str) -> None:
-    from llmctl.report import run_metadata
-
+def report(args, results: list[dict], builds: dict, frame: dict) -> None:
     b = args.batch
     base = next((r for r in results if r["backend"] == "hf" and "error" not in r), None)
     ref_tokens = base["batch1_tokens"] if base else None
@@ -198,35 +200,35 @@ def report(args, results: list[dict], builds: dict, command: str) -> None:
             f"| {r['backend']} | {r['batch1_decode_tok_s']:.1f} | {ratio1:.2f}x | "
             f"{r[f'batch{b}_output_tok_s']:.1f} | {ratio16:.2f}x | "
             f"{r[f'batch{b}_decode_tok_s']:.1f} | {r['agree_with_hf']}/{args.output_len} | "
-            f"{r['load_before'][0]:.1f} / {r['load_after'][0]:.1f} |")
-    meta = run_metadata(command=command, threads=args.threads, input_len=args.input_len,
-                        output_len=args.output_len, batch=b, builds=builds)
-    out = ROOT / "results" / f"build-bench-{args.label}"
-    out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2))
+            f"{r['round']['load_before'][0]:.1f} / {r['round']['load_after'][0]:.1f} | "
+            f"{r['round']['foreign_cpu_cores']} |")
+    frame["builds"] = builds
+    frame["results"] = results
+    common.finish_run(frame, [r["round"] for r in results])
     build_rows = [f"| {k} | {v['seconds']:.0f} s | {v['bytes'] / 1e6:.0f} MB | "
                   f"{v['machine_load'][0] if v['machine_load'] else '?'} | {v['tool']} |"
                   for k, v in builds.items()]
-    md = [f"# build-engine benchmark: {args.model}", "",
-          f"Command: `{command}`", "",
-          f"Date {meta['date']}, commit {meta['llmctl_commit']}, {meta['machine']['cpu']}, "
-          f"{meta['machine']['cores']} cores, {args.threads} threads per backend, "
-          f"OMP_WAIT_POLICY=PASSIVE, ORT spinning off.", "",
+    md = [*common.header_markdown(frame, f"build-engine benchmark: {args.model}"),
+          (f"{args.threads} threads per backend, OMP_WAIT_POLICY=PASSIVE, ORT spinning "
+           "off."), "",
           f"Prompts: {b} x {args.input_len} tokens of pydoc-heldout; {args.output_len} output "
           "tokens, greedy, EOS ignored. Ratios against eager transformers measured in the "
           "same run.", "",
-          f"| backend | batch 1 decode tok/s | vs hf | batch {b} output tok/s | vs hf | "
-          f"batch {b} decode tok/s | greedy = hf | load 1-min before / after |",
-          "|---|---|---|---|---|---|---|---|", *rows, "",
+          (f"| backend | batch 1 decode tok/s | vs hf | batch {b} output tok/s | vs hf | "
+           f"batch {b} decode tok/s | greedy = hf | load 1-min before / after | other procs "
+           "(cores) |"),
+          "|---|---|---|---|---|---|---|---|---|", *rows, "",
           "Builds (from the engines' manifests):", "",
           "| engine | build time | size | load at build | tool |", "|---|---|---|---|---|",
           *build_rows, "",
           "Batch 1 decode = (N - 1) / (t(N) - t(1)); batch output throughput includes "
           "prefill. `greedy = hf`: leading greedy tokens equal to transformers' at batch 1 "
           "(fp32 backends differ only by float rounding; int4 is a different model).", "",
-          "A 1-minute load average above ~2 means other jobs shared the 2 cores during "
-          "that backend's run: absolute numbers are then lower bounds, and ratios between "
-          "backends run minutes apart carry that noise too."]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+          ("`other procs`: cores' worth of CPU used by processes outside this benchmark "
+           "during that backend's run; contended runs give lower bounds, and ratios between "
+           "backends run minutes apart carry that noise too.")]
+    common.write_report(Path(args.out_dir), f"build-bench-{args.label}", frame,
+                        "\n".join(md) + "\n")
     print("\n".join(md))
 
 
@@ -241,13 +243,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    common.add_run_arguments(parser)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--prompts", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args)))
         return
-    command = "python benchmarks/build_bench.py " + shlex.join(sys.argv[1:])
+    frame = common.start_run("build", {"model": args.model, "threads": args.threads,
+                                       "input_len": args.input_len,
+                                       "output_len": args.output_len, "batch": args.batch,
+                                       "repeats": args.repeats, "backends": args.backends},
+                             allow_dirty=args.allow_dirty, threads=args.threads,
+                             out=args.out_dir)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     backends = [b for b in args.backends.split(",") if b]
     if "llmctl" in backends:
@@ -264,14 +272,17 @@ def main() -> None:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", backend, "--prompts",
                str(prompts)]
         print(f"running {backend} (load {load()})", flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        record = {"name": backend}
+        with common.measured_round(record, args.threads):
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
         if proc.returncode != 0:
-            results.append({"backend": backend, "error": proc.stderr.strip()[-500:]})
+            results.append({"backend": backend, "error": proc.stderr.strip()[-500:],
+                            "round": record})
             continue
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        results.append({**json.loads(proc.stdout.strip().splitlines()[-1]), "round": record})
         print(json.dumps({k: v for k, v in results[-1].items() if k != "batch1_tokens"}),
               flush=True)
-    report(args, results, builds, command)
+    report(args, results, builds, frame)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,29 @@
 """Benchmarks of the built-in engine (issue 4), each comparison measured in the same run.
 
     python benchmarks/engine_bench.py                     # everything, full scale
-    python benchmarks/engine_bench.py --scale small       # a quick smoke run
-    python benchmarks/engine_bench.py --parts decode,prefix --threads 2
+    python benchmarks/engine_bench.py --dtype bfloat16 --parts throughput --rounds 3
+    python benchmarks/engine_bench.py --scale small --out-dir /tmp/smoke   # a smoke run
 
 Parts (each runs in its own subprocess, so memory and threads do not leak between them):
 
 - ``throughput``: offline output tokens/s for mixed requests (prompts 32-512 tokens, outputs
   32-256, EOS ignored so both sides produce the same tokens) on the engine, against
   transformers ``generate`` with static batching (arrival order, left padding) at its
-  best batch size (picked on a subset, then run on all requests). The engine runs once
-  before and once after transformers and reports the mean (the machine drifts over the
-  ~15 minutes transformers takes). Also the KV memory
-  waste of the engine during the run: allocated-but-empty slots / allocated slots in
-  blocks owned by running sequences, averaged over steps.
+  best batch size. The best size is swept on the whole workload (see ``batch_sweep.py``)
+  until it has a worse neighbour on both sides, or the failed size (out of memory) or
+  the limit (all requests in one batch) on the side that has none is stated. Then
+  ``--rounds`` alternating rounds, engine then transformers (A B A B ...), each in a fresh
+  process: every engine round is a fresh engine with prefix caching off (so no round
+  reuses another's prefill), warmed up on other prompts. Every round is reported; the
+  headline is the median of the per-round ratios (engine round i / transformers round
+  i). Also the KV memory waste of the engine during the run: allocated-but-empty slots
+  / allocated slots in blocks owned by running sequences, averaged over steps.
 - ``decode``: batch-1 decode tokens/s (time from the first to the last token over the
   tokens in between) and the fraction of the memory-bandwidth limit it reaches:
-  ``weight bytes x tokens/s / copy bandwidth`` (bytes read + written per second by a
-  large ``Tensor.copy_``). transformers batch-1 decode for reference.
+  ``bytes read per token x tokens/s / copy bandwidth`` (bytes read + written per second
+  by a large ``Tensor.copy_``), where the bytes read per token count what a decode step
+  reads (``decode_bytes.py``: every matmul weight once, one row of the embedding table;
+  a tied table once, as the lm_head). transformers batch-1 decode for reference.
 - ``prefix``: time to first token of requests that share a 400-token prefix, prefix
   caching on vs off (requests one at a time, after one warm-up request).
 - ``quant``: a W4A16 checkpoint (compressed-tensors ``pack-quantized``, int4 group 64,
@@ -28,15 +34,16 @@ Parts (each runs in its own subprocess, so memory and threads do not leak betwee
   that the outputs are identical.
 
 Results go to ``results/engine-bench-<label>.json`` and ``.md`` with the exact command,
-thread settings and load average; a load average above ~1.5 on this 2-core machine
-means the numbers are contended.
+commit (a dirty tree is refused unless ``--allow-dirty``, and then marked), thread
+settings, and per part / round the load average before and after and the CPU other
+processes used meanwhile (``common.py``: a round is contended when that passes a
+quarter of a core).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -45,14 +52,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common
+from batch_sweep import best_size, bracket, next_batch_size
+from decode_bytes import bytes_read_per_token, llmctl_model_reads
 
 SCALES = {
     "full": dict(num_requests=128, prompt_range=(32, 512), output_range=(32, 256),
-                 hf_batch_sizes=(16, 32, 64), hf_probe_requests=64, decode_tokens=128,
-                 prefix_requests=8, spec_tokens=192, quant_tokens=128),
+                 hf_batch_start=16, decode_tokens=128, prefix_requests=8, spec_tokens=192,
+                 quant_tokens=128),
     "small": dict(num_requests=12, prompt_range=(16, 96), output_range=(8, 32),
-                  hf_batch_sizes=(2, 4), hf_probe_requests=4, decode_tokens=24,
-                  prefix_requests=3, spec_tokens=48, quant_tokens=24),
+                  hf_batch_start=4, decode_tokens=24, prefix_requests=3, spec_tokens=48,
+                  quant_tokens=24),
 }
 PARTS = ("throughput", "decode", "prefix", "quant", "spec")
 
@@ -128,28 +140,45 @@ def run_to_end(llm, requests, params_list, on_step=None) -> dict:
 
 
 # --- workers -------------------------------------------------------------------------------
-def worker_throughput(cfg: dict) -> dict:
-    import torch
-
-    from llmctl.models.loading import load_model, load_tokenizer
+def _throughput_workload(cfg: dict):
+    from llmctl.models.loading import load_tokenizer
     from llmctl.models.resolve import resolve_model
-    from llmctl.serve.sampling_params import SamplingParams
 
     path = str(resolve_model(cfg["model"]).path)
     scale = SCALES[cfg["scale"]]
     tok = load_tokenizer(Path(path))
-    work = make_workload(corpus_ids(tok), scale["num_requests"], scale["prompt_range"],
+    ids = corpus_ids(tok)
+    work = make_workload(ids, scale["num_requests"], scale["prompt_range"],
                          scale["output_range"])
-    prompts = [w[0] for w in work]
-    out_lens = [w[1] for w in work]
-    useful = sum(out_lens)
+    # warm-up requests from another seed: nothing in them is reused by the measured run
+    warm = make_workload(ids, 2, scale["prompt_range"], (4, 4), seed=12345)
+    return path, tok, work, warm
 
+
+def workload_summary(cfg: dict) -> dict:
+    scale = SCALES[cfg["scale"]]
+    _, _, work, _ = _throughput_workload(cfg)
+    return {"requests": len(work), "prompt_tokens": sum(len(p) for p, _ in work),
+            "output_tokens": sum(n for _, n in work), "prompt_range": scale["prompt_range"],
+            "output_range": scale["output_range"]}
+
+
+def worker_engine_throughput(cfg: dict) -> dict:
+    """One engine round in a fresh process: a fresh engine, so nothing is cached."""
+    from llmctl.serve.sampling_params import SamplingParams
+
+    path, _, work, warm = _throughput_workload(cfg)
+    scale = SCALES[cfg["scale"]]
+    prompts = [p for p, _ in work]
+    useful = sum(n for _, n in work)
     llm = engine(path, dtype=cfg["dtype"], kv_cache_memory=cfg["kv_cache_memory"],
                  max_num_seqs=cfg["max_num_seqs"],
                  max_num_batched_tokens=cfg["max_num_batched_tokens"],
-                 max_model_len=scale["prompt_range"][1] + scale["output_range"][1])
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
-    run_to_end(llm, prompts[:2], params[:2])  # warm-up
+                 max_model_len=scale["prompt_range"][1] + scale["output_range"][1],
+                 enable_prefix_caching=cfg["prefix_caching"])
+    run_to_end(llm, [p for p, _ in warm],
+               [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in warm])
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     waste_samples = []
 
     def sample_waste(eng):
@@ -159,30 +188,45 @@ def worker_throughput(cfg: dict) -> dict:
 
     res = run_to_end(llm, prompts, params, sample_waste)
     got = sum(len(o.outputs[0].token_ids) for o in res["outputs"])
-    assert got == useful, (got, useful)
+    if got != useful:
+        raise RuntimeError(f"the engine produced {got} tokens, expected {useful}")
     alloc = sum(a for a, _ in waste_samples)
     used = sum(u for _, u in waste_samples)
     stats = llm.engine.stats()
-    engine_result = {
+    return {
         "wall_s": res["wall_s"], "output_tokens": got,
+        "output_throughput": got / res["wall_s"],
+        "total_throughput": (got + sum(len(p) for p in prompts)) / res["wall_s"],
         "kv_waste": 1 - used / alloc if alloc else None,
         "kv_waste_max_step": max((1 - u / a for a, u in waste_samples), default=None),
         "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"],
         "kv_cache_tokens": stats["kv_cache_tokens"],
+        "prefix_caching": cfg["prefix_caching"],
+        "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate"),
         "ttft_median_s": sorted(o.metrics.first_token_time - o.metrics.arrival_time
                                 for o in res["outputs"])[len(prompts) // 2],
     }
 
-    # transformers, static batches in arrival order, left padding
+
+def worker_hf_throughput(cfg: dict) -> dict:
+    """transformers at one batch size on the whole workload, in a fresh process: static
+    batches in arrival order, left padding, every row generating its batch's longest
+    output (only the requested tokens count as output)."""
+    import torch
+
+    from llmctl.models.loading import load_model
+
+    path, tok, work, warm = _throughput_workload(cfg)
+    batch_size = cfg["batch_size"]
     hf = load_model(Path(path), cfg["dtype"])
     tok.padding_side = "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    def hf_run(reqs, batch_size) -> tuple[float, int]:
+    def hf_run(reqs, bs) -> tuple[float, int]:
         start = time.perf_counter()
         tokens = 0
-        for i in range(0, len(reqs), batch_size):
-            chunk = reqs[i:i + batch_size]
+        for i in range(0, len(reqs), bs):
+            chunk = reqs[i:i + bs]
             width = max(len(p) for p, _ in chunk)
             ids = torch.full((len(chunk), width), pad, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -196,28 +240,84 @@ def worker_throughput(cfg: dict) -> dict:
             tokens += sum(n for _, n in chunk)
         return time.perf_counter() - start, tokens
 
-    probe = work[:scale["hf_probe_requests"]]
-    sweep = {}
-    for bs in scale["hf_batch_sizes"]:
-        wall, tokens = hf_run(probe, bs)
-        sweep[bs] = tokens / wall
-    best = max(sweep, key=sweep.get)
-    wall, tokens = hf_run(work, best)
-    hf_result = {"batch_size_sweep_tok_s": sweep, "best_batch_size": best, "wall_s": wall,
-                 "output_tokens": tokens, "output_throughput": tokens / wall}
-    # the engine again after transformers: this machine's speed drifts by up to 2x over
-    # minutes, so the engine's number is the mean of a run before and a run after
-    again = run_to_end(llm, prompts, params)
-    walls = [engine_result["wall_s"], again["wall_s"]]
-    engine_result.update(wall_s=sum(walls) / 2, runs_wall_s=walls,
-                         output_throughput=useful / (sum(walls) / 2),
-                         total_throughput=(useful + sum(len(p) for p in prompts))
-                         / (sum(walls) / 2))
-    return {"engine": engine_result, "transformers": hf_result,
-            "speedup": engine_result["output_throughput"] / hf_result["output_throughput"],
-            "workload": {"requests": len(work), "prompt_tokens": sum(len(p) for p in prompts),
-                         "output_tokens": useful, "prompt_range": scale["prompt_range"],
-                         "output_range": scale["output_range"]}}
+    hf_run(warm, 2)
+    wall, tokens = hf_run(work, batch_size)
+    _, peak = rss_mib()
+    return {"batch_size": batch_size, "wall_s": wall, "output_tokens": tokens,
+            "output_throughput": tokens / wall, "peak_rss_mib": peak}
+
+
+def _failed_for_memory(result: dict) -> bool:
+    """A worker killed by the OOM killer (SIGKILL) or refused an allocation."""
+    text = result.get("error", "").lower()
+    return result.get("returncode") == -9 or any(
+        s in text for s in ("out of memory", "can't allocate memory", "cannot allocate memory",
+                            "memoryerror"))
+
+
+def run_throughput(cfg: dict, rounds: int) -> tuple[dict, list[dict]]:
+    """The transformers sweep, then alternating engine / transformers rounds."""
+    scale = SCALES[cfg["scale"]]
+    limit = scale["num_requests"]  # a larger batch is the same single batch
+    records: list[dict] = []
+    sweep: dict[int, float | None] = {}
+    sweep_runs = []
+    while (bs := next_batch_size(sweep, start=scale["hf_batch_start"], limit=limit)) is not None:
+        record = {"name": f"sweep transformers batch {bs}", "part": "throughput-sweep"}
+        with common.measured_round(record, cfg["threads"]):
+            record["result"] = spawn("hf_throughput", {**cfg, "batch_size": bs})
+        result = record["result"]
+        _progress(record)
+        records.append(record)
+        sweep_runs.append(record)
+        if "error" in result:
+            if not _failed_for_memory(result):
+                return {"error": f"transformers at batch {bs} failed: {result['error']}",
+                        "sweep": sweep_runs}, records
+            sweep[bs] = None
+        else:
+            sweep[bs] = result["output_throughput"]
+    best = best_size(sweep)
+    out = {"workload": workload_summary(cfg), "transformers_sweep_tok_s": sweep,
+           "transformers_sweep": sweep_runs, "best_batch_size": best,
+           "bracket": bracket(sweep, limit=limit), "limit_note":
+           f"batch {limit} puts all {limit} requests in one batch: larger is the same run",
+           "rounds": []}
+    if best is None:
+        out["error"] = "transformers failed at every batch size"
+        return out, records
+    for i in range(rounds):
+        pair = {"round": i + 1}
+        for side, part, extra in (("engine", "engine_throughput", {}),
+                                  ("transformers", "hf_throughput", {"batch_size": best})):
+            record = {"name": f"round {i + 1} {side}", "part": "throughput"}
+            with common.measured_round(record, cfg["threads"]):
+                record["result"] = spawn(part, {**cfg, **extra})
+            _progress(record)
+            records.append(record)
+            pair[side] = record
+        e, h = pair["engine"]["result"], pair["transformers"]["result"]
+        if "output_throughput" in e and "output_throughput" in h:
+            pair["engine_vs_transformers"] = e["output_throughput"] / h["output_throughput"]
+        out["rounds"].append(pair)
+
+    def rates(side: str) -> list[float]:
+        return [p[side]["result"]["output_throughput"] for p in out["rounds"]
+                if "output_throughput" in p[side]["result"]]
+
+    out["engine_median_tok_s"] = common.median(rates("engine"))
+    out["transformers_median_tok_s"] = common.median(rates("transformers"))
+    out["speedup_median"] = common.median([p.get("engine_vs_transformers")
+                                           for p in out["rounds"]])
+    return out, records
+
+
+def _progress(record: dict) -> None:
+    r = record["result"]
+    what = (f"{r['output_throughput']:.1f} tok/s" if "output_throughput" in r
+            else f"error {r.get('error', '')[-200:]!r}")
+    print(f"[engine-bench] {record['name']}: {what} (load before {record['load_before'][0]}, "
+          f"other processes {record['foreign_cpu_cores']} cores)", file=sys.stderr, flush=True)
 
 
 def _decode_rate(llm, prompt, n) -> float:
@@ -244,9 +344,12 @@ def worker_decode(cfg: dict) -> dict:
     llm = engine(path, dtype=cfg["dtype"], kv_cache_memory="128MiB", max_num_seqs=1,
                  max_model_len=len(prompt) + n)
     _decode_rate(llm, prompt, 8)
-    rate = max(_decode_rate(llm, prompt, n) for _ in range(2))
-    weight_bytes = llm.engine.target.model.nbytes
-    del llm
+    rates = [_decode_rate(llm, prompt, n) for _ in range(2)]
+    rate = max(rates)
+    model = llm.engine.target.model
+    resident = model.nbytes
+    read_per_token = bytes_read_per_token(llmctl_model_reads(model))
+    del llm, model
     bandwidth = copy_bandwidth()
 
     hf = load_model(Path(path), cfg["dtype"])
@@ -261,10 +364,11 @@ def worker_decode(cfg: dict) -> dict:
 
     hf_time(4)
     hf_rate = (n - 1) / (hf_time(n) - hf_time(1))
-    return {"engine_tok_s": rate, "transformers_tok_s": hf_rate, "weight_bytes": weight_bytes,
+    return {"engine_tok_s": rate, "engine_runs_tok_s": rates, "transformers_tok_s": hf_rate,
+            "bytes_read_per_token": read_per_token, "resident_weight_bytes": resident,
             "copy_bandwidth_bytes_s": bandwidth,
-            "bandwidth_fraction": weight_bytes * rate / bandwidth,
-            "bound_tok_s": bandwidth / weight_bytes, "prompt_tokens": len(prompt),
+            "bandwidth_fraction": read_per_token * rate / bandwidth,
+            "bound_tok_s": bandwidth / read_per_token, "prompt_tokens": len(prompt),
             "decode_tokens": n}
 
 
@@ -433,54 +537,52 @@ def _overlap(text: str, passage: str) -> float:
     return sum(1 for w in words if w in passage) / max(len(words), 1)
 
 
-WORKERS = {"throughput": worker_throughput, "decode": worker_decode, "prefix": worker_prefix,
-           "quant": worker_quant, "quant_one": worker_quant_one, "spec": worker_spec}
+WORKERS = {"engine_throughput": worker_engine_throughput, "hf_throughput": worker_hf_throughput,
+           "decode": worker_decode, "prefix": worker_prefix, "quant": worker_quant,
+           "quant_one": worker_quant_one, "spec": worker_spec}
 
 
 def spawn(part: str, cfg: dict) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
     proc = subprocess.run([sys.executable, __file__, "--worker", part, "--config",
-                           json.dumps(cfg)], capture_output=True, text=True, env=env, check=False)
+                           json.dumps(cfg)], capture_output=True, text=True,
+                          env=common.thread_env(cfg["threads"]), check=False)
     if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:]}
+        return {"error": proc.stderr[-3000:], "returncode": proc.returncode}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # --- report --------------------------------------------------------------------------------
 def render_markdown(report: dict) -> str:
-    meta = report["metadata"]
-    load = meta["machine"].get("load_average")
+    cfg = report["config"]
     r = report["results"]
-    lines = [(f"# Engine benchmark ({report['config']['scale']} scale, "
-              f"{report['config']['dtype']})"), "",
-             f"Command: `{report['command']}`", "",
-             (f"Date {meta['date']}, commit {meta['llmctl_commit']}, "
-              f"torch {meta['versions'].get('torch')}, {meta['machine']['cpu']}, "
-              f"{report['config']['threads']} threads."),
-             f"Load average at start {report['load_start']}, at end {load}."
-             + (" **Contended: the machine was busy; absolute numbers are low.**"
-                if report["contended"] else ""), ""]
+    lines = common.header_markdown(
+        report, f"Engine benchmark ({cfg['scale']} scale, {cfg['dtype']})")
+    lines += [(f"Engine limits: max_num_seqs {cfg['max_num_seqs']}, max_num_batched_tokens "
+               f"{cfg['max_num_batched_tokens']}, KV {cfg['kv_cache_memory']}, prefix caching "
+               f"{'on' if cfg['prefix_caching'] else 'off'} in the throughput rounds."), ""]
 
     def row(name, value, target=""):
         lines.append(f"| {name} | {value} | {target} |")
 
     lines += ["| metric | value | target |", "|---|---|---|"]
     t = r.get("throughput", {})
-    if "engine" in t:
-        row("offline output tok/s, engine", f"{t['engine']['output_throughput']:.1f}")
-        row("offline output tok/s, transformers (batch "
-            f"{t['transformers']['best_batch_size']})",
-            f"{t['transformers']['output_throughput']:.1f}")
-        row("engine / transformers", f"{t['speedup']:.2f}x", ">= 4x")
-        row("KV waste (time-averaged)", f"{100 * t['engine']['kv_waste']:.2f}%", "< 5%")
-        row("preemptions", t["engine"]["num_preemptions"])
+    if t.get("speedup_median") is not None:
+        row("offline output tok/s, engine (median of rounds)", f"{t['engine_median_tok_s']:.1f}")
+        row(f"offline output tok/s, transformers batch {t['best_batch_size']} (median)",
+            f"{t['transformers_median_tok_s']:.1f}")
+        row("engine / transformers (median of per-round ratios)",
+            f"{t['speedup_median']:.2f}x", ">= 4x")
+        first = t["rounds"][0]["engine"]["result"]
+        if first.get("kv_waste") is not None:
+            row("KV waste (time-averaged, round 1)", f"{100 * first['kv_waste']:.2f}%", "< 5%")
+        row("preemptions (round 1)", first.get("num_preemptions"))
     d = r.get("decode", {})
     if "engine_tok_s" in d:
         row("batch-1 decode tok/s, engine", f"{d['engine_tok_s']:.1f}")
         row("batch-1 decode tok/s, transformers", f"{d['transformers_tok_s']:.1f}")
         row("fraction of bandwidth bound", f"{100 * d['bandwidth_fraction']:.0f}% "
-            f"(bound {d['bound_tok_s']:.0f} tok/s at "
-            f"{d['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s copy)")
+            f"(bound {d['bound_tok_s']:.0f} tok/s: {d['bytes_read_per_token'] / 1e6:.1f} MB "
+            f"read per token at {d['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s copy)")
     p = r.get("prefix", {})
     if "ttft_ratio" in p:
         row("TTFT, 400-token shared prefix, cache off", f"{p['mean_ttft_off_ms']:.0f} ms")
@@ -502,6 +604,38 @@ def render_markdown(report: dict) -> str:
                 f"{s[name]['tok_s']:.1f}, {s[f'speedup_{name}']:.2f}x, "
                 f"{100 * s[name]['acceptance_rate']:.0f}%")
         row("greedy outputs identical", s["identical_outputs"])
+    if "rounds" in t:
+        lines += ["", "## Throughput: transformers batch-size sweep (whole workload)", "",
+                  f"{t['bracket']}. ({t['limit_note']}.)", "",
+                  "| batch | output tok/s | wall s | load before | other procs (cores) |",
+                  "|---|---|---|---|---|"]
+        for rec in t["transformers_sweep"]:
+            res = rec["result"]
+            value = (f"{res['output_throughput']:.1f} | {res['wall_s']:.0f}"
+                     if "output_throughput" in res else "failed | ")
+            lines.append(f"| {rec['name'].rsplit(' ', 1)[-1]} | {value} | "
+                         f"{rec['load_before'][0]} | {rec['foreign_cpu_cores']} |")
+        lines += ["", "## Throughput: every round (engine, then transformers)", "",
+                  ("| round | side | output tok/s | wall s | load before / after | "
+                   "other procs (cores) | engine / transformers |"),
+                  "|---|---|---|---|---|---|---|"]
+        for pair in t["rounds"]:
+            for side in ("engine", "transformers"):
+                rec = pair[side]
+                res = rec["result"]
+                value = (f"{res['output_throughput']:.1f} | {res['wall_s']:.1f}"
+                         if "output_throughput" in res else f"error | `{res['error'][-120:]}`")
+                ratio = (f"{pair['engine_vs_transformers']:.2f}x"
+                         if side == "transformers" and "engine_vs_transformers" in pair else "")
+                lines.append(f"| {pair['round']} | {side} | {value} | {rec['load_before'][0]} / "
+                             f"{rec['load_after'][0]} | {rec['foreign_cpu_cores']} | {ratio} |")
+    parts = [rec for rec in report["rounds"] if rec.get("part") not in
+             ("throughput", "throughput-sweep")]
+    if parts:
+        lines += ["", "| part | load before / after | other procs (cores) | wall s |",
+                  "|---|---|---|---|"]
+        lines += [f"| {rec['name']} | {rec['load_before'][0]} / {rec['load_after'][0]} | "
+                  f"{rec['foreign_cpu_cores']} | {rec['round_wall_s']:.0f} |" for rec in parts]
     errors = {k: v["error"] for k, v in r.items() if isinstance(v, dict) and "error" in v}
     if errors:
         lines += ["", "## Errors", ""] + [f"- {k}: `{v[-400:]}`" for k, v in errors.items()]
@@ -516,11 +650,16 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating engine / transformers throughput rounds")
     ap.add_argument("--kv-cache-memory", default="3GiB")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="keep prefix caching on in the throughput rounds (each round still "
+                         "gets a fresh engine)")
     ap.add_argument("--label", default=None)
-    ap.add_argument("--out-dir", default=str(ROOT / "results"))
+    common.add_run_arguments(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -533,32 +672,40 @@ def main(argv=None) -> int:
         print(json.dumps(WORKERS[args.worker](cfg), default=str))
         return 0
 
-    from llmctl.report import run_metadata
-    from llmctl.utils.atomic import write_text
-
+    parts = args.parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"unknown part(s) {unknown}: choose from {', '.join(PARTS)}")
     cfg = {"model": args.model, "scale": args.scale, "dtype": args.dtype,
            "threads": args.threads, "kv_cache_memory": args.kv_cache_memory,
            "max_num_seqs": args.max_num_seqs,
-           "max_num_batched_tokens": args.max_num_batched_tokens}
-    load_start = os.getloadavg()[0]
-    results = {}
-    for part in args.parts.split(","):
+           "max_num_batched_tokens": args.max_num_batched_tokens,
+           "prefix_caching": args.prefix_caching, "rounds": args.rounds, "parts": parts}
+    report = common.start_run("engine", cfg, allow_dirty=args.allow_dirty, threads=args.threads,
+                              out=args.out_dir)
+    results: dict = {}
+    rounds: list[dict] = []
+    for part in parts:
         print(f"[engine-bench] {part} ...", file=sys.stderr, flush=True)
-        start = time.time()
-        results[part] = spawn(part, cfg)
-        print(f"[engine-bench] {part} done in {time.time() - start:.0f} s "
-              f"(load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
-    meta = run_metadata(benchmark="engine", omp_num_threads=args.threads)
-    loads = [load_start, os.getloadavg()[0]]
-    report = {"command": "python benchmarks/engine_bench.py " + " ".join(sys.argv[1:]),
-              "config": cfg, "metadata": meta, "load_start": round(load_start, 2),
-              "contended": max(loads) > 1.5, "results": results}
+        if part == "throughput":
+            results[part], records = run_throughput(cfg, args.rounds)
+            rounds += records
+            continue
+        record = {"name": part, "part": part}
+        with common.measured_round(record, args.threads):
+            results[part] = spawn(part, cfg)
+        rounds.append(record)
+        print(f"[engine-bench] {part} done in {record['round_wall_s']:.0f} s (load "
+              f"{record['load_after'][0]}, other processes {record['foreign_cpu_cores']} "
+              "cores)", file=sys.stderr, flush=True)
+    report["results"] = results
+    report["rounds"] = [{k: v for k, v in rec.items() if k != "result"} for rec in rounds
+                        if rec.get("part") not in ("throughput", "throughput-sweep")]
+    common.finish_run(report, rounds)
     label = args.label or f"{args.scale}-{args.dtype}"
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_text(out_dir / f"engine-bench-{label}.json", json.dumps(report, indent=2, default=str))
-    write_text(out_dir / f"engine-bench-{label}.md", render_markdown(report))
-    print(render_markdown(report))
+    markdown = render_markdown(report)
+    common.write_report(Path(args.out_dir), f"engine-bench-{label}", report, markdown)
+    print(markdown)
     return 0
 
 

@@ -33,6 +33,10 @@ import threading
 import time
 from pathlib import Path
 
+import common
+
+from llmctl.utils.atomic import write_text
+
 
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -171,7 +175,11 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("-o", "--output", type=Path)
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="write results/ from an uncommitted tree anyway")
     args = parser.parse_args()
+    if args.output:
+        common.refuse_dirty(common.tree_state(), args.allow_dirty, args.output)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -181,9 +189,9 @@ def main() -> None:
 
         record = {"metadata": run_metadata(command=" ".join(["python"] + sys.argv)),
                   "result": result}
-        args.output.write_text(json.dumps(record, indent=2) + "\n")
+        write_text(args.output, json.dumps(record, indent=2) + "\n")
         mib = lambda b: f"{b / 2**20:.0f} MiB"
-        args.output.with_suffix(".md").write_text("\n".join([
+        write_text(args.output.with_suffix(".md"), "\n".join([
             "# Eval KLD pipeline: peak memory", "",
             f"Command: `{record['metadata']['command']}`", "",
             (f"Machine: {record['metadata']['machine']['cpu']}, load average "

@@ -18,8 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+import common
 import numpy as np
 import torch
+
+from llmctl.utils.atomic import write_text
 
 
 def fake_quantize(model, bits: int, group: int | None) -> None:
@@ -41,7 +44,11 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("-o", "--output", type=Path)
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="write results/ from an uncommitted tree anyway")
     args = parser.parse_args()
+    if args.output:
+        common.refuse_dirty(common.tree_state(), args.allow_dirty, args.output)
     torch.set_num_threads(args.threads)
 
     from llmctl.data.sources import load_text_source, token_stream
@@ -106,7 +113,7 @@ def main() -> None:
               "results": results}
     print(json.dumps(results, indent=2))
     if args.output:
-        args.output.write_text(json.dumps(record, indent=2) + "\n")
+        write_text(args.output, json.dumps(record, indent=2) + "\n")
         lines = ["# Top-k reference store vs full-vocabulary KLD (SmolLM2-135M)", "",
                  f"Command: `{record['metadata']['command']}`  ",
                  (f"{plan.scored_tokens} tokens of builtin:pydoc-heldout in {len(plan.inputs)} "
@@ -121,7 +128,7 @@ def main() -> None:
                 lines.append(f"| {name} | {r['full_mean_kld']:.6f} | {k} | {v['mean_kld']:.6f} "
                              f"| {100 * v['kept_fraction']:.2f} % | {v['mean_kld_fp16_store']:.6f} "
                              f"| {v['fp16_bias']:+.2e} | {v['mean_tail_mass']:.4f} |")
-        args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        write_text(args.output.with_suffix(".md"), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

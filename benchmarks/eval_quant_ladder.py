@@ -18,6 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+import common
+
+from llmctl.utils.atomic import write_text
+
 RECIPES = ("w8a16-gptq", "w4a16-rtn", "w4a16-gptq", "w4a16-awq")
 BASELINE = "results/reference/smollm2-135m.json"
 
@@ -39,7 +43,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--recipes", nargs="*", default=list(RECIPES))
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="write results/ from an uncommitted tree anyway")
     args = parser.parse_args()
+    common.refuse_dirty(common.tree_state(), args.allow_dirty, args.out)
     llmctl = [sys.executable, "-m", "llmctl"]
     log: list[dict] = []
     reports = []
@@ -61,10 +68,11 @@ def main() -> None:
     if len(reports) >= 2:
         out = subprocess.run(llmctl + ["eval", "compare", *reports, "--json"], capture_output=True,
                              text=True, check=True).stdout
-        (args.out / "eval-smollm2-compare.json").write_text(out)
+        write_text(args.out / "eval-smollm2-compare.json", out)
         from llmctl.eval.compare import markdown
 
-        (args.out / "eval-smollm2-compare.md").write_text(
+        write_text(
+            args.out / "eval-smollm2-compare.md",
             "# SmolLM2-135M: quantization recipes against the original\n\n"
             + markdown(json.loads(out)) + "\n\nCommands (exit code 1 = a gate failed):\n\n"
             + "\n".join(f"- `{e['command']}` -> {e['exit_code']} ({e['seconds']} s, load "

@@ -19,6 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+import common
+
+from llmctl.utils.atomic import write_text
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -38,7 +42,10 @@ def main() -> int:
     parser.add_argument("--cols", type=int, default=576)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "results" / "gguf-legacy-quant-speed"))
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="write results/ from an uncommitted tree anyway")
     args = parser.parse_args()
+    common.refuse_dirty(common.tree_state(), args.allow_dirty, args.out)
 
     import gguf
     import numpy as np
@@ -68,7 +75,7 @@ def main() -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    write_text(out.with_suffix(".json"), json.dumps(result, indent=2))
     load0 = start_meta["machine"].get("load_average")
     load1 = result["metadata"]["machine"].get("load_average")
     lines = [
@@ -89,7 +96,7 @@ def main() -> int:
         lines.append(f"| {r['type']} | {'yes' if r['bit_exact'] else 'NO'} | {r['gguf_py_s']:.2f} | "
                      f"{r['llmctl_1t_s']:.2f} | {r['speedup_1t']:.2f}x | {r['llmctl_2t_s']:.2f} | "
                      f"{r['speedup_2t']:.2f}x |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.md')}")
     return 0
 

@@ -24,6 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
+
+from llmctl.utils.atomic import write_text
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -67,7 +71,10 @@ def main() -> int:
     parser.add_argument("--imatrix-samples", type=int, default=32)
     parser.add_argument("--types", default=",".join(t[0] for t in TYPES))
     parser.add_argument("--out", default=str(REPO / "results" / "gguf-quant-table"))
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="write results/ from an uncommitted tree anyway")
     args = parser.parse_args()
+    common.refuse_dirty(common.tree_state(), args.allow_dirty, args.out)
 
     import numpy as np
     import torch
@@ -143,8 +150,8 @@ def main() -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(render_markdown(result))
+    write_text(out.with_suffix(".json"), json.dumps(result, indent=2))
+    write_text(out.with_suffix(".md"), render_markdown(result))
     print(f"wrote {out.with_suffix('.md')}")
     return 0
 

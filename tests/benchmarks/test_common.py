@@ -1,0 +1,94 @@
+"""Run records shared by the benchmark scripts: the contention verdict and the refusal of
+an uncommitted tree."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import common
+from common import CpuSample, foreign_cores, is_contended, refuse_dirty
+
+
+def _sample(wall, busy, steal, ours):
+    return CpuSample(wall=wall, busy=busy, steal=steal, ours=ours, load=(0.0, 0.0, 0.0))
+
+
+def test_own_work_is_not_foreign():
+    """Two threads busy for 10 s (2000 ticks at 100/s), all of it ours: a quiet round,
+    although the load average would read ~2."""
+    a, b = _sample(0, 0, 0, 0), _sample(10, 2000, 0, 2000)
+    assert foreign_cores(a, b, 100) == 0
+    assert not is_contended(foreign_cores(a, b, 100), load_before=2.0, threads=2)
+
+
+def test_other_work_and_steal_are_foreign():
+    a, b = _sample(0, 1000, 0, 500), _sample(10, 2200, 300, 1500)
+    # (1200 busy + 300 steal - 1000 ours) ticks / 100 / 10 s = 0.5 cores
+    assert foreign_cores(a, b, 100) == pytest.approx(0.5)
+    assert is_contended(0.5, load_before=0.0, threads=2)
+
+
+def test_without_proc_the_load_before_is_compared_with_the_threads():
+    assert not is_contended(None, load_before=1.9, threads=2)
+    assert is_contended(None, load_before=2.6, threads=2)
+
+
+def test_a_reaped_child_counts_as_ours():
+    """A child that burns 0.5 s of CPU and exits inside the window lands in "ours"
+    (through this process's cutime), not in the foreign work."""
+    import subprocess
+
+    before = common.sample()
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    after = common.sample()
+    assert (after.ours - before.ours) / os.sysconf("SC_CLK_TCK") >= 0.45
+
+
+def test_measured_round_fills_the_record():
+    record = {"name": "r1"}
+    with common.measured_round(record, threads=2):
+        pass
+    assert set(record) >= {"load_before", "load_after", "foreign_cpu_cores", "contended",
+                           "round_wall_s"}
+    assert len(record["load_before"]) == 3
+
+
+def test_dirty_tree_is_refused_unless_allowed(capsys):
+    state = {"dirty": True, "changed_files": ["llmctl/serve/model.py"], "commit": "abc"}
+    with pytest.raises(SystemExit) as exc:
+        refuse_dirty(state, allow_dirty=False)
+    assert exc.value.code == 2  # a usage error
+    err = capsys.readouterr().err
+    assert "llmctl/serve/model.py" in err and "--allow-dirty" in err
+    refuse_dirty(state, allow_dirty=True)
+    refuse_dirty({**state, "dirty": False, "changed_files": []}, allow_dirty=False)
+
+
+def test_finish_run_marks_a_tree_that_changed_during_the_run(monkeypatch):
+    report = {"tree": {"commit": "a", "dirty": False}, "dirty": False}
+    monkeypatch.setattr(common, "tree_state",
+                        lambda: {"commit": "b", "dirty": False, "changed_files": []})
+    out = common.finish_run(report, [{"name": "r1", "contended": True}, {"name": "r2"}])
+    assert out["dirty"] is True
+    assert out["contended_rounds"] == ["r1"] and out["contended"]
+
+
+def test_dirty_tree_is_refused_only_for_results(tmp_path):
+    """A smoke run into /tmp is marked DIRTY, not refused; results/ needs a commit."""
+    state = {"dirty": True, "changed_files": ["x.py"], "commit": "abc"}
+    refuse_dirty(state, allow_dirty=False, out=tmp_path / "engine-bench.json")
+    with pytest.raises(SystemExit):
+        refuse_dirty(state, allow_dirty=False, out=common.RESULTS)
+    with pytest.raises(SystemExit):
+        refuse_dirty(state, allow_dirty=False, out=common.RESULTS / "serve-vs-vllm.json")
+
+
+def test_changed_files_keep_their_first_character():
+    assert common.changed_files(" M benchmarks/a.py\nM  b.py\n") == ["benchmarks/a.py", "b.py"]

@@ -193,7 +193,7 @@ def test_failing_detokenizer_at_admission_with_an_abort_queued_ends_once(tiny_ll
     """The request's detokenizer is made in the engine thread when it is admitted; it
     raises there, and an abort of the same request sits in the same inbox: exactly one
     final output (the error), nothing scheduled, nothing leaked."""
-    import llmctl.serve.llm_engine as llm_engine
+    from llmctl.serve import llm_engine
 
     bad_ids = encode(tiny_llama, PROMPTS[4])
     real = llm_engine.IncrementalDetokenizer

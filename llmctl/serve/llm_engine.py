@@ -36,15 +36,39 @@ validate in the caller and queue the change under a lock; ``step()`` applies que
 changes first. ``step()``, ``has_unfinished_requests()`` and ``stats()`` must be called
 from one thread at a time (the server's engine loop). No other locking, no threads of
 its own: the engine is a plain object.
+
+Failures: one request never hurts another.
+
+1. What can be checked is checked in ``add_request``, in the caller, which gets the
+   exception (the request never enters the engine). That includes making the first
+   sequence's constraint from its factory.
+2. Per-request work in ``step()`` (a sequence's detokenizer, constraint updates, the
+   forks of an ``n > 1`` request, prompt log-probs, building its output) runs under a
+   guard: an exception fails that request only.
+3. Batched work (the model pass, sampling with its constraint masks and seeded draws,
+   draft verification, draft proposals) that raises is run again one sequence at a time,
+   seeded generators put back first so each draws what it would have drawn in the batch;
+   a sequence that raises alone fails its request, the others keep their solo results
+   and the step goes on. Repeating the model pass is safe: it writes only the KV slots
+   of the tokens it computes, and sequences advance only after it. A proposal that
+   fails alone only costs its sequence the drafts (it decodes without them, exactly).
+4. A failed request ends at the end of the step: its unfinished sequences finish with
+   reason "error", its blocks are freed without entering the prefix cache, and its
+   final ``RequestOutput`` carries ``error`` (the exception, as text).
+5. An exception that escapes ``step()`` is the engine's own fault (scheduler or block
+   bookkeeping), not a request's: its state can no longer be trusted, and the caller
+   should stop stepping it (the server turns unhealthy and ends every stream).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -57,9 +81,9 @@ from llmctl.serve.model import LlamaModel, ModelSpec
 from llmctl.serve.model_runner import LogitRows, ModelRunner, PromptLogits
 from llmctl.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.serve.rejection_sampler import greedy_verify, rejection_sample
-from llmctl.serve.sampler import Sampler, generator_for
+from llmctl.serve.sampler import Sampler, generator_for, generator_snapshot
 from llmctl.serve.sampling_params import SamplingParams
-from llmctl.serve.scheduler import Scheduler
+from llmctl.serve.scheduler import ScheduledSeq, Scheduler
 from llmctl.serve.sequence import Request, Sequence, SequenceStatus
 from llmctl.serve.spec_decode import DraftModelProposer, NgramProposer
 
@@ -134,6 +158,7 @@ class LLMEngine:
         self._inbox: deque[tuple[str, object]] = deque()
         self._known_ids: set[str] = set()
         self.requests: dict[str, Request] = {}
+        self._failed: list[Request] = []  # failed in this step, ended at its end
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_prompt_tokens": 0,
                          "num_requests_finished": 0, "num_steps": 0, "spec_draft_tokens": 0,
                          "spec_accepted_tokens": 0, "spec_verify_steps": 0}
@@ -262,19 +287,85 @@ class LLMEngine:
                 request = item
                 self.requests[request.request_id] = request
                 seq = request.seqs[0]
-                seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                   request.params)
-                self.scheduler.add(seq)
+                with self._guard(request):
+                    seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                       request.params)
+                if request.error is None:
+                    self.scheduler.add(seq)
+                else:  # never scheduled; _end_failed reports it
+                    seq.transition(SequenceStatus.FINISHED_ERROR)
             else:
                 request = self.requests.get(item)
-                if request is None:
-                    continue
+                if request is None or request.error is not None:
+                    continue  # unknown, retired, or failed (_end_failed ends it)
                 request.seqs[0].pending_fork = 0
                 for seq in request.seqs:
                     if not seq.finished:
                         self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-                outputs.append(self._output(request, request.seqs))
-                self._retire(request)
+                with self._guard(request):
+                    outputs.append(self._output(request, request.seqs))
+                    self._retire(request)
+
+    # --- failures: one request never hurts another (see the module docstring) ---------------
+    @contextlib.contextmanager
+    def _guard(self, request: Request) -> Iterator[None]:
+        """Per-request work: an exception in the block fails ``request`` alone."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - whatever it was, it was this request's
+            self._fail(request, exc)
+
+    def _fail(self, request: Request, exc: BaseException) -> None:
+        if request.error is not None:
+            return
+        log.error("request %r failed: %s: %s", request.request_id, type(exc).__name__, exc,
+                  exc_info=exc)
+        request.error = f"{type(exc).__name__}: {exc}"
+        self._failed.append(request)
+
+    def _isolated(self, fn: Callable[[list], list], units: list, seqs: list[Sequence],
+                  on_fail: Callable[[Sequence, BaseException], None] | None = None) -> list:
+        """``fn(units)``: batched work with one result per unit (``seqs[i]`` owns
+        ``units[i]``). If it raises, each unit runs alone, with the seeded generators put
+        back first so a unit draws what the batch would have drawn for it; a unit that
+        raises alone gets ``on_fail`` (default: its request fails) and the result None."""
+        on_fail = on_fail or (lambda seq, exc: self._fail(seq.request, exc))
+        restore = generator_snapshot(seqs)
+        try:
+            return fn(units)
+        except Exception as exc:  # noqa: BLE001 - attributed below
+            if len(units) == 1:
+                on_fail(seqs[0], exc)
+                return [None]
+            log.warning("a batch of %d failed (%s: %s); running each alone to find the cause",
+                        len(units), type(exc).__name__, exc)
+        restore()
+        results = []
+        for unit, seq in zip(units, seqs):
+            try:
+                results.append(fn([unit])[0])
+            except Exception as exc:  # noqa: BLE001 - this unit's own failure
+                on_fail(seq, exc)
+                results.append(None)
+        return results
+
+    def _end_failed(self) -> list[RequestOutput]:
+        """End each request that failed in this step: its unfinished sequences finish with
+        "error" (blocks freed, nothing enters the prefix cache) and it gets its final output."""
+        outputs = []
+        failed, self._failed = self._failed, []
+        for request in failed:
+            if self.requests.get(request.request_id) is not request:
+                continue  # already retired (aborted in the same step)
+            request.seqs[0].pending_fork = 0
+            for seq in request.seqs:
+                if not seq.finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+                    if self.proposer is not None:
+                        self.proposer.release(seq)
+            outputs.append(self._output(request, []))
+            self._retire(request)
+        return outputs
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -282,48 +373,100 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
-        if sched.empty:
-            return outputs
+        if not sched.empty:
+            outputs.extend(self._run(sched.scheduled, sched.copies))
+        outputs.extend(self._end_failed())
+        return outputs
+
+    def _run(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]
+             ) -> list[RequestOutput]:
+        """Compute the scheduled tokens, sample, and apply the results."""
         now = time.time()
         self.counters["num_steps"] += 1
-        for item in sched.scheduled:
+        for item in scheduled:
             req = item.seq.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             if item.seq.num_computed_tokens < item.seq.num_prompt_tokens:
                 self.counters["prompt_tokens"] += item.num_new_tokens
-        self.runner.copy_blocks(sched.copies)
-        if any(item.seq.request.needs_prompt_logits for item in sched.scheduled):
-            logits, rows, prompt = self.runner.execute_with_prompt(sched.scheduled)
-            self._collect_prompt_logprobs(prompt)
-        else:
-            logits, rows = self.runner.execute(sched.scheduled)
-        for item in sched.scheduled:
+        self.runner.copy_blocks(copies)
+        logits, rows, prompt = self._forward(scheduled)
+        self._collect_prompt_logprobs(prompt)
+        live = [item for item in scheduled if item.seq.request.error is None]
+        for item in live:
             item.seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
 
-        new_tokens = self._sample(logits, rows)
+        new_tokens = self._sample(logits, [r for r in rows if r.item.seq.request.error is None])
         touched: dict[str, list[Sequence]] = {}
         for seq, tokens, logprobs in new_tokens:
-            self._append(seq, tokens, logprobs)
-            touched.setdefault(seq.request.request_id, []).append(seq)
-        for item in sched.scheduled:
+            if seq.request.error is None:  # (a sibling may have failed since)
+                with self._guard(seq.request):
+                    self._append(seq, tokens, logprobs)
+                touched.setdefault(seq.request.request_id, []).append(seq)
+        for item in live:
             seq = item.seq
-            if not seq.finished:
+            if not seq.finished and seq.request.error is None:
                 self.block_manager.commit(seq)
+        outputs = []
         for req_id, seqs in touched.items():
             request = self.requests[req_id]
-            outputs.append(self._output(request, seqs))
-            if request.finished:
-                self._retire(request)
+            if request.error is not None:
+                continue
+            with self._guard(request):
+                out = self._output(request, seqs)
+                outputs.append(out)
+                if request.finished:
+                    self._retire(request)
         return outputs
+
+    def _execute(self, items: list[ScheduledSeq]
+                 ) -> tuple[torch.Tensor, list[LogitRows], list[PromptLogits]]:
+        if any(item.seq.request.needs_prompt_logits for item in items):
+            return self.runner.execute_with_prompt(items)
+        logits, rows = self.runner.execute(items)
+        return logits, rows, []
+
+    def _forward(self, scheduled: list[ScheduledSeq]
+                 ) -> tuple[torch.Tensor, list[LogitRows], list[PromptLogits]]:
+        """The model pass over the step. If it raises, each sequence runs alone and the
+        ones that raise alone fail their request; the others' rows come from their solo
+        runs. Repeating the pass is safe: it only writes the KV slots of the tokens it
+        computes, and no sequence has advanced yet."""
+        try:
+            return self._execute(scheduled)
+        except Exception as exc:  # noqa: BLE001 - attributed below
+            if len(scheduled) > 1:
+                log.warning("the model pass over %d sequences failed (%s: %s); running "
+                            "each alone to find the cause", len(scheduled),
+                            type(exc).__name__, exc)
+            else:
+                self._fail(scheduled[0].seq.request, exc)
+                scheduled = []
+        parts: list[torch.Tensor] = []
+        rows: list[LogitRows] = []
+        prompt: list[PromptLogits] = []
+        offset = 0
+        for item in scheduled:
+            try:
+                logits, item_rows, item_prompt = self._execute([item])
+            except Exception as exc:  # noqa: BLE001 - this sequence's own failure
+                self._fail(item.seq.request, exc)
+                continue
+            rows.extend(LogitRows(r.item, r.start + offset, r.count) for r in item_rows)
+            parts.append(logits)
+            prompt.extend(item_prompt)
+            offset += logits.shape[0]
+        logits = torch.cat(parts) if parts else torch.empty((0, self.spec.vocab_size))
+        return logits, rows, prompt
 
     def _collect_prompt_logprobs(self, parts: list[PromptLogits]) -> None:
         for part in parts:
             request = part.item.seq.request
-            targets = request.prompt_token_ids[part.first:part.first + part.logits.shape[0]]
-            entries = Sampler.logprobs(part.logits, targets,
-                                       [request.params.prompt_logprobs] * len(targets))
-            request.add_prompt_logprobs(part.first, entries)
+            with self._guard(request):
+                targets = request.prompt_token_ids[part.first:part.first + part.logits.shape[0]]
+                entries = Sampler.logprobs(part.logits, targets,
+                                           [request.params.prompt_logprobs] * len(targets))
+                request.add_prompt_logprobs(part.first, entries)
 
     def _propose(self) -> None:
         seqs, limits = [], []
@@ -331,7 +474,7 @@ class LLMEngine:
             params = seq.params
             # constrained sequences are not drafted for (see the module docstring)
             if seq.num_uncomputed_tokens != 1 or params.needs_penalties or seq.pending_fork \
-                    or seq.constraint is not None:
+                    or seq.constraint is not None or seq.no_drafts:
                 continue
             limit = min(params.max_tokens - seq.num_output_tokens - 1,
                         self.max_model_len - seq.num_tokens - 1)
@@ -341,42 +484,71 @@ class LLMEngine:
         self._draft_probs = {}
         if not seqs:
             return
-        for seq, (draft, q) in zip(seqs, self.proposer.propose(seqs, limits)):
-            seq.spec_token_ids = list(draft)
-            self._draft_probs[seq.seq_id] = q
+
+        def without_drafts(seq: Sequence, exc: BaseException) -> None:
+            # drafts only save time: the sequence goes on without them, exactly
+            log.warning("drafts for request %r failed (%s: %s); it decodes without them",
+                        seq.request.request_id, type(exc).__name__, exc)
+            seq.no_drafts = True
+            self.proposer.release(seq)
+
+        proposals = self._isolated(
+            lambda units: self.proposer.propose([s for s, _ in units], [n for _, n in units]),
+            list(zip(seqs, limits)), seqs, on_fail=without_drafts)
+        for seq, proposal in zip(seqs, proposals):
+            if proposal is not None:
+                seq.spec_token_ids = list(proposal[0])
+                self._draft_probs[seq.seq_id] = proposal[1]
 
     def _sample(self, logits: torch.Tensor, rows: list[LogitRows]
                 ) -> list[tuple[Sequence, list[int], list | None]]:
         """New tokens per sequence: plain rows in one batch, speculative rows verified."""
-        plain_rows: list[int] = []
-        plain_seqs: list[Sequence] = []
-        results: list[tuple[Sequence, list[int], list | None]] = []
+        plain: list[tuple[int, Sequence]] = []
         for r in rows:
-            seq = r.item.seq
             if r.count == 1:
-                plain_rows.append(r.start)
-                plain_seqs.append(seq)
-                for child in self._fork(seq):
-                    plain_rows.append(r.start)
-                    plain_seqs.append(child)
-        if plain_rows:
-            whole = plain_rows == list(range(logits.shape[0]))
-            sub = logits if whole else logits[plain_rows]
-            tokens = self.sampler.sample(sub, plain_seqs)
-            top_n = [s.params.logprobs for s in plain_seqs]
-            lps = (Sampler.logprobs(sub, tokens, [n or 0 for n in top_n])
-                   if any(n is not None for n in top_n) else None)
-            for i, seq in enumerate(plain_seqs):
-                results.append((seq, [tokens[i]], [lps[i]] if lps and top_n[i] is not None
-                                else None))
+                seq = r.item.seq
+                children = self._fork(seq)
+                if seq.request.error is None:
+                    plain.extend((r.start, s) for s in [seq, *children])
+        results: list[tuple[Sequence, list[int], list | None]] = []
+        if plain:
+            seqs = [s for _, s in plain]
+            drawn = self._isolated(lambda units: self._draw(logits, units), plain, seqs)
+            results.extend((seq, *out) for seq, out in zip(seqs, drawn) if out is not None)
         spec = [r for r in rows if r.count > 1]
         if spec:
-            results.extend(self._verify(spec, logits))
+            seqs = [r.item.seq for r in spec]
+            verified = self._isolated(lambda units: self._verify(units, logits), spec, seqs)
+            for r, seq, out in zip(spec, seqs, verified):
+                seq.spec_token_ids = []
+                if out is None:
+                    continue
+                tokens, lps = out
+                accepted = len(tokens) - 1
+                self.counters["spec_draft_tokens"] += r.item.num_spec_tokens
+                self.counters["spec_accepted_tokens"] += accepted
+                self.counters["spec_verify_steps"] += 1
+                seq.num_computed_tokens += accepted
+                results.append((seq, tokens, lps))
         return results
 
+    def _draw(self, logits: torch.Tensor, units: list[tuple[int, Sequence]]
+              ) -> list[tuple[list[int], list | None]]:
+        """One token (and its logprobs when asked) per (logits row, sequence)."""
+        index = [row for row, _ in units]
+        seqs = [seq for _, seq in units]
+        sub = logits if index == list(range(logits.shape[0])) else logits[index]
+        tokens = self.sampler.sample(sub, seqs)
+        top_n = [s.params.logprobs for s in seqs]
+        lps = (Sampler.logprobs(sub, tokens, [n or 0 for n in top_n])
+               if any(n is not None for n in top_n) else None)
+        return [([tokens[i]], [lps[i]] if lps and top_n[i] is not None else None)
+                for i in range(len(seqs))]
+
     def _verify(self, spec: list[LogitRows], logits: torch.Tensor
-                ) -> list[tuple[Sequence, list[int], list | None]]:
-        """Accept or reject each sequence's draft tokens (one batched pass over the rows)."""
+                ) -> list[tuple[list[int], list | None]]:
+        """Accept or reject each sequence's draft tokens (one batched pass over the rows):
+        the tokens to append and their logprobs. Changes no sequence (the caller does)."""
         sampled = [r for r in spec if not r.item.seq.params.greedy]
         probs: dict[int, torch.Tensor] = {}
         if sampled:
@@ -408,17 +580,11 @@ class LLMEngine:
                 tokens = rejection_sample(draft, probs[seq.seq_id],
                                           None if q is None else q[:len(draft)],
                                           generator_for(seq) or self.sampler.generator)
-            accepted = len(tokens) - 1
-            self.counters["spec_draft_tokens"] += len(draft)
-            self.counters["spec_accepted_tokens"] += accepted
-            self.counters["spec_verify_steps"] += 1
-            seq.num_computed_tokens += accepted
-            seq.spec_token_ids = []
             lps = None
             if seq.params.logprobs is not None:
                 lps = Sampler.logprobs(logits[r.start:r.start + len(tokens)], tokens,
                                        [seq.params.logprobs] * len(tokens))
-            results.append((seq, tokens, lps))
+            results.append((tokens, lps))
         return results
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -426,17 +592,20 @@ class LLMEngine:
         if not parent.pending_fork:
             return []
         request = parent.request
+        parent.pending_fork = 0
         children = []
-        for index in range(1, request.params.n):
-            child = Sequence(request, index, list(parent.token_ids))
-            child.pending_fork = 0
+        with self._guard(request):  # the per-request parts first: a failure leaks nothing
+            for index in range(1, request.params.n):
+                child = Sequence(request, index, list(parent.token_ids))
+                child.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                     request.params)
+                children.append(child)
+        if request.error is not None:
+            return []
+        for child in children:
             self.block_manager.fork(parent, child)
-            child.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                 request.params)
             self.scheduler.add_running(child)
             request.seqs.append(child)
-            children.append(child)
-        parent.pending_fork = 0
         return children
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None) -> None:
@@ -499,8 +668,10 @@ class LLMEngine:
         outputs = []
         for seq in request.seqs:
             out_ids = seq.output_token_ids
+            # a failed request's detokenizer may be what failed: its text is not read
+            text = seq.detok.visible_text if request.error is None else ""
             outputs.append(CompletionOutput(
-                index=seq.index, token_ids=list(out_ids), text=seq.detok.visible_text,
+                index=seq.index, token_ids=list(out_ids), text=text,
                 new_token_ids=[], text_delta="", finish_reason=seq.finish_reason,
                 stop_reason=seq._stop_reason,
                 logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None))
@@ -513,7 +684,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, outputs=outputs,
-            finished=request.finished,
+            finished=request.finished, error=request.error,
             prompt_logprobs=None if prompt_lps is None else list(prompt_lps),
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time,

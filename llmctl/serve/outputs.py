@@ -14,7 +14,7 @@ class CompletionOutput:
     text: str  # output text so far (stop strings cut, held-back stop prefixes not shown)
     new_token_ids: list[int]  # tokens added since the previous output of this request
     text_delta: str  # text added since the previous output
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None  # per output token so far, when requested
 
@@ -46,6 +46,8 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     # per prompt token when requested: None for the first, then its TokenLogprobs
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # set on the final output of a request whose own work failed (finish reason "error")
+    error: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -12,6 +12,7 @@ batch; unseeded rows share the engine's generator in one batched draw.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +38,26 @@ def generator_for(seq: Sequence) -> torch.Generator | None:
     if seed is None:
         return None
     if seq.generator is None:
-        seq.generator = torch.Generator().manual_seed(seed + seq.index)
+        # uint64 arithmetic, as manual_seed reads a negative seed (see SamplingParams)
+        seq.generator = torch.Generator().manual_seed((seed + seq.index) % 2**64)
     return seq.generator
+
+
+def generator_snapshot(seqs: list[Sequence]) -> Callable[[], None]:
+    """A function that puts the seeded sequences' generators back where they are now
+    (a generator not made yet is dropped again): a computation re-run after a failure
+    then draws what it would have drawn the first time."""
+    saved = [(s, None if s.generator is None else s.generator.get_state())
+             for s in seqs if s.params.seed is not None]
+
+    def restore() -> None:
+        for seq, state in saved:
+            if state is None:
+                seq.generator = None
+            else:
+                seq.generator.set_state(state)
+
+    return restore
 
 
 # --- pure logits processors -----------------------------------------------------------------
@@ -153,11 +172,12 @@ class Sampler:
         """Raw log-probabilities of the chosen tokens and each row's top ``n``."""
         logp = torch.log_softmax(logits.float(), dim=-1)
         chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-        kmax = max(top_n)
+        vocab = logp.shape[-1]
+        kmax = min(max(top_n), vocab)  # a vocabulary smaller than n has only that many
         top_vals, top_ids = (logp.topk(kmax, dim=-1) if kmax else (None, None))
         out = []
         for r, token in enumerate(tokens):
-            n = top_n[r]
+            n = min(top_n[r], vocab)
             top = list(zip(top_ids[r, :n].tolist(), top_vals[r, :n].tolist())) if n else []
             out.append(TokenLogprobs(token, chosen[r], top))
         return out

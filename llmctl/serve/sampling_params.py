@@ -4,13 +4,17 @@ Field meanings follow vLLM's ``SamplingParams`` (and so OpenAI's request fields)
 the HTTP layer maps requests onto this one-to-one:
 
 - ``temperature == 0`` is greedy; ``top_k`` 0 or -1 disables top-k, ``top_p`` 1 and
-  ``min_p`` 0 disable those filters.
+  ``min_p`` 0 disable those filters. ``top_p`` must be in (0, 1] (vLLM's rule): 0 would
+  keep no token, and is refused rather than read as "off". Floats must be finite.
 - ``repetition_penalty`` (HF/CTRL style) divides positive and multiplies negative logits
   of every token seen in the prompt or output; ``presence_penalty`` and
   ``frequency_penalty`` (OpenAI style) subtract ``presence * [count > 0] +
   frequency * count`` over output tokens only.
 - ``seed`` makes this request reproducible whatever else shares the batch; with
-  ``n > 1`` completion ``i`` uses ``seed + i``.
+  ``n > 1`` completion ``i`` uses ``seed + i``. A seed is any 64-bit integer, signed or
+  unsigned (``SEED_MIN <= seed <= SEED_MAX``): ``torch.Generator`` seeds are uint64 and a
+  negative one stands for ``seed + 2**64``, as in ``torch.manual_seed``; ``seed + i`` wraps
+  the same way.
 - ``stop`` strings never appear in the returned text (unless
   ``include_stop_str_in_output``); ``stop_token_ids`` and the model's EOS ids end the
   completion too (EOS not with ``ignore_eos``).
@@ -33,20 +37,25 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from llmctl.errors import UsageError
 from llmctl.serve.logits_process import ConstraintFactory
 
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1] (int64 or uint64) and nothing else
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+INT64_MAX = 2**63 - 1  # integer parameters become int64 tensors in the sampler
+
 
 class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     n: int = Field(1, ge=1, le=128)
     max_tokens: int | None = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False

@@ -9,9 +9,13 @@ completion is a :class:`Sequence` with an explicit state machine::
        │        PREEMPTED ─────> FINISHED_ABORTED
        └──────────────────────> FINISHED_ABORTED
 
+    and from WAITING, RUNNING or PREEMPTED: ──> FINISHED_ERROR
+
 A preempted sequence lost its KV blocks (preemption by recompute): when it runs again it
 recomputes prompt + output so far and continues from there, so no token is lost or
-produced twice. Any other transition raises :class:`SequenceStateError`.
+produced twice. FINISHED_ERROR ends every sequence of a request whose own work failed
+(``Request.error`` says why; finish reason "error"). Any other transition raises
+:class:`SequenceStateError`.
 
 Token bookkeeping: ``token_ids`` is prompt + output; the KV of the first
 ``num_computed_tokens`` of them is in the cache. A step computes the next
@@ -44,6 +48,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
@@ -54,18 +59,23 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 _TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
-    SequenceStatus.WAITING: frozenset({SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED}),
+    SequenceStatus.WAITING: frozenset({SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED,
+                                       SequenceStatus.FINISHED_ERROR}),
     SequenceStatus.RUNNING: frozenset({SequenceStatus.PREEMPTED, SequenceStatus.FINISHED_STOPPED,
                                        SequenceStatus.FINISHED_LENGTH,
-                                       SequenceStatus.FINISHED_ABORTED}),
+                                       SequenceStatus.FINISHED_ABORTED,
+                                       SequenceStatus.FINISHED_ERROR}),
     SequenceStatus.PREEMPTED: frozenset({SequenceStatus.RUNNING,
-                                         SequenceStatus.FINISHED_ABORTED}),
+                                         SequenceStatus.FINISHED_ABORTED,
+                                         SequenceStatus.FINISHED_ERROR}),
     SequenceStatus.FINISHED_STOPPED: frozenset(),
     SequenceStatus.FINISHED_LENGTH: frozenset(),
     SequenceStatus.FINISHED_ABORTED: frozenset(),
+    SequenceStatus.FINISHED_ERROR: frozenset(),
 }
 
 _seq_ids = itertools.count()
@@ -78,7 +88,7 @@ class Sequence:
                  "num_computed_tokens", "block_table", "status", "spec_token_ids",
                  "num_cached_tokens", "num_hashed_blocks", "logprobs", "detok",
                  "first_token_time", "generator", "num_emitted",
-                 "pending_fork", "constraint", "_stop_reason")
+                 "pending_fork", "constraint", "no_drafts", "_stop_reason")
 
     def __init__(self, request: Request, index: int, token_ids: list[int]) -> None:
         self.seq_id = next(_seq_ids)
@@ -104,6 +114,7 @@ class Sequence:
         if self.constraint is not None:  # a fork after tokens were sampled: catch up
             for token in token_ids[self.num_prompt_tokens:]:
                 self.constraint.accept(token)
+        self.no_drafts = False  # set when proposing drafts for it failed: decode without
         self._stop_reason: str | int | None = None
 
     # --- state ---------------------------------------------------------------------
@@ -167,7 +178,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "priority",
                  "arrival_time", "serial", "seqs", "first_scheduled_time", "finish_time",
-                 "eos_token_ids", "prompt_logprobs")
+                 "eos_token_ids", "prompt_logprobs", "error")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, prompt: str | None, priority: int, arrival_time: float,
@@ -187,6 +198,7 @@ class Request:
         # token has no context, so entry 0 is None
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None \
             else None
+        self.error: str | None = None  # why its own work failed; it ends with "error"
 
     @property
     def needs_prompt_logits(self) -> bool:

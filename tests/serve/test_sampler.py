@@ -137,3 +137,41 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
     assert out[0].logprob == pytest.approx(float(logp[0, 3]))
     assert [t for t, _ in out[0].top] == logp[0].topk(2).indices.tolist()
     assert out[1].top == []
+
+
+def test_logprobs_top_n_past_the_vocabulary_gives_the_whole_vocabulary():
+    out = Sampler.logprobs(LOGITS[:1, :8], [3], [20])
+    assert sorted(t for t, _ in out[0].top) == list(range(8))
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("top_p", 0.0, "top_p: Input should be greater than 0"),  # 0 is refused, not "off"
+    ("top_p", float("nan"), "top_p: Input should be a finite number"),
+    ("temperature", float("inf"), "temperature: Input should be a finite number"),
+    ("presence_penalty", float("nan"), "presence_penalty: Input should be a finite number"),
+    ("seed", 2**64, "seed: Input should be less than or equal to 18446744073709551615"),
+    ("seed", -(2**63) - 1, "seed: Input should be greater than or equal to"),
+    ("top_k", 2**63, "top_k: Input should be less than or equal to 9223372036854775807"),
+])
+def test_sampling_params_refuse_what_the_sampler_cannot_take(field, value, needle):
+    from llmctl.errors import UsageError
+
+    with pytest.raises(UsageError, match=needle):
+        SamplingParams(**{field: value})
+
+
+def test_every_64_bit_seed_is_read_as_torch_reads_it():
+    """Signed or unsigned 64-bit: a negative seed is seed + 2**64 (torch.manual_seed's
+    reading), and completion i's seed + i wraps the same way instead of overflowing."""
+    def draws(seed: int, index: int = 0) -> list[float]:
+        seq = make_seq([1], seed=seed, n=2)
+        seq.index = index
+        return torch.rand(4, generator=generator_for(seq)).tolist()
+
+    def torch_draws(seed: int) -> list[float]:
+        return torch.rand(4, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    assert draws(-1) == torch_draws(2**64 - 1) == torch_draws(-1)
+    assert draws(-(2**63)) == torch_draws(2**63)
+    assert draws(2**64 - 1, index=1) == torch_draws(0)
+    assert draws(5, index=1) == torch_draws(6)

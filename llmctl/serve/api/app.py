@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,13 +13,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from llmctl.serve.api import errors
-from llmctl.serve.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from llmctl.serve.api.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+)
 from llmctl.serve.api.errors import APIError
 from llmctl.serve.api.metrics import ServerMetrics
-from llmctl.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.serve.api.protocol import ChatCompletionRequest, CompletionRequest, allowed_range
 from llmctl.serve.api.render import (
     Choice,
     TokenIdNames,
@@ -32,6 +39,8 @@ from llmctl.serve.api.render import (
     usage_block,
     without_generation,
 )
+
+log = logging.getLogger("llmctl.serve")
 
 
 @dataclass
@@ -56,7 +65,12 @@ class _Job:
     echo: str | None = None  # the prompt text, put before each choice's text (echo=true)
 
 
-def _first_error(exc: ValidationError) -> tuple[str, str | None]:
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                 "finite_number"}
+
+
+def _first_error(exc: ValidationError, model: type[BaseModel]) -> tuple[str, str | None]:
+    """OpenAI's message and ``param`` for the first problem pydantic found."""
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"] if p != "body")
     kind = err["type"]
@@ -64,7 +78,15 @@ def _first_error(exc: ValidationError) -> tuple[str, str | None]:
         return f"unrecognized request argument supplied: {loc}", loc
     if kind == "missing":
         return f"missing required parameter: {loc}", loc
-    return f"{loc or 'body'}: {err['msg']}", loc or None
+    if kind in _RANGE_ERRORS and (bounds := allowed_range(model, loc)):
+        what = "is not a finite number" if kind == "finite_number" else "is out of range"
+        return f"{loc}: {err['input']!r} {what}; allowed: {bounds}", loc
+    message = str(err["ctx"]["error"]) if kind == "value_error" else err["msg"]
+    return (f"{loc}: {message}" if loc else message), loc or None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
 
 
 class Server:
@@ -82,15 +104,17 @@ class Server:
     async def parse(self, request: Request, model_cls):
         raw = await request.body()
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, parse_constant=_reject_constant)  # no NaN / Infinity
         except (ValueError, UnicodeDecodeError) as exc:
             raise errors.bad_request(f"malformed JSON body: {exc}") from None
+        except RecursionError:
+            raise errors.bad_request("malformed JSON body: nested too deeply") from None
         if not isinstance(body, dict):
             raise errors.bad_request("the request body must be a JSON object")
         try:
             parsed = model_cls.model_validate(body)
         except ValidationError as exc:
-            message, param = _first_error(exc)
+            message, param = _first_error(exc, model_cls)
             raise errors.bad_request(message, param) from None
         names = (self.config.model_name, *self.config.extra_model_names)
         if parsed.model is not None and parsed.model not in names:
@@ -101,7 +125,7 @@ class Server:
         prompts = []
         for prompt in req.prompts():
             if isinstance(prompt, str):
-                ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+                ids = self._tokenize(prompt)
             else:
                 bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
                 if bad:
@@ -112,6 +136,13 @@ class Server:
                 raise errors.bad_request("the prompt is empty", "prompt")
             prompts.append(ids)
         return prompts
+
+    def _tokenize(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        except (TypeError, ValueError) as exc:  # e.g. a lone surrogate ("\ud800") in JSON
+            raise errors.bad_request(f"the prompt cannot be tokenized ({exc}); send valid "
+                                     "Unicode text", "prompt") from None
 
     def echo_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
@@ -130,6 +161,7 @@ class Server:
 
     def sampling_params(self, req, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None):
+        from llmctl.errors import UsageError
         from llmctl.serve.sampling_params import SamplingParams
 
         limit = self.config.max_model_len
@@ -148,12 +180,15 @@ class Server:
             extra["logits_constraint"] = self._grammar(req)
         if prompt_logprobs is not None:
             extra["prompt_logprobs"] = prompt_logprobs
-        return SamplingParams(
-            n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop_list,
-            stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty, logprobs=logprobs, **extra)
+        try:  # protocol.py has checked every field; this is the engine's own last word
+            return SamplingParams(
+                n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop_list,
+                stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, logprobs=logprobs, **extra)
+        except UsageError as exc:
+            raise errors.bad_request(exc.message) from None
 
     def _grammar(self, req):
         """The request's compiled grammar (a ConstraintFactory); a bad schema is a 400."""
@@ -241,10 +276,10 @@ class Server:
         rid = jobs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             return StreamingResponse(
-                self._stream(kind, rid, req, jobs, params, include_usage),
+                self._stream(kind, rid, req, jobs, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        task = asyncio.create_task(self._collect(kind, rid, req, jobs, params))
+        task = asyncio.create_task(self._collect(kind, rid, req, jobs))
         watcher = asyncio.create_task(_wait_disconnect(http))
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task not in done:  # the client left: cancelling aborts the engine requests
@@ -271,27 +306,42 @@ class Server:
                 raise errors.timed_out(self.config.request_timeout) from None
             yield item
 
-    async def _collect(self, kind, rid, req, jobs, params) -> dict:
+    async def _updates(self, req, jobs: list[_Job]) -> AsyncIterator[tuple[int, Update]]:
+        """Every choice's updates, shaped (echo, prompt only), as (choice index, update),
+        until all jobs finish or the deadline passes; records each finished request.
+        Engine failures arrive as APIErrors: 503 when the engine is gone, 500 when this
+        request's own work failed in it."""
         start = time.monotonic()
-        choices: dict[int, Choice] = {}
         first_token: dict[str, float] = {}
+        started: set[int] = set()
         merged = self._merged(jobs)
         try:
             async for job, out in self._timed(merged, self._deadline()):
                 for upd in updates_from_output(out):
                     index = job.choice_offset + upd.index
-                    upd = self._shape(req, job, out, upd, index not in choices)
-                    choice = choices.setdefault(index, Choice(index))
-                    choice.add(upd)
+                    upd = self._shape(req, job, out, upd, index not in started)
+                    started.add(index)
                     if upd.token_ids:
                         first_token.setdefault(job.request_id, time.monotonic())
+                    yield index, upd
                 if out.finished:
                     self._observe(out, start, first_token.get(job.request_id))
         except EngineDeadError as exc:
             raise errors.unavailable(str(exc)) from None
+        except RequestFailedError as exc:
+            raise errors.internal(f"generation failed: {exc}") from None
         finally:
             await merged.aclose()
             self._abort_unfinished(jobs)
+
+    async def _collect(self, kind, rid, req, jobs) -> dict:
+        choices: dict[int, Choice] = {}
+        updates = self._updates(req, jobs)
+        try:
+            async for index, upd in updates:
+                choices.setdefault(index, Choice(index)).add(upd)
+        finally:
+            await updates.aclose()
         ordered = [choices[i] for i in sorted(choices)]
         prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
         usage = usage_block(prompt_tokens, sum(c.num_tokens for c in ordered))
@@ -301,34 +351,23 @@ class Server:
             return chat_response(rid, created, self.config.model_name, ordered, usage, names)
         return completion_response(rid, created, self.config.model_name, ordered, usage, names)
 
-    async def _stream(self, kind, rid, req, jobs, params, include_usage) -> AsyncIterator[str]:
-        start = time.monotonic()
+    async def _stream(self, kind, rid, req, jobs, include_usage) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.config.model_name
-        first_token: dict[str, float] = {}
         sent_role: set[int] = set()
-        started: set[int] = set()
         names = self._token_names(req)
         completion_tokens = 0
-        merged = self._merged(jobs)
+        updates = self._updates(req, jobs)
         try:
-            async for job, out in self._timed(merged, self._deadline()):
-                for upd in updates_from_output(out):
-                    index = job.choice_offset + upd.index
-                    upd = self._shape(req, job, out, upd, index not in started)
-                    started.add(index)
-                    completion_tokens += len(upd.token_ids)
-                    if upd.token_ids:
-                        first_token.setdefault(job.request_id, time.monotonic())
-                    if kind == "chat":
-                        first = index not in sent_role
-                        sent_role.add(index)
-                        chunk = chat_chunk(rid, created, model, index, upd, first, names)
-                    else:
-                        chunk = completion_chunk(rid, created, model, index, upd, names)
-                    yield _sse(chunk)
-                if out.finished:
-                    self._observe(out, start, first_token.get(job.request_id))
+            async for index, upd in updates:
+                completion_tokens += len(upd.token_ids)
+                if kind == "chat":
+                    first = index not in sent_role
+                    sent_role.add(index)
+                    chunk = chat_chunk(rid, created, model, index, upd, first, names)
+                else:
+                    chunk = completion_chunk(rid, created, model, index, upd, names)
+                yield _sse(chunk)
             if include_usage:
                 prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
                 object_ = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -340,13 +379,12 @@ class Server:
             # Headers are gone: report in-band; no [DONE] marks the response incomplete.
             self.metrics.http_errors.labels(model, str(exc.status)).inc()
             yield _sse(exc.body())
-        except EngineDeadError as exc:
-            yield _sse(errors.unavailable(str(exc)).body())
-        except Exception as exc:  # noqa: BLE001 - a stream must end with an event
+        except Exception as exc:
+            log.exception("streaming %s failed", rid)
+            self.metrics.http_errors.labels(model, "500").inc()
             yield _sse(errors.internal(f"generation failed: {exc}").body())
         finally:
-            await merged.aclose()
-            self._abort_unfinished(jobs)
+            await updates.aclose()
 
     def _abort_unfinished(self, jobs: list[_Job]) -> None:
         for job in jobs:
@@ -387,10 +425,28 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
     app.state.server = server
     config = server.config
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
+    def _error_response(exc: APIError) -> JSONResponse:
         server.metrics.http_errors.labels(config.model_name, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        # starlette's own refusals (unknown path, wrong method), in OpenAI's shape too
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error_response(APIError(
+            exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind,
+            headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # A bug, not the client's fault: still OpenAI's JSON, never starlette's plain text.
+        # (starlette re-raises after sending this, so uvicorn logs the traceback.)
+        return _error_response(errors.internal(
+            f"internal server error: {type(exc).__name__}: {exc}"))
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):

@@ -4,6 +4,12 @@ The event loop never runs model code and the engine thread never waits on HTTP. 
 meet in three places: ``LLMEngine.add_request``/``abort_request`` (thread-safe: they
 validate in the caller and queue the change for the next step), ``call_soon_threadsafe``
 deliveries into per-request asyncio queues, and a stats snapshot.
+
+Failures follow the engine's contract (:mod:`llmctl.serve.llm_engine`): a request whose
+own work failed gets a final output with ``error``, which its stream raises as
+:class:`RequestFailedError` (that request only). An exception out of ``step()`` is the
+engine's fault: the loop stops, ``alive`` turns false (``/health`` 503) and every stream
+ends with :class:`EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     pass
+
+
+class RequestFailedError(RuntimeError):
+    """This request's own work failed in the engine (the others go on)."""
 
 
 @dataclass
@@ -104,21 +114,17 @@ class AsyncEngine:
                     self._wake.wait(self._idle_wait)
                     self._wake.clear()
                     continue
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:
-                    log.exception("engine step failed; aborting the running requests")
-                    self._fail_all(exc)
-                    continue
+                outputs = self.engine.step()  # raises only on an engine fault: fatal
                 if time.monotonic() - self._stats_time > _STATS_EVERY:
                     self._snapshot()
                 for out in outputs:
                     self._deliver(out.request_id, out, final=out.finished)
-        except BaseException as exc:  # the loop itself broke: the server is unhealthy
+        except BaseException as exc:  # the engine or the loop broke: the server is unhealthy
             self.error = exc
             log.exception("engine loop died")
         finally:
-            self._fail_all(EngineDeadError("the engine stopped"))
+            reason = "" if self.error is None else f": {type(self.error).__name__}: {self.error}"
+            self._fail_all(EngineDeadError(f"the engine stopped{reason}"))
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
@@ -177,6 +183,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     stream.finished = True
                     raise item
+                if getattr(item, "error", None) is not None:
+                    stream.finished = True
+                    raise RequestFailedError(item.error)
                 if item.finished:
                     stream.finished = True
                 yield item

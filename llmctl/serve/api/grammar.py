@@ -42,9 +42,9 @@ class GrammarFactory:
         try:
             grammar = self._llg.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), defaults={"whitespace_flexible": False})
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"unsupported JSON schema: {exc}") from None
-        problem = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            problem = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - the schema is the client's: so is the fault
+            raise ValueError(f"unsupported JSON schema: {type(exc).__name__}: {exc}") from None
         if problem:  # an empty string means the grammar is usable
             raise ValueError(f"unsupported JSON schema: {problem}")
         return grammar

@@ -10,19 +10,54 @@ a message saying so, rather than silently ignored.
 the prompt tokens' log-probs (the first is null); ``max_tokens: 0`` is allowed with it
 (prompt only, what lm-eval's loglikelihood requests send). ``return_tokens_as_token_ids``
 (a vLLM extension) names logprob tokens ``token_id:N`` instead of their text.
+
+Every number is bounded and every list capped, so no value reaches the engine that it
+cannot take (a client's mistake is a 400, never a 500 or another request's failure):
+floats must be finite (``NaN``/``Infinity`` are not JSON either: the parser refuses
+them), ``seed`` is a 64-bit integer (what ``torch.Generator`` takes, see
+:class:`~llmctl.serve.sampling_params.SamplingParams`), ``0 < top_p <= 1``, and the
+lists below are at most ``MAX_*`` long. ``max_tokens`` is bounded by the context length
+once the prompt is tokenized.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmctl.serve.sampling_params import INT64_MAX, SEED_MAX, SEED_MIN
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
+MAX_PROMPTS = 1024  # prompts in one completions request (lists of strings or of id lists)
+MAX_STOP = 64  # stop strings
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 4096  # chat messages
+
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def allowed_range(model: type[BaseModel], name: str) -> str | None:
+    """``"0 < top_p <= 1"``: the bounds a numeric field declares, for error messages."""
+    field = model.model_fields.get(name)
+    if field is None:
+        return None
+    low = high = ""
+    for bound in field.metadata:  # annotated_types' Ge, Gt, Le, Lt
+        if getattr(bound, "ge", None) is not None:
+            low = f"{bound.ge} <= "
+        if getattr(bound, "gt", None) is not None:
+            low = f"{bound.gt} < "
+        if getattr(bound, "le", None) is not None:
+            high = f" <= {bound.le}"
+        if getattr(bound, "lt", None) is not None:
+            high = f" < {bound.lt}"
+    return f"{low}{name}{high}" if low or high else None
 
 
 class StreamOptions(_Strict):
@@ -54,11 +89,11 @@ class _SamplingFields(_Strict):
     max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
@@ -69,8 +104,15 @@ class _SamplingFields(_Strict):
     priority: int = 0
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     return_tokens_as_token_ids: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_count(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(value)}")
+        return value
 
     @model_validator(mode="after")
     def _checks(self):
@@ -96,13 +138,26 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        """One clear message instead of one per member of the union."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError("prompt must be a string, a list of strings, a list of token "
+                             "ids or a list of token-id lists, and not empty")
+        if all(_is_int(x) for x in value):
+            return value  # one prompt of token ids: the context length bounds it
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+        if not (all(isinstance(x, str) for x in value)
+                or all(isinstance(x, list) and all(_is_int(t) for t in x) for x in value)):
+            raise ValueError("a list of prompts must be all strings or all token-id lists")
+        return value
+
     @model_validator(mode="after")
     def _prompt(self):
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return self
-        if len(prompt) == 0:
-            raise ValueError("prompt must not be empty")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
         return self
@@ -149,7 +204,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -171,3 +226,7 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -62,6 +62,39 @@ def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=Non
     return Running(url, server, engine, uv)
 
 
+class EngineGate:
+    """Makes "in flight" certain rather than a matter of timing: the engine thread waits
+    at its next step until ``count`` requests are submitted, admits them in that one step
+    and then holds until :meth:`remove`."""
+
+    def __init__(self, running: Running, count: int) -> None:
+        self.engine = running.engine.engine
+        self.count = count
+        self.held = threading.Event()
+        self.go = threading.Event()
+        real = self.engine.step
+
+        def step():
+            deadline = time.monotonic() + 120
+            while not self.held.is_set() and running.engine.num_streams < count and \
+                    time.monotonic() < deadline:
+                time.sleep(0.005)
+            outputs = real()
+            if not self.held.is_set() and len(self.engine.requests) >= count:
+                self.held.set()
+                self.go.wait(120)
+            return outputs
+
+        self.engine.step = step
+
+    def wait(self) -> None:
+        assert self.held.wait(120), "the requests never reached the engine"
+
+    def remove(self) -> None:
+        self.go.set()
+        del self.engine.step  # back to the class's method
+
+
 @pytest.fixture(scope="module")
 def served(tiny_llama):
     running = start_server(str(tiny_llama))

@@ -33,6 +33,52 @@ def test_bad_completion_bodies_are_400(served, body, needle):
     assert needle in err["message"]
 
 
+_DEEP = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"prompt": "x", "seed": 2**64}, "seed",
+     ("18446744073709551616 is out of range; allowed: -9223372036854775808 <= seed <= "
+      "18446744073709551615")),
+    ({"prompt": "x", "seed": -(2**63) - 1}, "seed", "out of range"),
+    ({"prompt": "x", "top_k": 10**30}, "top_k", "top_k <= 9223372036854775807"),
+    ({"prompt": "x", "n": 10**30}, "n", "1 <= n <= 16"),
+    ({"prompt": "x", "logprobs": 10**30}, "logprobs", "0 <= logprobs <= 20"),
+    ({"prompt": "x", "max_tokens": 10**30}, "max_tokens", "context length"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "0.0 < top_p <= 1.0"),
+    ({"prompt": "x", "temperature": 1e308, "top_p": 0.5}, "temperature", "temperature <= 2"),
+    ({"prompt": "x", "presence_penalty": -1e308}, "presence_penalty", "-2.0 <= presence"),
+    ({"prompt": "x", "stop": ["s"] * 100}, "stop", "at most 64 stop strings, got 100"),
+    ({"prompt": ["x"] * 2000}, "prompt", "at most 1024 prompts per request, got 2000"),
+    ({"prompt": [[1]] * 2000}, "prompt", "at most 1024 prompts"),
+    ({"prompt": [1, "x"]}, "prompt", "all strings or all token-id lists"),
+    ({"prompt": [1] * 5000}, "prompt", "context"),
+    ({"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids.0", "less than or equal"),
+    ({"prompt": "x", "stop_token_ids": [1] * 2000}, "stop_token_ids", "at most 1024"),
+    ({"messages": [{"role": "user", "content": "x"}] * 5000}, "messages", "at most 4096"),
+])
+def test_extreme_values_are_400_naming_the_field(served, body, param, needle):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    err = _error(httpx.post(served.url + path, json=body, timeout=60), 400)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert needle in err["message"]
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (b'{"prompt": "x", "temperature": NaN}', "NaN is not valid JSON"),
+    (b'{"prompt": "x", "top_p": -Infinity}', "-Infinity is not valid JSON"),
+    (b'{"prompt": "x", "temperature": 1e999}',  # parses to inf
+     "temperature: inf is not a finite number; allowed: 0.0 <= temperature <= 2.0"),
+    (b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}", "malformed JSON"),  # > 4300 digits
+    (_DEEP, "nested too deeply"),
+    (b'{"prompt": "a\\ud800b"}', "cannot be tokenized"),  # a lone surrogate
+])
+def test_values_json_cannot_carry_are_400(served, raw, needle):
+    err = _error(httpx.post(served.url + "/v1/completions", content=raw, timeout=60,
+                            headers={"content-type": "application/json"}), 400)
+    assert needle in err["message"]
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),

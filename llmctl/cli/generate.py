@@ -135,5 +135,10 @@ def _engine(out, path, ids, *, dtype, max_tokens, temperature, top_p, top_k, min
     if stream:
         sys.stdout.write("\n")
     elapsed = time.perf_counter() - start
+    if final.error:  # the engine ended this request with its own error
+        from llmctl.errors import LlmctlError
+
+        raise LlmctlError(f"generation failed: {final.error}",
+                          "rerun with LLMCTL_DEBUG=1 and report it with the command line")
     completion = final.outputs[0]
     return completion.token_ids, completion.text, elapsed, completion.finish_reason

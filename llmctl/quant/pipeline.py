@@ -36,7 +36,8 @@ from llmctl.quant import awq, block, fp8, rtn, smoothquant
 from llmctl.quant.calibration import CalibrationSet
 from llmctl.quant.checkpoint import Checkpoint
 from llmctl.quant.fp8 import FP8Grid
-from llmctl.quant.gptq import HessianAccumulator, gptq_quantize
+from llmctl.quant.gptq import gptq_quantize
+from llmctl.quant.hessian import HessianAccumulator
 from llmctl.quant.plan import ModulePlan, QuantPlan, WeightSpec, name_matches
 from llmctl.quant.recipe import AWQModifier, GPTQModifier, Recipe
 from llmctl.quant.writer import (

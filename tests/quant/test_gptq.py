@@ -5,7 +5,8 @@ import torch
 
 from llmctl.quant import fp8, rtn
 from llmctl.quant.fp8 import FP8Grid
-from llmctl.quant.gptq import HessianAccumulator, gptq_quantize, inverse_hessian_cholesky
+from llmctl.quant.gptq import gptq_quantize, inverse_hessian_cholesky
+from llmctl.quant.hessian import HessianAccumulator
 from llmctl.quant.rtn import IntGrid
 
 

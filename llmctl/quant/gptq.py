@@ -91,11 +91,11 @@ def inverse_hessian_cholesky(H: torch.Tensor, dampening: float,
     triangular inverse (n^3/3 multiply-adds each) instead of Cholesky, inverse and
     Cholesky again (twice the work); as accurate against float64 (measured)."""
     mean_diag = torch.diagonal(H).mean()
-    reversed_h = H.flip(0, 1)  # J H J
+    damped = H.flip(0, 1)  # J H J (a copy: dampened in place below)
+    undamped = damped.diagonal().clone()
     for boost in boosts:
         frac = dampening * boost
-        damped = reversed_h.clone()
-        damped.diagonal().add_(frac * mean_diag)
+        damped.diagonal().copy_(undamped + frac * mean_diag)
         lower, info = torch.linalg.cholesky_ex(damped)
         if info.item() != 0:
             continue
@@ -281,16 +281,19 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, grid: IntGrid | FP8Grid, *,
     grouped = not is_fp8 and grid.group_size not in (None, -1)
     if actorder == "group" and not grouped:
         actorder = "static"  # without groups the two orderings store the same thing
+    H = H.float()
     dead = torch.diagonal(H) == 0  # inputs that never fire: any value is free
     W = W.float().clone()
     W[:, dead] = 0.0
-    H = H.float().clone()
-    H[dead, dead] = 1.0
-    perm = torch.argsort(torch.diagonal(H), descending=True) if actorder else None
     Wt = W.t().contiguous()  # processing order x rows: a column of W is a contiguous row
-    if perm is not None:
-        H = H.index_select(0, perm).index_select(1, perm)
-        Wt = Wt[perm]
+    perm = None
+    if actorder:
+        perm = torch.argsort(torch.where(dead, 1.0, torch.diagonal(H)), descending=True)
+        H = H.index_select(0, perm).index_select(1, perm)  # (a copy)
+        Wt, dead = Wt[perm], dead[perm]
+    else:
+        H = H.clone()
+    H[dead, dead] = 1.0
 
     with single_thread():
         upper, used = inverse_hessian_cholesky(H, dampening)

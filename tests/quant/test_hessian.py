@@ -1,5 +1,7 @@
 """The Hessian accumulator: upper-triangle strips add up to 2/n X^T X."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from llmctl.quant.hessian import HessianAccumulator, add_upper_gram, mirror_uppe
 def test_strips_cover_every_column_once(cols, width):
     parts = strips(cols, width)
     assert parts[0][0] == 0 and parts[-1][1] == cols
-    assert all(a == b for (_, a), (b, _) in zip(parts, parts[1:]))
+    assert all(a == b for (_, a), (b, _) in pairwise(parts))
     assert all(0 < b - a <= width for a, b in parts)
 
 

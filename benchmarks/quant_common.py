@@ -57,10 +57,13 @@ def run_child(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
 
 def llmctl_quantize(model: str, recipe: Path, out: Path, *, samples: int, seq_len: int,
                     threads: int, log: Path, seed: int = 0,
-                    calibration: str = "builtin:pydoc-calib") -> dict[str, Any]:
+                    calibration: str = "builtin:pydoc-calib",
+                    calib_dtype: str | None = None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "llmctl", "quantize", model, "--recipe", str(recipe), "-o", str(out),
            "--samples", str(samples), "--seq-len", str(seq_len), "--seed", str(seed),
            "--calibration", calibration, "--threads", str(threads), "--overwrite", "--json"]
+    if calib_dtype:
+        cmd += ["--calib-dtype", calib_dtype]
     result = run_child(cmd, thread_env(threads), log)
     if result["exit_code"] != 0:
         raise SystemExit(f"llmctl quantize failed, see {log}")
@@ -81,6 +84,18 @@ def heldout_perplexity(directory: Path, windows: int, seq_len: int = 512) -> flo
     tokenizer = load_tokenizer(directory)
     ids = quality.heldout_windows(tokenizer, seq_len=seq_len, max_windows=windows)
     return quality.checkpoint_perplexity(directory, ids)
+
+
+def dir_sha256(directory: Path) -> str:
+    """One digest over the checkpoint's safetensors files (are two runs' outputs equal?)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def dir_bytes(directory: Path) -> int:

@@ -1,29 +1,42 @@
 """GPTQ (Frantar et al. 2022, arXiv:2210.17323): quantize a weight column by column and
 push each column's rounding error onto the columns not yet quantized.
 
-For a linear layer with inputs X (tokens x cols) the loss of a quantized W' is
-``||(W - W') X^T||^2 = tr((W - W') H (W - W')^T) / 2`` with ``H = 2 X^T X``. Quantizing
-column j and compensating optimally with the remaining columns F gives (OBS, eq. 3):
+Tensors in, tensors out: ``gptq_quantize(W, H, grid)``. The Hessian comes from
+``hessian.HessianAccumulator``; walking the model layer by layer is ``pipeline``'s job.
 
-    delta_F = -(w_j - q_j) / [H_F^-1]_jj * (H_F^-1)_{j,:}
+The maths. For a linear layer with inputs X (tokens x cols) the loss of a quantized W'
+is ``||(W - W') X^T||^2 = tr((W - W') H (W - W')^T) / 2`` with ``H = 2 X^T X``; every
+row of W is an independent problem sharing H. Quantizing column j and compensating
+optimally with the columns F not yet quantized gives (OBS, eq. 2-3):
 
-Section 3.3 notes that all the ``H_F^-1`` rows needed, in a fixed column order, are the
-rows of the upper Cholesky factor U of ``H^-1``; section 3.2 ("lazy batch updates")
-applies the updates inside a block of B columns eagerly and to the rest of the matrix
-once per block, as one matmul. Dampening (section 5, "percdamp") adds
-``percdamp * mean(diag H)`` to the diagonal so the inverse exists.
+    err_j   = (w_j - q_j) / [H_F^-1]_jj
+    w_F    -= err_j * (H_F^-1)_{j,F}          loss += err_j^2 [H_F^-1]_jj / 2
+
+Section 3.3: in a fixed column order, the rows ``(H_F^-1)_{j,F} / sqrt([H_F^-1]_jj)`` are
+the rows of the upper Cholesky factor U of ``H^-1`` (``H^-1 = U^T U``), so with
+``d_j = U_jj`` the update is ``err_j = (w_j - q_j) / d_j``, ``w_F -= err_j U_{j,F}``,
+``loss += err_j^2 / 2``. Section 3.2 ("lazy batch updates"): the updates are applied
+eagerly inside a block of B columns and to the columns after the block once, as one
+matmul ``W_after -= Err_block U_{block,after}``. Section 5 ("percdamp"): dampening adds
+``percdamp * mean(diag H)`` to the diagonal so that the inverse exists.
 
 Activation ordering ("act-order") processes columns by decreasing ``diag(H)`` (most
-active inputs first, while there are many columns left to absorb their error):
+active inputs first, while many columns are left to absorb their error):
 
-- ``static`` (compressed-tensors "weight"): group scales are fixed up front from the
-  original weight, groups stay contiguous in the stored layout, no extra tensor;
+- ``static`` (compressed-tensors "weight"): groups stay contiguous in the stored layout,
+  no extra tensor;
 - ``group``: groups are formed in processing order, which needs a ``g_idx`` (column ->
   group) at inference time.
+
+Group scales are found when a group's first column comes up, from the group's
+error-compensated values at that moment (scales fixed from the original weights clip
+the compensation, worse for small groups); FP8, per-tensor and per-channel scales are
+fixed up front from the original weight.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +46,7 @@ from llmctl.quant.fp8 import FP8Grid
 from llmctl.quant.rtn import IntGrid
 
 ACTORDERS = (None, "static", "weight", "group", "dynamic")
+ACTORDER_ALIASES = {"weight": "static", "dynamic": "group"}  # compressed-tensors names
 
 
 @dataclass
@@ -44,58 +58,12 @@ class GPTQResult:
     loss: float  # the GPTQ objective's increase, sum over rows
     dampening: float | None  # the dampening fraction that worked; None after a fallback
     fallback: bool = False  # True: the Hessian could not be inverted, RTN was used
+    group_size: int | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.q.dtype == torch.float8_e4m3fn:
             return fp8.dequantize(self.q, self.scale, dtype)
         return dequantize(self.q, self.scale, self.zero, self.g_idx, self.group_size, dtype)
-
-    group_size: int | None = None
-
-
-class HessianAccumulator:
-    """Running ``H = 2/n * sum x x^T`` over calibration inputs (rows of ``x``)."""
-
-    def __init__(self, cols: int, device=None) -> None:
-        self.sum = torch.zeros(cols, cols, dtype=torch.float32, device=device)
-        self.count = 0
-
-    # A 16-bit matmul accumulates in float32 internally but rounds its result to 16 bits;
-    # summing many such partial products (of LOWP_ROWS inputs each) into a float32 total
-    # keeps the Hessian's relative error near 2e-4 at half the cost of a float32 matmul
-    # (measured: GPTQ's output error changes by < 0.05%).
-    LOWP_ROWS = 1024
-
-    def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1])
-        if x.dtype in (torch.bfloat16, torch.float16):
-            for part in x.split(self.LOWP_ROWS):
-                self.sum += (part.t() @ part).float()
-        else:
-            x = x.float()
-            self.sum.addmm_(x.t(), x)
-        self.count += x.shape[0]
-
-    def hessian(self) -> torch.Tensor:
-        return self.sum * (2.0 / max(self.count, 1))
-
-
-def inverse_hessian_cholesky(H: torch.Tensor, dampening: float,
-                             boosts: tuple[float, ...] = (1.0, 10.0, 100.0)
-                             ) -> tuple[torch.Tensor | None, float | None]:
-    """Upper Cholesky factor of ``(H + damp*I)^-1``, raising the dampening on failure."""
-    mean_diag = torch.diagonal(H).mean()
-    for boost in boosts:
-        frac = dampening * boost
-        damped = H.clone()
-        damped.diagonal().add_(frac * mean_diag)
-        lower, info = torch.linalg.cholesky_ex(damped)
-        if info.item() != 0:
-            continue
-        upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
-        if info.item() == 0 and torch.isfinite(upper).all():
-            return upper, frac
-    return None, None
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
@@ -111,22 +79,52 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     return (w * scale.float()[:, cols]).to(dtype)
 
 
-def _column_params(w: torch.Tensor, grid: IntGrid, observer: str):
-    """Per-row scale/zero of one group of columns ``w`` (rows x group)."""
-    scale, zero = rtn.observe(w, IntGrid(grid.bits, grid.symmetric, -1), observer)
-    return scale[:, 0], None if zero is None else zero[:, 0]
+def inverse_hessian_cholesky(H: torch.Tensor, dampening: float,
+                             boosts: tuple[float, ...] = (1.0, 10.0, 100.0)
+                             ) -> tuple[torch.Tensor | None, float | None]:
+    """Upper Cholesky factor U of ``(H + damp*I)^-1`` (``U^T U``), and the dampening
+    fraction used: raised 10x, then 100x when the factorisation fails.
+
+    Without forming the inverse: with J the exchange matrix (reversing the order) and
+    ``J H J = L L^T``, ``U = J L^-1 J`` is upper triangular with a positive diagonal and
+    ``U^T U = J (L L^T)^-1 J = H^-1``, so it is that Cholesky factor. One Cholesky and one
+    triangular inverse (n^3/3 multiply-adds each) instead of Cholesky, inverse and
+    Cholesky again (twice the work); as accurate against float64 (measured)."""
+    mean_diag = torch.diagonal(H).mean()
+    damped = H.flip(0, 1)  # J H J (a copy: dampened in place below)
+    undamped = damped.diagonal().clone()
+    for boost in boosts:
+        frac = dampening * boost
+        damped.diagonal().copy_(undamped + frac * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        if info.item() != 0:
+            continue
+        upper = lower_triangular_inverse(lower).flip(0, 1)
+        # (a sum is finite iff every entry is: one reduction instead of a mask)
+        if torch.isfinite(upper.sum()):
+            return upper, frac
+    return None, None
 
 
-def _rtn_fallback(W: torch.Tensor, grid, observer: str) -> GPTQResult:
-    if isinstance(grid, FP8Grid):
-        scale = fp8.weight_scale(W, grid.per_channel)
-        return GPTQResult(fp8.quantize(W, scale), scale, None, None, float("nan"), None, True)
-    q, scale, zero = rtn.rtn_quantize(W, grid, observer)
-    return GPTQResult(q, scale, zero, None, float("nan"), None, True, grid.group_size)
+def lower_triangular_inverse(L: torch.Tensor, base: int = 96) -> torch.Tensor:
+    """``L^-1`` for lower-triangular L, by halves:
+    ``[[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]]`` (matmuls do the work;
+    a triangular solve against the identity would cost n^3 instead of n^3/3)."""
+    n = L.shape[0]
+    if n <= base:
+        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype, device=L.device),
+                                             upper=False)
+    h = n // 2
+    inv_a, inv_d = lower_triangular_inverse(L[:h, :h], base), lower_triangular_inverse(L[h:, h:], base)
+    out = torch.zeros_like(L)
+    out[:h, :h] = inv_a
+    out[h:, h:] = inv_d
+    out[h:, :h] = -(inv_d @ (L[h:, :h] @ inv_a))
+    return out
 
 
 class single_thread:
-    """Run the column loop on one thread: its ops are tiny, and a thread pool's
+    """Run GPTQ on one thread: the column loop's ops are tiny, and a thread pool's
     synchronisation costs more than it saves (badly so on a busy machine: measured
     0.3 s on one thread vs 4-9 s on two for a 960 x 576 weight on a loaded 2-core box)."""
 
@@ -138,147 +136,191 @@ class single_thread:
         torch.set_num_threads(self.threads)
 
 
+# --- rounding one column ------------------------------------------------------------------
+# ``round_column(w, s, z, q, deq)`` writes the codes of column ``w`` into ``q`` and their
+# dequantized values into ``deq`` (both preallocated: the loop runs once per column and its
+# cost is the number of torch calls).
+
+def _int_rounder(grid: IntGrid) -> Callable:
+    lo, hi = grid.qmin, grid.qmax
+
+    def round_column(w, s, z, q, deq) -> None:
+        torch.div(w, s, out=q)
+        if z is None:
+            q.round_().clamp_(lo, hi)
+            torch.mul(q, s, out=deq)
+        else:
+            q.add_(z).round_().clamp_(lo, hi)
+            torch.sub(q, z, out=deq).mul_(s)
+
+    return round_column
+
+
+def _fp8_round_column(w, s, z, q, deq) -> None:
+    q.copy_(fp8.round_to_e4m3(w / s))
+    torch.mul(q, s, out=deq)
+
+
+# --- where each column's scale comes from -------------------------------------------------
+
+class _Scales:
+    """Scale (and zero point) of every column position in processing order.
+
+    ``starts`` maps the position where a group's first column comes up to the group: its
+    scale is found there, from the group's current (error-compensated) values. Without
+    groups there is one scale (per tensor or per row), fixed up front. ``W`` is in the
+    original column order, ``perm`` the processing order (None: the original one)."""
+
+    def __init__(self, W: torch.Tensor, perm: torch.Tensor | None, grid, actorder: str | None,
+                 observer: str) -> None:
+        rows, cols = W.shape
+        self.grid, self.observer = grid, observer
+        self.starts: dict[int, int] = {}
+        self.members: torch.Tensor | None = None  # group -> its positions
+        if isinstance(grid, FP8Grid) or grid.group_size in (None, -1):
+            if isinstance(grid, FP8Grid):
+                self.scale, self.zero = fp8.weight_scale(W, grid.per_channel), None
+                per_tensor = not grid.per_channel
+            else:
+                self.scale, self.zero = rtn.observe(W, grid, observer)
+                per_tensor = grid.group_size is None
+            pick = (lambda t: t[0]) if per_tensor else (lambda t: t[:, 0].contiguous())
+            self.group_of = [0] * cols
+            self.of_group = [(pick(self.scale), None if self.zero is None else pick(self.zero))]
+            return
+        size = grid.group_size
+        n_groups = cols // size
+        self.scale = torch.empty(rows, n_groups, device=W.device)
+        self.zero = None if grid.symmetric else torch.empty(rows, n_groups, device=W.device)
+        if actorder == "static":  # groups of the stored layout, visited in processing order
+            self.group_of = (perm // size).tolist()
+            self.members = torch.argsort(perm).reshape(n_groups, size)
+        else:  # groups of consecutive processed columns (stored with a g_idx if permuted)
+            self.group_of = [j // size for j in range(cols)]
+            self.members = torch.arange(cols, device=W.device).reshape(n_groups, size)
+        self.starts = {int(pos.min()): g for g, pos in enumerate(self.members)}
+        self.of_group = [(None, None)] * n_groups
+
+    def find(self, g: int, current: torch.Tensor) -> None:
+        """Set group ``g``'s scale from its columns' current values (``size x rows``)."""
+        scale, zero = rtn.observe(current.t(), IntGrid(self.grid.bits, self.grid.symmetric, -1),
+                                  self.observer)
+        self.scale[:, g] = scale[:, 0]
+        if zero is not None:
+            self.zero[:, g] = zero[:, 0]
+        self.of_group[g] = (scale[:, 0], None if zero is None else zero[:, 0])
+
+
+def _current_rows(positions: torch.Tensor, block: torch.Tensor, Wt: torch.Tensor,
+                  i1: int, i2: int) -> torch.Tensor:
+    """Current values of the given (not yet quantized) positions: in the block being
+    processed (up to date) or after it (updated up to the previous block)."""
+    here = positions < i2
+    cur = torch.empty(len(positions), Wt.shape[1], device=Wt.device)
+    cur[here] = block[positions[here] - i1]
+    cur[~here] = Wt[positions[~here]]
+    return cur
+
+
+# --- the column loop ----------------------------------------------------------------------
+
+def _column_views(block: torch.Tensor, codes: torch.Tensor, err: torch.Tensor, U: torch.Tensor,
+                  n: int) -> list[tuple[torch.Tensor, ...]]:
+    """For each column i of an n-column block: its value, code and error rows, the rows
+    of the block's later columns and ``U[i, later]``. Made once per call and reused by
+    every block: a view costs as much as one of the loop's arithmetic ops."""
+    return [(block[i], codes[i], err[i], block[i + 1:n], U[i, i + 1:n]) for i in range(n)]
+
+
+def quantize_columns(Wt: torch.Tensor, upper: torch.Tensor, scales: _Scales,
+                     round_column: Callable, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's loop over the columns of W, held as the rows of ``Wt`` (cols x rows: a
+    column is then a contiguous row). Updates ``Wt`` in place; returns the codes (as
+    float, cols x rows) and each row's loss."""
+    cols, rows = Wt.shape
+    d = torch.diagonal(upper).clone().unbind(0)  # d_j as 0-dim tensors (cheaper than floats)
+    Qt = torch.empty(cols, rows, device=Wt.device)
+    losses = torch.zeros(rows, device=Wt.device)
+    block, codes, Err = (torch.empty(block_size, rows, device=Wt.device) for _ in range(3))
+    U = torch.empty(block_size, block_size, device=Wt.device)
+    views: dict[int, list] = {}
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        n = i2 - i1
+        block[:n] = Wt[i1:i2]
+        U[:n, :n] = upper[i1:i2, i1:i2]
+        if n not in views:
+            views[n] = _column_views(block, codes, Err, U, n)
+        for j, (w, q, err, later, u_later) in enumerate(views[n], start=i1):
+            if j in scales.starts:
+                g = scales.starts[j]
+                scales.find(g, _current_rows(scales.members[g], block, Wt, i1, i2))
+            s, z = scales.of_group[scales.group_of[j]]
+            round_column(w, s, z, q, err)
+            torch.sub(w, err, out=err).div_(d[j])  # err_j = (w_j - q_j) / d_j
+            later.addr_(u_later, err, alpha=-1)  # eager, inside the block: w_F -= err_j U_jF
+        Qt[i1:i2] = codes[:n]
+        losses += Err[:n].square().sum(0) / 2
+        Wt[i2:].addmm_(upper[i1:i2, i2:].t(), Err[:n], alpha=-1)  # lazy, after the block
+    return Qt, losses
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, grid: IntGrid | FP8Grid, *,
-                  block_size: int = 128,
-                  dampening: float = 0.01, actorder: str | None = None,
+                  block_size: int = 128, dampening: float = 0.01, actorder: str | None = None,
                   observer: str = "minmax") -> GPTQResult:
     """Quantize ``W`` (rows x cols) against the Hessian ``H`` (cols x cols).
 
-    ``grid`` is an integer grid (any granularity) or FP8 E4M3 per tensor / channel; FP8
-    scales are fixed up front and each column is rounded to the E4M3 grid.
+    ``grid`` is an integer grid (any granularity) or FP8 E4M3 per tensor / channel.
+    Falls back to round-to-nearest (``fallback=True``) when ``H`` cannot be inverted even
+    with 100x the dampening.
     """
-    with single_thread():
-        return _gptq(W, H, grid, block_size=block_size, dampening=dampening,
-                     actorder=actorder, observer=observer)
-
-
-def _gptq(W: torch.Tensor, H: torch.Tensor, grid: IntGrid | FP8Grid, *, block_size: int,
-          dampening: float, actorder: str | None, observer: str) -> GPTQResult:
     if actorder not in ACTORDERS:
         raise ValueError(f"unknown actorder {actorder!r}; known: static, group or none")
-    actorder = {"weight": "static", "dynamic": "group"}.get(actorder, actorder)
-    W = W.float().clone()
-    H = H.float().clone()
-    rows, cols = W.shape
+    actorder = ACTORDER_ALIASES.get(actorder, actorder)
     is_fp8 = isinstance(grid, FP8Grid)
     grouped = not is_fp8 and grid.group_size not in (None, -1)
     if actorder == "group" and not grouped:
         actorder = "static"  # without groups the two orderings store the same thing
-
+    H = H.float()
     dead = torch.diagonal(H) == 0  # inputs that never fire: any value is free
-    H[dead, dead] = 1.0
+    W = W.float().clone()
     W[:, dead] = 0.0
-
-    perm = torch.argsort(torch.diagonal(H), descending=True) if actorder else None
-    if perm is not None:
-        W = W[:, perm]
-        H = H[perm][:, perm]
-    upper, used = inverse_hessian_cholesky(H, dampening)
-    if upper is None:
-        return _rtn_fallback(W if perm is None else W[:, torch.argsort(perm)], grid, observer)
-
-    # Which group (scale column) each processed position uses, and whether scales are
-    # fixed up front (per tensor / channel / static groups) or found when a group starts
-    # on the error-compensated weights (the original GPTQ, and act-order "group").
-    on_the_fly = grouped and actorder != "static"
-    if is_fp8:
-        unpermuted = W if perm is None else W[:, torch.argsort(perm)]
-        scale, zero = fp8.weight_scale(unpermuted, grid.per_channel), None
-        group_of = [0] * cols
-    elif not grouped:
-        unpermuted = W if perm is None else W[:, torch.argsort(perm)]
-        scale, zero = rtn.observe(unpermuted, grid, observer)
-        group_of = [0] * cols
-    elif actorder == "static":
-        # Groups stay contiguous in the stored layout, but their scales are found when
-        # the first of their columns comes up, from the error-compensated weights (scales
-        # fixed from the original weights clip the compensation, worse for small groups).
-        n_groups = cols // grid.group_size
-        scale = torch.empty(rows, n_groups, device=W.device)
-        zero = None if grid.symmetric else torch.empty(rows, n_groups, device=W.device)
-        group_of = (perm // grid.group_size).tolist()
-        members = torch.argsort(perm).reshape(n_groups, grid.group_size)  # positions
-        pending = set(range(n_groups))
+    Wt = W.t().contiguous()  # processing order x rows: a column of W is a contiguous row
+    perm = None
+    if actorder:
+        perm = torch.argsort(torch.where(dead, 1.0, torch.diagonal(H)), descending=True)
+        H = H.index_select(0, perm).index_select(1, perm)  # (a copy)
+        Wt, dead = Wt[perm], dead[perm]
     else:
-        n_groups = cols // grid.group_size
-        scale = torch.empty(rows, n_groups, device=W.device)
-        zero = None if grid.symmetric else torch.empty(rows, n_groups, device=W.device)
-        group_of = [j // grid.group_size for j in range(cols)]
-    if on_the_fly:
-        # Align blocks to groups so each group is quantized inside one up-to-date block.
-        block_size = max(grid.group_size, block_size // grid.group_size * grid.group_size)
+        H = H.clone()
+    H[dead, dead] = 1.0
 
-    per_tensor = (not grid.per_channel) if is_fp8 else grid.group_size is None
-    columns: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # group -> (s, z)
+    with single_thread():
+        upper, used = inverse_hessian_cholesky(H, dampening)
+        if upper is None:
+            return _rtn_fallback(W, grid, observer)
+        scales = _Scales(W, perm, grid, actorder, observer)
+        if grouped and actorder != "static":
+            # Whole groups per block, so a group's scale is found on up-to-date values.
+            block_size = max(grid.group_size, block_size // grid.group_size * grid.group_size)
+        round_column = _fp8_round_column if is_fp8 else _int_rounder(grid)
+        Qt, losses = quantize_columns(Wt, upper, scales, round_column, block_size)
 
-    def group_params(g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # contiguous copies: the loop below reads them once per column
-        if g not in columns:
-            s_g = scale[0] if per_tensor else scale[:, g].contiguous()
-            z_g = None if zero is None else (zero[0] if per_tensor else zero[:, g].contiguous())
-            columns[g] = (s_g, z_g)
-        return columns[g]
-
-    # The loop runs once per column with tiny ops, so its cost is the number of torch
-    # calls: results go straight into Qt/Err rows (``out=``), the diagonal is read as
-    # Python floats, the rank-one update is one ``addr_`` and the loss is summed per block.
-    diag = torch.diagonal(upper).tolist()
-    # Work on W^T so that a column of W is a contiguous row: the inner loop touches one
-    # column and a rank-one update per step, both cheap in this layout.
-    Wt = W.t().contiguous()
-    Qt = torch.empty(cols, rows, dtype=torch.float32, device=W.device)  # codes, cast at the end
-    losses = torch.zeros(rows, device=W.device)
-    for i1 in range(0, cols, block_size):
-        i2 = min(i1 + block_size, cols)
-        B = Wt[i1:i2].clone()
-        U1 = upper[i1:i2, i1:i2]
-        Err = torch.empty_like(B)
-        for i in range(i2 - i1):
-            j = i1 + i
-            g = group_of[j]
-            if on_the_fly and j % grid.group_size == 0:
-                s_g, z_g = _column_params(B[i:i + grid.group_size].t(), grid, observer)
-                scale[:, g] = s_g
-                if zero is not None:
-                    zero[:, g] = z_g
-                columns.pop(g, None)
-            elif actorder == "static" and grouped and g in pending:
-                # Current values of the group's columns: in this block (up to date) or
-                # later (updated up to the previous block).
-                pos = members[g]
-                here = pos < i2
-                cur = torch.empty(grid.group_size, rows, device=W.device)
-                cur[here] = B[pos[here] - i1]
-                cur[~here] = Wt[pos[~here]]
-                s_g, z_g = _column_params(cur.t(), grid, observer)
-                scale[:, g] = s_g
-                if zero is not None:
-                    zero[:, g] = z_g
-                pending.discard(g)
-            s, z = group_params(g)
-            w, q, err = B[i], Qt[j], Err[i]
-            if is_fp8:
-                q.copy_(fp8.round_to_e4m3(w / s))
-                deq = q * s
-            else:
-                torch.div(w, s, out=q)
-                if z is not None:
-                    q.add_(z)
-                q.round_().clamp_(grid.qmin, grid.qmax)
-                deq = q * s if z is None else (q - z) * s
-            torch.sub(w, deq, out=err).div_(diag[j])
-            # Eager update inside the block (rank one); the rest waits for the block end.
-            if i + 1 < i2 - i1:
-                B[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)
-        losses += Err.square().sum(0) / 2
-        Wt[i2:].addmm_(upper[i1:i2, i2:].t(), Err, alpha=-1)
-    Q = Qt.t().to(torch.float8_e4m3fn if is_fp8 else torch.int8)
-
+    Qt = Qt.to(torch.float8_e4m3fn if is_fp8 else torch.int8)
     g_idx = None
     if perm is not None:
         inverse = torch.argsort(perm)
-        Q = Q[:, inverse]
+        Qt = Qt[inverse]
         if actorder == "group":
-            g_idx = torch.tensor(group_of, dtype=torch.int32, device=W.device)[inverse]
-    return GPTQResult(Q, scale, zero, g_idx, float(losses.sum()), used, False,
+            g_idx = torch.tensor(scales.group_of, dtype=torch.int32, device=W.device)[inverse]
+    Q = Qt.t().contiguous()
+    return GPTQResult(Q, scales.scale, scales.zero, g_idx, float(losses.sum()), used, False,
                       None if is_fp8 else grid.group_size)
+
+
+def _rtn_fallback(W: torch.Tensor, grid, observer: str) -> GPTQResult:
+    if isinstance(grid, FP8Grid):
+        scale = fp8.weight_scale(W, grid.per_channel)
+        return GPTQResult(fp8.quantize(W, scale), scale, None, None, float("nan"), None, True)
+    q, scale, zero = rtn.rtn_quantize(W, grid, observer)
+    return GPTQResult(q, scale, zero, None, float("nan"), None, True, grid.group_size)

@@ -36,7 +36,8 @@ from llmctl.quant import awq, block, fp8, rtn, smoothquant
 from llmctl.quant.calibration import CalibrationSet
 from llmctl.quant.checkpoint import Checkpoint
 from llmctl.quant.fp8 import FP8Grid
-from llmctl.quant.gptq import HessianAccumulator, gptq_quantize
+from llmctl.quant.gptq import gptq_quantize
+from llmctl.quant.hessian import HessianAccumulator
 from llmctl.quant.plan import ModulePlan, QuantPlan, WeightSpec, name_matches
 from llmctl.quant.recipe import AWQModifier, GPTQModifier, Recipe
 from llmctl.quant.writer import (
@@ -182,6 +183,12 @@ class LayerQuantizer:
     # --- driving ---------------------------------------------------------------------
 
     def run(self, out_dir: Path, progress: Callable[[int, int], None] | None = None) -> RunResult:
+        # No autograd anywhere below: inference mode skips its bookkeeping on every op
+        # (measured ~10% off GPTQ's column loop, whose cost is the number of torch calls).
+        with torch.inference_mode():
+            return self._run(out_dir, progress)
+
+    def _run(self, out_dir: Path, progress: Callable[[int, int], None] | None) -> RunResult:
         start = time.perf_counter()
         writer = PlannedWriter(out_dir, output_specs(self.ckpt, self.plan), self.opts.max_shard_bytes)
         n_layers = self.config["num_hidden_layers"]

@@ -5,7 +5,8 @@ import torch
 
 from llmctl.quant import fp8, rtn
 from llmctl.quant.fp8 import FP8Grid
-from llmctl.quant.gptq import HessianAccumulator, gptq_quantize, inverse_hessian_cholesky
+from llmctl.quant.gptq import gptq_quantize, inverse_hessian_cholesky, lower_triangular_inverse
+from llmctl.quant.hessian import HessianAccumulator
 from llmctl.quant.rtn import IntGrid
 
 
@@ -88,6 +89,26 @@ def test_dead_inputs_do_not_break_the_inverse(layer):
     H = 2 * X.t() @ X / X.shape[0]
     res = gptq_quantize(W, H, IntGrid(4, True, 32))
     assert not res.fallback and torch.isfinite(res.dequantize()).all()
+
+
+@pytest.mark.parametrize("n", [5, 96, 97, 300])
+def test_lower_triangular_inverse(n):
+    torch.manual_seed(n)
+    L = torch.tril(torch.randn(n, n, dtype=torch.float64)) / n ** 0.5 + 2 * torch.eye(n, dtype=torch.float64)
+    inv = lower_triangular_inverse(L, base=32)
+    assert torch.equal(inv, torch.tril(inv))
+    assert torch.allclose(inv @ L, torch.eye(n, dtype=torch.float64), atol=1e-12)
+
+
+def test_inverse_hessian_factor_is_the_cholesky_factor_of_the_inverse(layer):
+    """U upper triangular with U^T U = (H + damp)^-1: float32 result against float64
+    (relative error of float32 arithmetic on a matrix with condition number ~1e4)."""
+    _, _, H = layer
+    upper, used = inverse_hessian_cholesky(H, 0.01)
+    damped = H.double() + used * H.double().diagonal().mean() * torch.eye(H.shape[0])
+    reference = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+    assert used == 0.01 and torch.equal(upper, torch.triu(upper))
+    assert ((upper.double() - reference).norm() / reference.norm()).item() < 1e-4
 
 
 def test_cholesky_failure_raises_dampening_then_succeeds():

@@ -1,13 +1,14 @@
 """One measured run against the fake server: cap, warm-up, duration, dead target, Ctrl-C."""
 
 import asyncio
+import itertools
 
 import pytest
 
 from llmctl.bench.backends import RequestSettings, get_backend
 from llmctl.bench.metrics import compute_metrics
 from llmctl.bench.records import SampleRequest
-from llmctl.bench.runner import Halt, RunPlan, fill_output_tokens, run
+from llmctl.bench.runner import Halt, RunPlan, fill_output_tokens, run, schedule
 
 from .conftest import fake_server
 
@@ -37,11 +38,33 @@ def test_concurrency_cap_warmup_and_server_counters(server):
     assert summary["prompt_tokens"] == m["total_input_tokens"] == 12 * 2
 
 
-def test_duration_limit_cycles_the_samples(server):
+class FakeClock:
+    """The runner's ``time``: advances only when the runner waits for a send time, so how
+    many requests fit in the duration does not depend on the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    async def wait(self, halt, seconds: float) -> None:
+        self.now += max(seconds, 0.0)
+
+
+def test_duration_limit_cycles_the_samples(server, monkeypatch):
+    from llmctl.bench import runner
+
+    clock = FakeClock()
+    monkeypatch.setattr(runner, "time", clock)
+    monkeypatch.setattr(runner, "_wait", clock.wait)
     plan = RunPlan(SAMPLES[:3], request_rate=40.0, duration=0.5, seed=1)
+    within = [(i, t) for i, _, t in itertools.takewhile(lambda x: x[2] <= 0.5, schedule(plan))]
+    assert len(within) > 3  # the 3 samples are cycled
     result = go(server, plan)
-    assert 3 < len(result.records) < 60
-    assert all(r.start <= 0.5 + 0.1 for r in result.records)  # none sent after the limit
+    # exactly the requests scheduled inside the duration, none after it
+    assert [(r.index, r.scheduled) for r in result.records] == within
+    assert all(r.success for r in result.records)
     assert {r.prompt_len for r in result.records} == {2}
 
 

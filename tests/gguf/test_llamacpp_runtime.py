@@ -33,6 +33,16 @@ def _hf_greedy(model, ids, n):
     return out
 
 
+def _assert_greedy_within(model, ids, continuation, atol):
+    """Reduced precision: each token llama.cpp picked greedily is, on the same sequence,
+    within ``2 * atol`` of transformers' float32 best logit. With every logit within
+    ``atol`` that is all argmax can promise: where the top-2 are closer, either may win,
+    depending on the CPU's kernels (exact token equality belongs to float32)."""
+    ref = _hf_logits(model, ids + continuation)[len(ids) - 1:-1]
+    chosen = ref[np.arange(len(continuation)), continuation]
+    np.testing.assert_array_less(ref.max(-1) - chosen, 2 * atol)
+
+
 def _assert_same_tokens(gguf_path, hf_dir):
     from transformers import AutoTokenizer
 
@@ -74,7 +84,11 @@ def test_tiny_greedy_continuation_equals_transformers(llama_cpp, tiny_llama, fix
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     with LlamaCppModel(path, n_ctx=128) as gg:
         ours = gg.greedy(ids, 32)
-    assert ours == _hf_greedy(model, ids, 32)
+    if fixture == "tiny_gguf":  # F32: the same tokens
+        assert ours == _hf_greedy(model, ids, 32)
+    else:  # F16: as close as test_tiny_f16_logits_close_to_transformers allows
+        atol = 5e-3 * np.abs(_hf_logits(model, ids)).max()
+        _assert_greedy_within(model, ids, ours, atol)
 
 
 def test_tiny_f16_logits_close_to_transformers(llama_cpp, tiny_llama, tiny_f16_gguf):
@@ -105,8 +119,10 @@ def test_smollm2_f16_export_runs_in_llama_cpp_like_transformers(llama_cpp, smoll
     with LlamaCppModel(summary["path"], n_ctx=256) as gg:
         ours = gg.logits(ids)
         continuation = gg.greedy(ids, 32)
-    np.testing.assert_allclose(ours, ref, atol=2e-2 * np.abs(ref).max(), rtol=0)
-    assert continuation == _hf_greedy(model, ids, 32)
+    atol = 2e-2 * np.abs(ref).max()
+    np.testing.assert_allclose(ours, ref, atol=atol, rtol=0)
+    assert len(continuation) == 32
+    _assert_greedy_within(model, ids, continuation, atol)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral"])

@@ -82,8 +82,9 @@ def test_plain_llama_every_position(tiny_llama):
 
 
 def test_bfloat16_weights_and_cache_stay_close(tiny_llama):
-    # bf16 keeps ~3 significant digits: the check is closeness and the same argmax mostly
-    got, want = _compare(tiny_llama, atol=0.6, dtype="bfloat16")
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
-    got, want = _compare(tiny_llama, atol=0.3, kv_cache_dtype="bfloat16")
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    # bf16 keeps ~3 significant digits: every logit within a bound, ~3x the largest error
+    # measured (AMD Zen 4: 0.11 with bf16 weights and cache, 0.08 with a bf16 cache only).
+    # No argmax count: this random model's top-2 logits lie within 0.2 of each other at a
+    # third of the positions, so how many of them flip depends on the CPU's rounding.
+    _compare(tiny_llama, atol=0.3, dtype="bfloat16")
+    _compare(tiny_llama, atol=0.25, kv_cache_dtype="bfloat16")

@@ -63,10 +63,14 @@ def test_kernel_path_matches_reference(quantized, scheme):
     assert _layer_kinds(llm) == {KERNEL_KIND[scheme]: 8}
     ids = encode(path, PROMPTS[3])
     got, want = engine_logits(llm, ids, 9), hf_logits(twin, ids)[8:]
-    # int4/int8 run with bfloat16 activations: ~3 significant digits per matmul
-    atol = 0.25 if KERNEL_KIND[scheme] in ("int4", "int8") else 2e-3
-    torch.testing.assert_close(got, want, atol=atol, rtol=0.02)
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    if KERNEL_KIND[scheme] == "dense":  # float32 on the dequantized weights
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0.02)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        return
+    # int4/int8 run with bfloat16 activations: ~3 significant digits per matmul (largest
+    # error measured 0.18, AMD Zen 4). No argmax check: this random model's top-2 logits
+    # are closer than that at a third of the positions, so flips depend on the CPU.
+    torch.testing.assert_close(got, want, atol=0.25, rtol=0.02)
 
 
 def test_quantized_weights_are_smaller(quantized, tiny_llama):

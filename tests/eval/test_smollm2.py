@@ -70,7 +70,7 @@ def _quant_api():
 def test_w8_far_below_w4_and_rtn_worst_among_w4(smollm2, tmp_path):
     """Quantize SmolLM2 with llmctl.quant (W8 RTN; W4 RTN, GPTQ, AWQ; 8 x 256 calibration
     tokens), eval each against the original on 2k held-out tokens, rank with `eval compare`.
-    The full-size run is benchmarks/eval_quant_ladder.py (results/eval-smollm2-compare.md)."""
+    The full-size run is benchmarks/eval_quant_ladder.py."""
     api = _quant_api()
     if api is None:
         pytest.skip("llmctl.quant (the quantize command, issue #3) is not importable yet")

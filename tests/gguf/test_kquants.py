@@ -101,7 +101,7 @@ def test_smollm2_kld_is_ordered_and_fallbacks_are_reported(llama_cpp, smollm2, t
     SmolLM2's 576-wide rows cannot take 256-blocks, so llama.cpp falls back
     (Q4_K -> Q5_0, Q6_K -> Q8_0, ...) on every tensor but ffn_down; the summary says so.
     Q5_K_M is left out here: its fallback type Q5_1 makes it measure *worse* than
-    Q4_K_M on this model (results/gguf-quant-table.md); on K-quant-sized rows the full
+    Q4_K_M on this model (benchmarks/gguf_quant_table.py); on K-quant-sized rows the full
     order holds (test_kld_against_the_float_model_is_ordered_by_precision).
     """
     from llmctl.eval.metrics import PositionStats, dense_position_stats

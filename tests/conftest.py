@@ -57,3 +57,12 @@ def smollm2(_llmctl_home) -> Path:
     from llmctl.models.resolve import resolve_model
 
     return resolve_model("smollm2-135m").path
+
+
+@pytest.fixture(scope="session")
+def smollm2_quants(smollm2, tmp_path_factory):
+    """SmolLM2 quantized by every scheme the quality tests compare, each quantized and
+    scored against the float model once per session (tests/smollm2_quant.py)."""
+    from tests.smollm2_quant import SmolLM2Quants
+
+    return SmolLM2Quants(smollm2, tmp_path_factory.mktemp("smollm2-quant"))

@@ -12,6 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Thread pools sized as in every benchmark (benchmarks/common.py); OpenMP's wait policy is
+# left at its default for both tools, as users run them (it was PASSIVE here before, unlike
+# every other benchmark, with no measurement of whether that favoured one tool).
+from benchmarks.common import thread_env
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 
@@ -33,12 +38,6 @@ def write_recipe(directory: Path, method: str, bits: int = 4, group: int = 64) -
     path = directory / f"w{bits}g{group}-{method}.yaml"
     path.write_text(RECIPE.format(modifier=modifier, extra=extra, bits=bits, group=group))
     return path
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    """Threads set deliberately (OpenMP busy-waiting collapses on a shared box)."""
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-            "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def run_child(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:

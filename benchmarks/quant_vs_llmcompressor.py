@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import measured_round
 from benchmarks.quant_common import (
     ROOT,
     command_line,
@@ -88,28 +89,50 @@ def main() -> None:
         rounds = []
         for r in range(args.rounds):
             ours = work / f"llmctl-{method}-{r}"
-            run = llmctl_quantize(str(model_dir), recipe, ours, samples=args.samples,
-                                  seq_len=args.seq_len, threads=args.threads,
-                                  log=work / f"llmctl-{method}-{r}.log",
-                                  calib_dtype=args.calib_dtype)
-            if run["report"]["calibration"]["tokens_sha256"] != calib.sha256:
-                raise SystemExit("llmctl drew different calibration windows than the benchmark")
-            run["output_sha256"] = dir_sha256(ours)
             theirs = work / f"llmcompressor-{method}-{r}"
-            cmd = [args.python, str(ROOT / "benchmarks" / "quant_llmcompressor_child.py"),
-                   "--model", str(model_dir), "--windows", str(windows), "--method", method,
-                   "--group-size", str(args.group_size), "--out", str(theirs)]
-            other = run_child(cmd, thread_env(args.threads),
-                              work / f"llmcompressor-{method}-{r}.log")
-            if other["exit_code"] != 0:
-                raise SystemExit(f"llm-compressor {method} failed, see {other['log']}")
-            other["tool"] = json.loads((theirs / "llmcompressor-run.json").read_text())
-            other["output_sha256"] = dir_sha256(theirs)
+
+            def run_llmctl(ours=ours, r=r, recipe=recipe, method=method):
+                run = llmctl_quantize(str(model_dir), recipe, ours, samples=args.samples,
+                                      seq_len=args.seq_len, threads=args.threads,
+                                      log=work / f"llmctl-{method}-{r}.log",
+                                      calib_dtype=args.calib_dtype)
+                if run["report"]["calibration"]["tokens_sha256"] != calib.sha256:
+                    raise SystemExit("llmctl drew different calibration windows than the "
+                                     "benchmark")
+                run["output_sha256"] = dir_sha256(ours)
+                return run
+
+            def run_llmcompressor(theirs=theirs, r=r, method=method):
+                cmd = [args.python, str(ROOT / "benchmarks" / "quant_llmcompressor_child.py"),
+                       "--model", str(model_dir), "--windows", str(windows), "--method",
+                       method, "--group-size", str(args.group_size), "--out", str(theirs)]
+                other = run_child(cmd, thread_env(args.threads),
+                                  work / f"llmcompressor-{method}-{r}.log")
+                if other["exit_code"] != 0:
+                    raise SystemExit(f"llm-compressor {method} failed, see {other['log']}")
+                other["tool"] = json.loads((theirs / "llmcompressor-run.json").read_text())
+                other["output_sha256"] = dir_sha256(theirs)
+                return other
+
+            # The first tool alternates between rounds (llmctl first in even rounds), so
+            # neither always runs on a cooler or warmer machine.
+            order = ("llmctl", "llmcompressor") if r % 2 == 0 else ("llmcompressor", "llmctl")
+            runners = {"llmctl": run_llmctl, "llmcompressor": run_llmcompressor}
+            done = {}
+            for tool in order:
+                record: dict = {}
+                with measured_round(record, args.threads):
+                    done[tool] = runners[tool]()
+                done[tool]["foreign_cpu_cores"] = record["foreign_cpu_cores"]
+                done[tool]["contended"] = record["contended"]
+            run, other = done["llmctl"], done["llmcompressor"]
             speedup = other["wall_seconds"] / run["wall_seconds"]
-            rounds.append({"round": r, "llmctl": run, "llmcompressor": other, "speedup": speedup})
-            print(f"[{method} round {r}] llmctl {run['wall_seconds']:.1f} s (load "
-                  f"{run['load_before'][0]:.1f}), llm-compressor {other['wall_seconds']:.1f} s "
-                  f"(load {other['load_before'][0]:.1f}): {speedup:.2f}x", flush=True)
+            rounds.append({"round": r, "order": list(order), "llmctl": run,
+                           "llmcompressor": other, "speedup": speedup})
+            print(f"[{method} round {r}] {' then '.join(order)}: llmctl "
+                  f"{run['wall_seconds']:.1f} s (other procs {run['foreign_cpu_cores']}), "
+                  f"llm-compressor {other['wall_seconds']:.1f} s (other procs "
+                  f"{other['foreign_cpu_cores']}): {speedup:.2f}x", flush=True)
         speedups = [x["speedup"] for x in rounds]
         rows[method] = {"rounds": rounds, "llmctl_recipe": recipe.read_text(),
                         "speedup_median": statistics.median(speedups),
@@ -135,10 +158,11 @@ def main() -> None:
             "windows_sha256": hashlib.sha256(np.asarray(calib.ids).tobytes()).hexdigest(),
             "metadata": metadata}
     rounds_table = "\n".join(
-        f"| {m} | {x['round']} | {x['llmctl']['wall_seconds']:.1f} | "
+        f"| {m} | {x['round']} | {x['order'][0]} | {x['llmctl']['wall_seconds']:.1f} | "
         f"{x['llmcompressor']['wall_seconds']:.1f} | {x['speedup']:.2f}x | "
         f"{'/'.join(f'{v:.1f}' for v in x['llmctl']['load_before'])} ; "
-        f"{'/'.join(f'{v:.1f}' for v in x['llmcompressor']['load_before'])} |"
+        f"{'/'.join(f'{v:.1f}' for v in x['llmcompressor']['load_before'])} | "
+        f"{x['llmctl']['foreign_cpu_cores']} ; {x['llmcompressor']['foreign_cpu_cores']} |"
         for m, r in rows.items() for x in r["rounds"])
     table = "\n".join(
         f"| {m} | {r['speedup_median']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | "
@@ -158,14 +182,16 @@ of builtin:pydoc-heldout, both checkpoints loaded by transformers (float model:
 |---|---|---|---|
 {table}
 
-Every round, in the order run (llmctl first in each round):
+Every round (the tool that ran first alternates; both at OpenMP's default wait policy,
+{args.threads} threads each):
 
-| method | round | llmctl s | llm-compressor s | speedup | load avg before (llmctl ; llm-compressor) |
-|---|---|---|---|---|---|
+| method | round | first | llmctl s | llm-compressor s | speedup | load avg before (llmctl ; llm-compressor) | other procs, cores (llmctl ; llm-compressor) |
+|---|---|---|---|---|---|---|---|
 {rounds_table}
 
 Wall times are whole child processes (imports, model load, calibration, writing).
-The machine is shared with other jobs; the load averages show how busy it was.
+"Other procs": CPU used outside this benchmark's process tree during the run
+(benchmarks/common.py); above 0.25 cores a run counts as contended.
 """
     json_path, md_path = write_results(args.name, data, md)
     print(md)

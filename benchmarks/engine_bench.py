@@ -12,8 +12,8 @@ Parts (each runs in its own subprocess, so memory and threads do not leak betwee
   best batch size. The best size is swept on the whole workload (see ``batch_sweep.py``)
   until it has a worse neighbour on both sides, or the failed size (out of memory) or
   the limit (all requests in one batch) on the side that has none is stated. Then
-  ``--rounds`` alternating rounds, engine then transformers (A B A B ...), each in a fresh
-  process: every engine round is a fresh engine with prefix caching off (so no round
+  ``--rounds`` alternating rounds, engine first in odd rounds and transformers first in
+  even ones (A B B A ...), each in a fresh process: every engine round is a fresh engine with prefix caching off (so no round
   reuses another's prefill), warmed up on other prompts. Every round is reported; the
   headline is the median of the per-round ratios (engine round i / transformers round
   i). Also the KV memory waste of the engine during the run: allocated-but-empty slots
@@ -288,14 +288,17 @@ def run_throughput(cfg: dict, rounds: int) -> tuple[dict, list[dict]]:
         return out, records
     for i in range(rounds):
         pair = {"round": i + 1}
-        for side, part, extra in (("engine", "engine_throughput", {}),
-                                  ("transformers", "hf_throughput", {"batch_size": best})):
+        sides = (("engine", "engine_throughput", {}),
+                 ("transformers", "hf_throughput", {"batch_size": best}))
+        # the side that runs first alternates (engine first in odd rounds)
+        for side, part, extra in sides if i % 2 == 0 else sides[::-1]:
             record = {"name": f"round {i + 1} {side}", "part": "throughput"}
             with common.measured_round(record, cfg["threads"]):
                 record["result"] = spawn(part, {**cfg, **extra})
             _progress(record)
             records.append(record)
             pair[side] = record
+            pair.setdefault("order", []).append(side)
         e, h = pair["engine"]["result"], pair["transformers"]["result"]
         if "output_throughput" in e and "output_throughput" in h:
             pair["engine_vs_transformers"] = e["output_throughput"] / h["output_throughput"]
@@ -615,12 +618,12 @@ def render_markdown(report: dict) -> str:
                      if "output_throughput" in res else "failed | ")
             lines.append(f"| {rec['name'].rsplit(' ', 1)[-1]} | {value} | "
                          f"{rec['load_before'][0]} | {rec['foreign_cpu_cores']} |")
-        lines += ["", "## Throughput: every round (engine, then transformers)", "",
+        lines += ["", "## Throughput: every round (in the order run)", "",
                   ("| round | side | output tok/s | wall s | load before / after | "
                    "other procs (cores) | engine / transformers |"),
                   "|---|---|---|---|---|---|---|"]
         for pair in t["rounds"]:
-            for side in ("engine", "transformers"):
+            for side in pair.get("order", ("engine", "transformers")):
                 rec = pair[side]
                 res = rec["result"]
                 value = (f"{res['output_throughput']:.1f} | {res['wall_s']:.1f}"
@@ -702,7 +705,9 @@ def main(argv=None) -> int:
     report["rounds"] = [{k: v for k, v in rec.items() if k != "result"} for rec in rounds
                         if rec.get("part") not in ("throughput", "throughput-sweep")]
     common.finish_run(report, rounds)
-    label = args.label or f"{args.scale}-{args.dtype}"
+    # A run of some parts is named after them, so it never overwrites another's report.
+    label = args.label or "-".join([args.scale, args.dtype]
+                                   + ([] if set(parts) == set(PARTS) else list(parts)))
     markdown = render_markdown(report)
     common.write_report(Path(args.out_dir), f"engine-bench-{label}", report, markdown)
     print(markdown)

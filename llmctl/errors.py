@@ -62,3 +62,10 @@ class ConfigError(LlmctlError):
 
 class ResourceError(LlmctlError):
     """The request would not fit: memory, disk, context length."""
+
+
+class StepFailedError(LlmctlError):
+    """A step of a multi-step command (``llmctl check``) failed: exit code 3, so CI can
+    tell a broken pipeline from a failed gate (1) and a malformed one (2)."""
+
+    exit_code = 3

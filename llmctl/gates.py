@@ -4,6 +4,10 @@ Forms (``--gate`` strings, or a YAML list under ``gates:``); OP is <=, >=, <, > 
 
     p99_ttft_ms<=500                      the measured value
     task.x.acc>=0.95*reference            relative to the reference run's value
+    output_throughput>=0.95*baseline      relative to the baseline report's value (where a
+                                          run has no reference of its own besides the
+                                          baseline, ``eval``/``bench``, the two words mean
+                                          the same run; ``llmctl check`` tells them apart)
     wilson_low(task.x.acc)>=0.60          the lower bound of a proportion's 95% Wilson interval
     wilson_high(task.x.acc)>=0.60         its upper bound (gives a drop the benefit of the doubt)
     wilson(task.x.acc)>=0.95*reference    the strict side: wilson_low for >= and >,
@@ -65,7 +69,7 @@ _GATE = re.compile(
     r"^\s*(?:(?P<fn>wilson_low|wilson_high|wilson|delta)\(\s*(?P<fmetric>[\w.\-/]+)\s*\)"
     r"|(?P<metric>[\w.\-/]+))\s*"
     rf"(?P<op><=|>=|==|<|>)\s*(?:(?P<factor>{_NUMBER})\s*\*\s*)?"
-    rf"(?P<value>reference|{_NUMBER})\s*$"
+    rf"(?P<value>reference|baseline|{_NUMBER})\s*$"
 )
 FORMS_HELP = ("write METRIC OP NUMBER with OP one of <= >= < > ==, e.g. 'p99_ttft_ms<=500', "
               "'task.x.acc>=0.95*reference', 'wilson_low(task.x.acc)>=0.6' (also "
@@ -85,6 +89,7 @@ class Gate:
     threshold: float  # absolute value, or the factor when ``relative``
     relative: bool = False
     form: str = "value"  # a key of FORMS
+    relative_to: str | None = None  # "reference" or "baseline" when ``relative``
 
     def side(self) -> str | None:
         """"low" or "high": which bound of the interval this gate compares (None: the value)."""
@@ -141,7 +146,7 @@ def parse_gate(text: str) -> Gate:
         raise GateError(f"cannot parse gate {text!r}", FORMS_HELP)
     form = match["fn"] or "value"
     metric = match["metric"] or match["fmetric"]
-    relative = match["value"] == "reference"
+    relative = match["value"] in ("reference", "baseline")
     if form != "value" and match["op"] == "==":
         raise GateError(f"gate {text!r}: a bound cannot be compared with ==",
                         "use >= or > (the lower bound) or <= or < (the upper bound)")
@@ -154,7 +159,8 @@ def parse_gate(text: str) -> Gate:
         threshold = float(match["factor"]) * float(match["value"])
     else:
         threshold = float(match["value"])
-    return Gate(text.strip(), metric, match["op"], threshold, relative, form)
+    return Gate(text.strip(), metric, match["op"], threshold, relative, form,
+                match["value"] if relative else None)
 
 
 def load_gates(texts: list[str] | None = None, file: Path | None = None) -> list[Gate]:
@@ -222,13 +228,15 @@ def _judge_delta(gate: Gate, paired: Mapping[str, PairedCounts] | None) -> GateR
 def evaluate_gates(gates: list[Gate], metrics: Mapping[str, object],
                    reference: Mapping[str, object] | None = None,
                    counts: Mapping[str, int] | None = None,
-                   paired: Mapping[str, PairedCounts] | None = None) -> list[GateResult]:
+                   paired: Mapping[str, PairedCounts] | None = None,
+                   baseline: Mapping[str, object] | None = None) -> list[GateResult]:
     """Check every gate.
 
     ``counts``: the number of items behind each proportion (for Wilson bounds and the
     detectable drop); ``paired``: per-metric agreement of candidate and reference on the
     same items (for ``delta``). A gate on a metric the run lacks raises GateError (exit 2);
     a metric the run has but could not measure (``None``) raises ConfigError (exit 1).
+    ``baseline``: the values ``*baseline`` gates compare with (default: ``reference``).
     """
     results = []
     for gate in gates:
@@ -245,10 +253,12 @@ def evaluate_gates(gates: list[Gate], metrics: Mapping[str, object],
         value = float(metrics[gate.metric])
         threshold, unchanged = gate.threshold, None
         if gate.relative:
-            ref = (reference or {}).get(gate.metric)
+            source = baseline if gate.relative_to == "baseline" and baseline is not None \
+                else reference
+            ref = (source or {}).get(gate.metric)
             if not _is_number(ref):
-                raise GateError(f"gate {gate.text!r} compares with the reference's "
-                                f"{gate.metric}, which the reference does not have",
+                raise GateError(f"gate {gate.text!r} compares with the {gate.relative_to}'s "
+                                f"{gate.metric}, which the {gate.relative_to} does not have",
                                 "run with a reference (--reference / --baseline) that has it")
             unchanged = float(ref)
             threshold = gate.threshold * unchanged

@@ -50,13 +50,15 @@ class LaunchedServer:
     """A server subprocess, healthy between ``__enter__`` and ``__exit__``."""
 
     def __init__(self, command: list[str], base_url: str, *, timeout: float = 600.0,
-                 health_path: str = "/health") -> None:
+                 health_path: str = "/health", log_path: Path | None = None) -> None:
         self.command = command
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.health_path = health_path
         self.process: subprocess.Popen | None = None
-        self.log_path: Path | None = None
+        # A log the caller names is kept; without one, a temporary file goes at the end.
+        self.log_path: Path | None = log_path
+        self._keep_log = log_path is not None
         self.startup_seconds: float | None = None
 
     def alive(self) -> bool:
@@ -65,9 +67,13 @@ class LaunchedServer:
     def __enter__(self) -> LaunchedServer:
         import httpx
 
-        handle, name = tempfile.mkstemp(prefix="llmctl-bench-server-", suffix=".log")
-        self.log_path = Path(name)
-        log = os.fdopen(handle, "w")
+        if self.log_path is None:
+            handle, name = tempfile.mkstemp(prefix="llmctl-bench-server-", suffix=".log")
+            self.log_path = Path(name)
+            log = os.fdopen(handle, "w")
+        else:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = self.log_path.open("w")
         try:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -116,5 +122,5 @@ class LaunchedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-        if self.log_path is not None:
+        if self.log_path is not None and not self._keep_log:
             self.log_path.unlink(missing_ok=True)

@@ -15,7 +15,7 @@ SWEEP_PANELS = (("p99_ttft_ms", "p99 TTFT", "ttft_ms"), ("p99_tpot_ms", "p99 TPO
                 ("p99_e2el_ms", "p99 E2E latency", "e2el_ms"))
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError:
@@ -27,7 +27,7 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def save_png(fig, path: Path) -> Path:
     from llmctl.utils.atomic import atomic_path
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -38,7 +38,7 @@ def _save(fig, path: Path) -> Path:
 
 def latency_cdfs(report: dict, path: Path) -> Path:
     """Empirical CDFs of TTFT, TPOT and E2E latency (completed requests), in ms."""
-    plt = _pyplot()
+    plt = pyplot()
     slos = report.get("slos") or {}
     ok = [not e for e in report.get("errors", [])]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
@@ -60,14 +60,14 @@ def latency_cdfs(report: dict, path: Path) -> Path:
     axes[0].set_ylabel("fraction of requests")
     fig.suptitle(f"{report.get('label')} / {report.get('model_id')}: latency CDFs")
     try:
-        return _save(fig, path)
+        return save_png(fig, path)
     finally:
         plt.close(fig)
 
 
 def sweep_tradeoff(param: str, rows: Sequence[dict], slos: dict, path: Path) -> Path:
     """Output throughput (x) against p99 latency (y), one point per sweep level."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     xs = [row.get("output_throughput") or 0.0 for row in rows]
     for ax, (key, title, slo_key) in zip(axes, SWEEP_PANELS):
@@ -88,6 +88,6 @@ def sweep_tradeoff(param: str, rows: Sequence[dict], slos: dict, path: Path) -> 
         ax.grid(alpha=0.3)
     fig.suptitle(f"sweep over {param}: throughput vs p99 latency")
     try:
-        return _save(fig, path)
+        return save_png(fig, path)
     finally:
         plt.close(fig)

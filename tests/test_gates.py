@@ -246,3 +246,17 @@ def test_bench_compare_gate_verdicts(bench_reports):
     bad = CliRunner().invoke(app, ["bench", "compare", *bench_reports, "--gate",
                                    "output_throughput>=0.95*reference"])
     assert bad.exit_code == 1 and "FAIL" in bad.output
+
+
+def test_baseline_keyword_compares_with_the_baseline_and_falls_back_to_the_reference():
+    gate = parse_gate("output_throughput>=0.9*baseline")
+    assert gate.relative and gate.relative_to == "baseline" and gate.threshold == 0.9
+    assert parse_gate("ppl<=1.05*reference").relative_to == "reference"
+    metrics = {"output_throughput": 95.0}
+    # with a baseline given, *baseline uses it (and *reference keeps the reference)
+    [r] = evaluate_gates([gate], metrics, reference={"output_throughput": 200.0},
+                         baseline={"output_throughput": 100.0})
+    assert r.threshold == pytest.approx(90.0) and r.passed
+    # eval/bench have one comparison run: there the two words name the same values
+    [r] = evaluate_gates([gate], metrics, reference={"output_throughput": 200.0})
+    assert r.threshold == pytest.approx(180.0) and not r.passed

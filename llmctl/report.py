@@ -46,17 +46,25 @@ def _ram_bytes() -> int | None:
         return None
 
 
-def _versions() -> dict[str, str | None]:
+REPORTED_PACKAGES = ("torch", "transformers", "safetensors", "compressed-tensors", "gguf",
+                     "numpy")
+
+
+def package_versions(names: tuple[str, ...]) -> dict[str, str | None]:
+    """llmctl's version and each named distribution's (None: not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    names = ("torch", "transformers", "safetensors", "compressed-tensors", "gguf", "numpy")
-    found: dict[str, str | None] = {"llmctl": __version__, "python": platform.python_version()}
+    found: dict[str, str | None] = {"llmctl": __version__}
     for name in names:
         try:
             found[name] = version(name)
         except PackageNotFoundError:
             found[name] = None
     return found
+
+
+def _versions() -> dict[str, str | None]:
+    return {**package_versions(REPORTED_PACKAGES), "python": platform.python_version()}
 
 
 def machine() -> dict[str, Any]:

@@ -55,17 +55,10 @@ def artifact_id(lineage: Any) -> str:
 
 
 def versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
+    """The versions an artifact's bytes depend on (a change names a new artifact)."""
+    from llmctl.report import package_versions
 
-    from llmctl import __version__
-
-    found: dict[str, str | None] = {"llmctl": __version__}
-    for name in VERSIONED:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
+    return package_versions(VERSIONED)
 
 
 class FileHashes:

@@ -91,6 +91,11 @@ class Gate:
     form: str = "value"  # a key of FORMS
     relative_to: str | None = None  # "reference" or "baseline" when ``relative``
 
+    @property
+    def upward(self) -> bool:
+        """True for >= and >: the gate fails on a drop (False: on a rise)."""
+        return self.op in _UPWARD
+
     def side(self) -> str | None:
         """"low" or "high": which bound of the interval this gate compares (None: the value)."""
         side = FORMS[self.form]
@@ -194,7 +199,8 @@ def _known(metrics: Mapping[str, object]) -> str:
     return f"metrics of this run: {listed or 'none'}"
 
 
-def _tolerance(gate: Gate, unchanged: float, threshold: float) -> float:
+def gate_tolerance(gate: Gate, unchanged: float, threshold: float) -> float:
+    """How far the threshold lies on the failing side of an unchanged value."""
     return unchanged - threshold if gate.op in _UPWARD else threshold - unchanged
 
 
@@ -219,7 +225,7 @@ def _judge_delta(gate: Gate, paired: Mapping[str, PairedCounts] | None) -> GateR
     low, high = paired_difference_interval(counts.gains, counts.losses, n)
     compared = low if gate.side() == "low" else high
     detectable = paired_margin(counts.discordant, n)
-    tolerance = _tolerance(gate, 0.0, gate.threshold)
+    tolerance = gate_tolerance(gate, 0.0, gate.threshold)
     return GateResult(gate, counts.difference, compared, gate.threshold,
                       OPERATORS[gate.op](compared, gate.threshold), n, detectable, tolerance,
                       counts.gains, counts.losses, _warning(gate, n, detectable, tolerance))
@@ -277,7 +283,7 @@ def evaluate_gates(gates: list[Gate], metrics: Mapping[str, object],
             point = value if unchanged is None else unchanged
             detectable = wilson_margin(point, n, "low" if gate.op in _UPWARD else "high")
             if unchanged is not None:
-                tolerance = _tolerance(gate, unchanged, threshold)
+                tolerance = gate_tolerance(gate, unchanged, threshold)
             warning = _warning(gate, n, detectable, tolerance)
         results.append(GateResult(gate, value, compared, threshold,
                                   OPERATORS[gate.op](compared, threshold), n, detectable,

@@ -18,9 +18,7 @@ from typing import Any
 from llmctl.check.pipeline import Pipeline, PipelineError
 from llmctl.check.runner import CandidateRun
 from llmctl.check.speed import RatioInterval, ratio_interval
-from llmctl.gates import OPERATORS, Gate, GateError, GateResult, evaluate_gates
-
-_UPWARD = (">=", ">")
+from llmctl.gates import OPERATORS, Gate, GateError, GateResult, evaluate_gates, gate_tolerance
 
 
 @dataclass(frozen=True)
@@ -28,12 +26,12 @@ class SpeedGateResult(GateResult):
     interval: RatioInterval | None = None
 
     def to_dict(self) -> dict:
-        return {**super().to_dict(), "form": "ratio", "bound": "low" if self.gate.op in _UPWARD
+        return {**super().to_dict(), "form": "ratio", "bound": "low" if self.gate.upward
                 else "high", "interval": self.interval.to_dict() if self.interval else None}
 
     def describe(self) -> str:
         iv = self.interval
-        side = "lower" if self.gate.op in _UPWARD else "upper"
+        side = "lower" if self.gate.upward else "upper"
         text = (f"{self.gate.metric} / baseline = {iv.ratio:.3f} over {iv.n_candidate} vs "
                 f"{iv.n_baseline} rounds, 95% {side} bound {self.compared:.3f}; needs "
                 f"{self.gate.op} {self.threshold:.3g}")
@@ -82,20 +80,20 @@ def _speed(gate: Gate, run: CandidateRun, base: dict) -> SpeedGateResult | None:
     if not ours or not theirs or gate.form != "value":
         return None
     interval = ratio_interval(ours, theirs)
-    upward = gate.op in _UPWARD
+    upward = gate.upward
     compared = interval.low if upward else interval.high
-    tolerance = 1 - gate.threshold if upward else gate.threshold - 1
+    tol = gate_tolerance(gate, 1.0, gate.threshold)  # an unchanged ratio is 1
     warning = None
     if interval.detectable is None:
         warning = (f"{gate.text}: one round on each side, no noise estimate: judged on the "
                    "ratio itself (use repeat: 3 or more)")
-    elif 0 <= tolerance < interval.detectable:
+    elif 0 <= tol < interval.detectable:
         warning = (f"{gate.text}: these rounds can tell a change of {interval.detectable:.1%} "
-                   f"from noise, more than the gate's tolerance {tolerance:.1%} (add rounds, "
+                   f"from noise, more than the gate's tolerance {tol:.1%} (add rounds, "
                    "quiet the machine or widen the tolerance)")
     return SpeedGateResult(gate, interval.ratio, compared, gate.threshold,
                            OPERATORS[gate.op](compared, gate.threshold),
-                           interval.n_candidate, interval.detectable, tolerance,
+                           interval.n_candidate, interval.detectable, tol,
                            warning=warning, interval=interval)
 
 

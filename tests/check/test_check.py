@@ -93,7 +93,9 @@ def test_matrix_end_to_end_cache_lineage_and_speed_gates(tiny_llama, home, tmp_p
         assert entry["metrics"]["bench.chat.completed"] == 6
     # W8 is closer to the float model than W4 RTN: first in the ranking
     assert report["ranking"]["order"] == ["w8", "w4a16-rtn"]
-    assert report["verdict"]["best"] in ("w8", "w4a16-rtn")
+    # both pass: the best passing one is the faster (the gates already hold quality)
+    speed = {e["name"]: e["metrics"]["bench.chat.output_throughput"] for e in report["candidates"]}
+    assert report["verdict"]["best"] == max(speed, key=speed.get)
     assert (out1 / "report.md").read_text().startswith("## llmctl check: **PASS**")
     junit = (out1 / "junit.xml").read_text()
     assert junit.count("<testcase") == 4 and "<failure" not in junit

@@ -13,7 +13,7 @@ TEST_EXTRAS ?= dev,serve,quant,onnx,llamacpp,plots,lmeval
 BASE_STAMP := $(VENV)/.llmctl-base
 TEST_STAMP := $(VENV)/.llmctl-test
 
-.PHONY: venv venv-test demo test test-fast lint clean
+.PHONY: venv venv-test browser demo test test-fast lint clean
 
 $(BASE_STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,10 +52,20 @@ demo: venv
 	$(LLMCTL) generate $(DEMO_DIR)/smollm2-w4a16 --chat --max-tokens 48 \
 		--prompt "What is the capital of France?"
 
-test: venv-test
+# report.html is tested as a person sees it, in headless Chromium: Debian's package,
+# installed here when missing and the user is root (or has password-less sudo).
+SUDO := $(shell test "$$(id -u)" = 0 || echo sudo -n)
+APT := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get -q -y
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  $(APT) install --no-install-recommends chromium >/dev/null 2>&1 || \
+	  { $(APT) update >/dev/null 2>&1 && $(APT) install --no-install-recommends chromium >/dev/null; } || \
+	  echo "warning: cannot install chromium (apt as root): the report.html test will fail"
+
+test: venv-test browser
 	$(PY) -m pytest -q
 
-test-fast: venv-test
+test-fast: venv-test browser
 	$(PY) -m pytest -q -m "not slow"
 
 lint: venv-test

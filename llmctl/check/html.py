@@ -8,7 +8,7 @@ import base64
 from html import escape
 from pathlib import Path
 
-from llmctl.check.report import verdict_line
+from llmctl.check.report import lineage_parts, verdict_line
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#1b1f24}
@@ -67,7 +67,7 @@ def render(report: dict, out_dir: Path, figures: dict[str, Path | None]) -> str:
                  "<th>throughput (tok/s)</th><th>size (MB)</th><th>Pareto</th><th>steps</th></tr>")
     for e in report["candidates"]:
         m = e["metrics"]
-        size = m.get("size.checkpoint_bytes")
+        size = m.get(ranking.get("size_metric") or "")
         steps = ", ".join(f"{s['step']} {s['status']}" for s in e["steps"])
         parts.append(
             f"<tr><td>{escape(e['name'])}</td><td><code>{escape(str(e['artifact']))}</code></td>"
@@ -88,9 +88,7 @@ def render(report: dict, out_dir: Path, figures: dict[str, Path | None]) -> str:
                     parts.append(_img(cdf, f"latency CDFs of {e['name']} {key}"))
     parts.append("<h2>Lineage</h2><ul>")
     for e in report["candidates"]:
-        lin = e["lineage"]
-        bits = [f"{k}: {escape(str(lin[k]))}" for k in ("model", "recipe", "calibration",
-                                                        "endpoint") if lin.get(k)]
+        bits = [_plain(b) for b in lineage_parts(e["lineage"])]
         parts.append(f"<li><b>{escape(e['name'])}</b> (artifact "
                      f"<code>{escape(str(e['artifact']))}</code>)<br>{'<br>'.join(bits)}</li>")
     parts.append("</ul>")

@@ -20,6 +20,8 @@ from llmctl.check.runner import CandidateRun
 from llmctl.check.speed import RatioInterval, ratio_interval
 from llmctl.gates import OPERATORS, Gate, GateError, GateResult, evaluate_gates, gate_tolerance
 
+SIZE_METRICS = ("size.checkpoint_bytes", "size.engine_bytes")
+
 
 @dataclass(frozen=True)
 class SpeedGateResult(GateResult):
@@ -53,12 +55,23 @@ def precheck(pipeline: Pipeline, baseline: dict | None) -> None:
                 raise PipelineError(f"gate {gate.text!r}: no bench workload named {name!r}",
                                     "workloads: " + (", ".join(sorted(workloads)) or "none"))
         elif gate.metric.startswith("size."):
-            if gate.metric != "size.checkpoint_bytes":
+            sizes = SIZE_METRICS if pipeline.build is not None else SIZE_METRICS[:1]
+            if gate.metric not in sizes:
                 raise PipelineError(f"gate {gate.text!r}: unknown size metric",
-                                    "use size.checkpoint_bytes")
+                                    f"use {' or '.join(sizes)}" + (
+                                        "" if pipeline.build is not None else
+                                        " (size.engine_bytes needs a build: step)"))
         elif pipeline.eval is None:
             raise PipelineError(f"gate {gate.text!r} needs quality metrics",
                                 "add an eval: step, or gate on bench.WORKLOAD.METRIC")
+    if baseline is not None and any(g.relative_to == "baseline"
+                                    for g in pipeline.parsed_gates()):
+        q = pipeline.quantize
+        for name in [c.name for c in q.candidates()] if q is not None else ["model"]:
+            try:
+                baseline_entry(baseline, name)
+            except GateError as exc:
+                raise PipelineError(f"--baseline: {exc.message}", exc.remedy) from None
 
 
 def baseline_entry(baseline: dict | None, name: str) -> dict | None:

@@ -20,6 +20,12 @@ from typing import Any
 from llmctl.utils.atomic import write_text
 
 VERSIONED = ("torch", "transformers", "compressed-tensors", "safetensors", "numpy")
+# What an engine's bytes depend on beyond VERSIONED, per build target.
+ENGINE_VERSIONED: dict[str, tuple[str, ...]] = {
+    "onnx": ("onnx", "onnxruntime", "onnxruntime-genai", "onnx-ir"),
+    "torch-compile": (),
+    "tensorrt-llm": ("tensorrt_llm", "tensorrt-llm"),
+}
 _CHUNK = 1 << 22
 
 
@@ -54,11 +60,11 @@ def artifact_id(lineage: Any) -> str:
     return short(digest(identity(lineage)))
 
 
-def versions() -> dict[str, str | None]:
+def versions(extra: tuple[str, ...] = ()) -> dict[str, str | None]:
     """The versions an artifact's bytes depend on (a change names a new artifact)."""
     from llmctl.report import package_versions
 
-    return package_versions(VERSIONED)
+    return package_versions(VERSIONED + tuple(extra))
 
 
 class FileHashes:

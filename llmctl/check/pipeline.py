@@ -6,6 +6,7 @@
       matrix: [w4a16-rtn, w4a16-gptq]    # or `recipe: w4a16-gptq` for one candidate
       samples: 32                        # calibration (as `llmctl quantize`)
       seq_len: 256
+    build: {target: onnx, precision: int4} # optional: serve and eval the built engine
     serve: {dtype: auto}                 # or `endpoint: http://host:port` (no quantize)
     bench:                               # workloads, each run `repeat` times
       - {name: chat, num_prompts: 16, input_len: 128, output_len: 32, repeat: 3}
@@ -85,11 +86,40 @@ class QuantizeStep(_Strict):
         return found
 
 
+class BuildStep(_Strict):
+    target: str = Field(description="`llmctl build-engine --target`: onnx | torch-compile | "
+                        "tensorrt-llm")
+    precision: str | None = Field(None, description="`--precision` (default: the target's "
+                                  "first, e.g. onnx fp32)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="what the engine runs on")
+    max_batch_size: int = Field(16, ge=1, le=4096, description="largest decode batch the "
+                                "engine takes")
+    max_seq_len: int | None = Field(None, ge=16, description="longest sequence (prompt + "
+                                    "output)")
+    options: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="target options (`--option KEY=VALUE`), e.g. "
+        "{block_size: 32}")
+
+    @field_validator("target")
+    @classmethod
+    def _known(cls, target: str) -> str:
+        from llmctl.engines.targets import TARGETS
+
+        if target not in TARGETS:
+            raise ValueError(f"unknown target {target!r}: use one of {', '.join(TARGETS)}")
+        return target
+
+    def option_strings(self) -> dict[str, str]:
+        """The options as `--option` would give them (the target's model parses them)."""
+        return {k: str(v).lower() if isinstance(v, bool) else str(v)
+                for k, v in self.options.items()}
+
+
 class ServeStep(_Strict):
     endpoint: str | None = Field(None, description="URL of an already-running OpenAI-"
                                  "compatible server to measure instead (no quantize step)")
     dtype: str = Field("auto", description="`llmctl serve --dtype` (auto: bf16 where the CPU "
-                       "computes it natively)")
+                       "computes it natively); not with build (build.precision decides)")
     args: str | None = Field(None, description="more `llmctl serve` options, e.g. "
                              "\"--max-num-seqs 32\"")
     timeout: float = Field(600.0, gt=0, description="seconds to wait for the server's /health")
@@ -145,6 +175,8 @@ class Pipeline(_Strict):
                        "hub id or smollm2-135m")
     quantize: QuantizeStep | None = Field(None, description="without it the model itself "
                                           "(or serve.endpoint) is the one candidate")
+    build: BuildStep | None = Field(None, description="an engine built from each candidate; "
+                                    "serve and eval then run the engine")
     serve: ServeStep = Field(default_factory=ServeStep, description="how candidates are "
                              "served for bench")
     bench: list[Workload] = Field(default_factory=list, description="workloads, run in order "
@@ -168,6 +200,12 @@ class Pipeline(_Strict):
         if self.serve.endpoint and self.quantize is not None:
             raise ValueError("serve.endpoint measures a server you started: it cannot serve "
                              "the checkpoints 'quantize' makes (drop one of them)")
+        if self.serve.endpoint and self.build is not None:
+            raise ValueError("serve.endpoint measures a server you started: it cannot serve "
+                             "the engine 'build' makes (drop one of them)")
+        if self.build is not None and "dtype" in self.serve.model_fields_set:
+            raise ValueError("serve.dtype: an engine computes in the precision it was built "
+                             "with: set build.precision instead")
         if self.serve.endpoint and self.bench == [] and self.eval is None:
             raise ValueError("serve.endpoint given but nothing uses it (add bench or eval)")
         return self
@@ -256,7 +294,7 @@ def load_pipeline(path: Path) -> Pipeline:
 
 SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("(top level)", Pipeline), ("quantize", QuantizeStep), ("quantize.matrix[] entry", Candidate),
-    ("serve", ServeStep), ("bench[] entry", Workload), ("eval", EvalStep))
+    ("build", BuildStep), ("serve", ServeStep), ("bench[] entry", Workload), ("eval", EvalStep))
 
 
 def keys_markdown() -> str:
@@ -269,7 +307,8 @@ def keys_markdown() -> str:
                 "[]" if info.default_factory is list else
                 "{}" if info.default_factory is dict else
                 "(see below)" if info.default_factory is not None else repr(info.default))
-            lines.append(f"| `{name}` | {default} | {info.description} |")
+            meaning = (info.description or "").replace("|", "\\|")  # not a column break
+            lines.append(f"| `{name}` | {default} | {meaning} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -3,7 +3,8 @@
 Quality is the first of ``QUALITY_KEYS`` every candidate has (lower is better: the KL
 divergence from the reference, then the perplexity ratio, then perplexity); throughput
 is the first bench workload's median ``output_throughput`` (higher is better); size is
-the checkpoint's bytes on disk. A candidate is on the Pareto front when no other is at
+the bytes on disk of what is served: the engine when the pipeline builds one, else the
+checkpoint. A candidate is on the Pareto front when no other is at
 least as good on every measured axis and better on one.
 
 The best passing candidate: among those that pass every gate, the fastest (the gates
@@ -40,7 +41,7 @@ def _dominates(a: tuple, b: tuple) -> bool:
 def rank(rows: Sequence[Row], throughput_key: str | None) -> dict:
     quality = _axis(rows, QUALITY_KEYS)
     speed = _axis(rows, [throughput_key] if throughput_key else [])
-    size = _axis(rows, ["size.checkpoint_bytes"])
+    size = _axis(rows, ["size.engine_bytes", "size.checkpoint_bytes"])  # what is served
     # every axis as "lower is better"
     axes = [(quality, 1.0), (speed, -1.0), (size, 1.0)]
     used = [(k, sign) for k, sign in axes if k is not None]

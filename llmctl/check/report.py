@@ -70,6 +70,30 @@ def verdict_line(report: dict) -> str:
     return f"**FAIL**: {len(v['failed_gates'])} gate(s) failed: {failed}"
 
 
+def lineage_parts(lin: dict, *, versions: bool = True) -> list[str]:
+    """A lineage document as short phrases, what was built first coming first (Markdown
+    code spans mark names); the versions once, the last step's."""
+    parts = lineage_parts(lin["candidate"], versions=False) if lin.get("candidate") else []
+    if lin.get("model"):
+        parts.append(f"model `{lin['model']['reference']}` sha256 "
+                     f"{lin['model']['sha256'][:12]}")
+    if lin.get("recipe"):
+        parts.append(f"recipe `{lin['recipe']['reference']}`")
+    if lin.get("calibration"):
+        c = lin["calibration"]
+        parts.append(f"calibration {c['samples']}x{c['seq_len']} ids sha256 "
+                     f"{c['ids_sha256'][:12]}")
+    if lin.get("kind") == "engine":
+        parts.append(f"engine `{lin['target']}` {lin['precision'] or '(default precision)'} "
+                     f"for {lin['host']['arch']}")
+    if lin.get("endpoint"):
+        parts.append(f"endpoint {lin['endpoint']}")
+    if versions and lin.get("versions"):
+        parts.append("versions " + ", ".join(f"{k} {v}" for k, v in lin["versions"].items()
+                                             if v))
+    return parts
+
+
 def markdown(report: dict) -> str:
     lines = [f"## llmctl check: {verdict_line(report)}", ""]
     rows = [(e["name"], g) for e in report["candidates"] for g in e["gates"]]
@@ -92,7 +116,7 @@ def markdown(report: dict) -> str:
         for name in ranking["order"]:
             m = by_name[name]["metrics"]
             star = " *" if name in ranking["pareto"] else ""
-            size = m.get("size.checkpoint_bytes")
+            size = m.get(ranking["size_metric"]) if ranking["size_metric"] else None
             lines.append(f"| {name}{star} | {_num(m.get(ranking['quality_metric']))} | "
                          f"{_num(m.get(ranking['throughput_metric']))} | "
                          f"{_num(size / 1e6 if size else None)} | "
@@ -100,19 +124,8 @@ def markdown(report: dict) -> str:
         lines.append("")
     lines += ["### Lineage", ""]
     for e in report["candidates"]:
-        lin = e["lineage"]
         parts = [f"artifact `{e['artifact']}`"] if e["artifact"] else []
-        if lin.get("model"):
-            parts.append(f"model `{lin['model']['reference']}` sha256 "
-                         f"{lin['model']['sha256'][:12]}")
-        if lin.get("recipe"):
-            parts.append(f"recipe `{lin['recipe']['reference']}`")
-        if lin.get("calibration"):
-            c = lin["calibration"]
-            parts.append(f"calibration {c['samples']}x{c['seq_len']} ids sha256 "
-                         f"{c['ids_sha256'][:12]}")
-        if lin.get("endpoint"):
-            parts.append(f"endpoint {lin['endpoint']}")
+        parts += lineage_parts(e["lineage"])
         steps = ", ".join(f"{s['step']} {s['status']}" for s in e["steps"])
         lines.append(f"- **{e['name']}**: {'; '.join(parts)}. Steps: {steps or 'none'}.")
     meta = report["metadata"]

@@ -1,18 +1,19 @@
-"""Run a pipeline: for every candidate, quantize -> serve -> bench -> eval, reusing what
-the same inputs already made.
+"""Run a pipeline: for every candidate, quantize -> build -> serve -> bench -> eval,
+reusing what the same inputs already made.
 
 Each step calls the library the single command uses (``llmctl.quant.run.quantize``,
-``llmctl.bench.suite.run_suite`` against a ``LaunchedServer``, ``llmctl.eval.runner.run_eval``);
-nothing is measured a second way.
+``llmctl.engines.builder.build_engine``, ``llmctl.bench.suite.run_suite`` against a
+``LaunchedServer``, ``llmctl.eval.runner.run_eval``); nothing is measured a second way.
 
 Caching (see ``lineage``): a quantized checkpoint lives in
-``$LLMCTL_HOME/check/artifacts/quantize-ID`` and an eval result in
-``$LLMCTL_HOME/check/measurements/eval-ID.json``, ID the hash of everything that made
-it. Both are written atomically (a temporary name, renamed when complete), so a run
-killed mid-step leaves nothing a later run would take for finished, and the next run
-resumes at the first step whose result is missing. Speed is measured again on every run
-(the machine, not the artifact, decides it); eval's reference store is reused through
-eval's own cache, keyed by the reference and the text. ``force`` names steps to redo.
+``$LLMCTL_HOME/check/artifacts/quantize-ID``, an engine in ``.../artifacts/engine-ID``
+and an eval result in ``$LLMCTL_HOME/check/measurements/eval-ID.json``, ID the hash of
+everything that made it. All are written atomically (a temporary name, renamed when
+complete), so a run killed mid-step leaves nothing a later run would take for finished,
+and the next run resumes at the first step whose result is missing. Speed is measured
+again on every run (the machine, not the artifact, decides it); eval's reference store
+is its own artifact, named by the hash of the reference's weights, the text and the
+windowing, and rebuilt only with ``--force reference``. ``force`` names steps to redo.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from llmctl.errors import LlmctlError, StepFailedError, UsageError
 from llmctl.home import llmctl_home
 from llmctl.utils.atomic import write_text
 
-FORCEABLE = ("quantize", "eval")
+FORCEABLE = ("quantize", "build", "eval", "reference")
 
 
 @dataclass
@@ -59,6 +60,7 @@ class CandidateRun:
     counts: dict[str, int] = field(default_factory=dict)
     rounds: dict[str, list[float]] = field(default_factory=dict)  # bench.W.M -> per round
     eval_report: dict[str, Any] | None = None
+    tokenizer: str | None = None  # where the tokenizer is, when `path` has none (an engine)
     reports: dict[str, str] = field(default_factory=dict)  # what -> file in the output dir
 
 
@@ -129,9 +131,29 @@ class CheckRunner:
         self._calibration: dict | None = None
 
     def validate(self) -> None:
-        """Configuration errors before any work (exit 2): every recipe must load."""
+        """Configuration errors before any work (exit 2): every recipe must load and the
+        build's precision and target options must be ones its target takes."""
         from llmctl.check.pipeline import PipelineError
         from llmctl.quant.recipe import load_recipe
+
+        if self.pipeline.build is not None:
+            from llmctl.engines.options import CommonOptions, validate_options
+            from llmctl.engines.targets import get_target
+
+            spec = self.pipeline.build
+            try:
+                kind = get_target(spec.target)
+                kind.check_request(
+                    CommonOptions(precision=spec.precision or kind.default_precision,
+                                  device=spec.device, max_batch_size=spec.max_batch_size,
+                                  max_seq_len=spec.max_seq_len),
+                    validate_options(kind.Options, spec.option_strings(), spec.target))
+            except LlmctlError as exc:
+                raise PipelineError(f"build: {exc.message}", exc.remedy or "fix build:") from None
+            if not kind.runnable and (self.pipeline.bench or self.pipeline.eval):
+                raise PipelineError(f"build: llmctl cannot serve or evaluate {spec.target} "
+                                    "engines itself",
+                                    "drop bench/eval, or build an onnx or torch-compile engine")
 
         for cand in self.candidates():
             if cand is None:
@@ -234,6 +256,57 @@ class CheckRunner:
         run.lineage = {"kind": "model", "model": {"reference": self.pipeline.model,
                                                   "sha256": self.model_hash()}}
 
+    def build(self, run: CandidateRun) -> None:
+        """The candidate compiled into an engine directory; serve and eval then use it."""
+        spec = self.pipeline.build
+        if spec is None:
+            return
+        from llmctl.check.lineage import ENGINE_VERSIONED
+        from llmctl.engines.host import Host
+
+        host = Host.probe()
+        lineage = {"kind": "engine", "candidate": run.lineage, "target": spec.target,
+                   "precision": spec.precision, "device": spec.device,
+                   "max_batch_size": spec.max_batch_size, "max_seq_len": spec.max_seq_len,
+                   "options": spec.option_strings(),
+                   # an engine may be compiled for this ISA (AOTInductor): another CPU
+                   # kind names another engine
+                   "host": {"arch": host.arch, "isa_flags": host.describe()["isa_flags"],
+                            "gpus": list(host.gpus)},
+                   "versions": versions(ENGINE_VERSIONED.get(spec.target, ()))}
+        artifact = artifact_id(lineage)
+        path = self.home / "artifacts" / f"engine-{artifact}"
+        source = run.path
+        run.path, run.artifact_id, run.lineage = str(path), artifact, lineage
+        run.tokenizer = source  # the checkpoint the engine was built from
+        from llmctl.engines.manifest import MANIFEST_NAME
+
+        if (path / MANIFEST_NAME).is_file() and "build" not in self.force:
+            run.steps.append(StepRecord("build", "reused", 0.0, artifact,
+                                        f"{spec.target} -> {path}"))
+            self.ui.status(f"[{run.name}] build: reusing {path.name} (same inputs)")
+        else:
+            from llmctl.engines.builder import build_engine
+            from llmctl.engines.options import CommonOptions
+
+            self.ui.status(f"[{run.name}] build {spec.target} engine -> {path.name}")
+            start = time.perf_counter()
+            with _step("build", run.name), \
+                    self.ui.progress(f"{run.name}: building") as update:
+                build_engine(source, spec.target, path, common=CommonOptions(
+                    precision=spec.precision, device=spec.device,
+                    max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len),
+                    options=spec.option_strings(), overwrite=True, log=self.ui.status,
+                    progress=update)
+                write_text(path.parent / f"{path.name}.lineage.json",
+                           json.dumps(lineage, indent=2, default=str))
+            run.steps.append(StepRecord("build", "ran", time.perf_counter() - start, artifact,
+                                        f"{spec.target} -> {path}"))
+        from llmctl.engines.manifest import read_manifest
+
+        run.metrics["size.engine_bytes"] = sum(
+            f.size for f in read_manifest(path).files.values())
+
     def bench(self, run: CandidateRun) -> None:
         if not self.pipeline.bench:
             return
@@ -247,7 +320,9 @@ class CheckRunner:
             else:
                 port = free_port()
                 base_url = f"http://127.0.0.1:{port}"
-                args = f"--dtype {serve.dtype} " + (serve.args or "")
+                # an engine's precision was fixed when it was built
+                dtype = f"--dtype {serve.dtype} " if self.pipeline.build is None else ""
+                args = dtype + (serve.args or "")
                 command = server_command(run.path, port, None, args)
                 self.ui.status(f"[{run.name}] starting the server (log: {log})")
                 start = time.perf_counter()
@@ -268,7 +343,7 @@ class CheckRunner:
 
         tokenizer_of = self.pipeline.model if self.pipeline.serve.endpoint else run.path
         opts = BenchOptions(
-            target=base_url, model=tokenizer_of,
+            target=base_url, model=tokenizer_of, tokenizer=run.tokenizer,
             dataset=DatasetSpec(name=workload.dataset, num_prompts=workload.num_prompts,
                                 input_len=workload.input_len, output_len=workload.output_len,
                                 seed=workload.seed),
@@ -316,13 +391,15 @@ class CheckRunner:
                             dtype=ev.dtype, threads=ev.threads,
                             tokenizer=self.pipeline.model if self.pipeline.serve.endpoint
                             else None,
-                            cache_dir=self.home / "eval-cache")
+                            cache_dir=self.home / "eval-cache",
+                            rebuild_reference="reference" in self.force)
         measured = run.artifact_id is not None  # an endpoint has no content hash
         lineage = {"kind": "eval", "candidate": run.artifact_id,
                    "against": {"reference": reference,
                                "sha256": self.model_hash() if reference == self.pipeline.model
                                else reference},
-                   "config": config.model_dump(mode="json", exclude={"candidate", "cache_dir"}),
+                   "config": config.model_dump(mode="json", exclude={"candidate", "cache_dir",
+                                                                     "rebuild_reference"}),
                    # a local text file is named by its content (builtin: and hf: by name)
                    "data_sha256": self.hashes.file(Path(ev.data))
                    if ev.data and Path(ev.data).is_file() else None,
@@ -330,7 +407,8 @@ class CheckRunner:
         mid = artifact_id(lineage)
         cached = self.home / "measurements" / f"eval-{mid}.json"
         start = time.perf_counter()
-        if measured and cached.is_file() and "eval" not in self.force:
+        redo = bool(self.force & {"eval", "reference"})
+        if measured and cached.is_file() and not redo:
             report = json.loads(cached.read_text())
             status = "reused"
             self.ui.status(f"[{run.name}] eval: reusing measurement {mid} (same inputs)")
@@ -348,7 +426,16 @@ class CheckRunner:
         run.reference_metrics.update(report.get("reference_metrics") or {})
         run.counts.update(report.get("counts") or {})
         run.reports["eval"] = str(path.relative_to(self.out_dir))
-        store = ((report.get("metadata") or {}).get("reference") or {}).get("store")
+        reference_info = (report.get("metadata") or {}).get("reference") or {}
+        store = reference_info.get("store")
+        if store:
+            # the reference store is an artifact of its own (named by the reference's
+            # weights, the text and the windowing): say whether this eval scored it
+            reused = status == "reused" or reference_info.get("store_reused", False)
+            run.steps.append(StepRecord("eval reference", "reused" if reused else "ran",
+                                        float(report.get("timings_s", {}).get("reference_s", 0))
+                                        if not reused else 0.0,
+                                        Path(store).stem.rsplit("-", 1)[-1], store))
         run.steps.append(StepRecord("eval", status, time.perf_counter() - start, mid,
                                     f"reference store {store}" if store else None))
 
@@ -369,6 +456,7 @@ class CheckRunner:
             if run.artifact_id is not None and Path(run.path).is_dir():
                 run.metrics["size.checkpoint_bytes"] = sum(
                     p.stat().st_size for p in Path(run.path).rglob("*.safetensors"))
+            self.build(run)
             self.bench(run)
             self.evaluate(run)
             runs.append(run)

@@ -20,8 +20,8 @@ Log-probs are float32. Float16 would save 2k bytes per token (27 instead of 40 M
 1 % of a good 8-bit checkpoint's mean KLD (4e-4 for SmolLM2 W8A16), and enough to
 make a model compared with itself read non-zero.
 
-Files are keyed by ``store_key``: the same reference, text, windowing and k reuse
-one file for every candidate.
+Files are keyed by ``store_key``: the same reference, text, windowing, k, dtype and
+library versions reuse one file for every candidate.
 """
 
 from __future__ import annotations
@@ -44,10 +44,18 @@ from llmctl.utils.atomic import atomic_path
 FORMAT = "llmctl-reference/1"
 
 
+# The reference's numbers depend on the dtype it computes in and on the libraries that
+# compute them, so both are part of a cached file's name.
+COMPUTED_BY = ("torch", "transformers")
+
+
 def store_key(model_hash: str, data_hash: str, windowing: dict, top_k: int,
-              bos_id: int | None) -> str:
+              bos_id: int | None, *, dtype: str) -> str:
+    from llmctl.report import package_versions
+
     blob = json.dumps({"format": FORMAT, "model": model_hash, "data": data_hash,
-                       "windowing": windowing, "top_k": top_k, "bos": bos_id}, sort_keys=True)
+                       "windowing": windowing, "top_k": top_k, "bos": bos_id, "dtype": dtype,
+                       "versions": package_versions(COMPUTED_BY)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -57,6 +65,7 @@ class ReferenceStore:
     meta: dict[str, Any]
     plan: WindowPlan
     offsets: np.ndarray
+    reused: bool = False  # loaded from an earlier run's cache rather than scored now
 
     @property
     def top_k(self) -> int:

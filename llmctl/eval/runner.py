@@ -57,6 +57,8 @@ class EvalConfig(BaseModel):
     tokenizer: str | None = None
     threads: int | None = Field(None, ge=1)
     cache_dir: Path | None = None
+    # score the reference again even when its cached store exists (`check --force reference`)
+    rebuild_reference: bool = False
 
 
 class _Quiet:
@@ -128,12 +130,13 @@ def prepare_reference(config: EvalConfig, ui) -> tuple[ReferenceStore, Any, HFCa
     plan, data = _plan(reference.tokenizer, config)
     described = reference.describe()
     key = store_key(described["sha256_quick"], data["sha256"], config.windowing.model_dump(),
-                    config.top_k, plan.bos_id)
+                    config.top_k, plan.bos_id, dtype=config.dtype)
     path = (config.cache_dir or default_cache_dir()) / f"{_slug(spec)}-{key}.safetensors"
-    if path.is_file():
+    if path.is_file() and not config.rebuild_reference:
         try:
             store = load_store(path)
             ui.status(f"reference: reusing {path}")
+            store.reused = True
             return store, reference.tokenizer, reference
         except ConfigError as exc:
             ui.status(f"reference store unusable ({exc.message}); rebuilding")
@@ -220,7 +223,8 @@ def _reference_tasks(reference: HFCandidate, config: EvalConfig, ui) -> list[Tas
     names = expand_task_names(config.tasks)
     hashes = [load_task(n).sha256 if not n.startswith("lm_eval:") else n for n in names]
     key = store_key(reference.describe()["sha256_quick"], json.dumps(hashes), {
-        "limit": config.task_limit, "task_dir": str(config.task_dir)}, 0, None)
+        "limit": config.task_limit, "task_dir": str(config.task_dir)}, 0, None,
+        dtype=config.dtype)
     path = (config.cache_dir or default_cache_dir()) / f"tasks-{_slug(config.reference)}-{key}.json"
     if path.is_file():
         with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -351,6 +355,7 @@ def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
     reference_info = None
     if store is not None:
         reference_info = {**store.meta["model"], "store": str(store.path),
+                          "store_reused": store.reused,
                           "top_k": store.top_k, "vocab_size": store.meta.get("vocab_size")}
     elif config.reference:
         reference_info = {"reference": config.reference}

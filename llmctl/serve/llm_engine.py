@@ -130,6 +130,13 @@ class _PromptAwareBlockManager(BlockManager):
         return super().find_cached_prefix(seq)
 
 
+# The phases of step(), in order: taking queued requests in and choosing the batch
+# (schedule), the model pass with KV-cache writes (forward), sampling (sample), appending
+# tokens with detokenization, stop checks and block commits (update), and building the
+# RequestOutputs (output).
+STEP_PHASES = ("schedule", "forward", "sample", "update", "output")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -162,6 +169,9 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_prompt_tokens": 0,
                          "num_requests_finished": 0, "num_steps": 0, "spec_draft_tokens": 0,
                          "spec_accepted_tokens": 0, "spec_verify_steps": 0}
+        # Wall seconds spent in each phase of step(), summed (STEP_PHASES): where a
+        # step's time goes, offline and behind the server alike (/metrics).
+        self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
         # The model, tokenizer and libraries are tens of thousands of long-lived objects:
         # freezing them keeps the cyclic GC from rescanning them every time a step's
         # small objects trigger a collection (vLLM's engine does the same).
@@ -369,10 +379,12 @@ class LLMEngine:
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         outputs = self._drain_inbox()
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        self.phase_seconds["schedule"] += time.perf_counter() - start
         if not sched.empty:
             outputs.extend(self._run(sched.scheduled, sched.copies))
         outputs.extend(self._end_failed())
@@ -389,14 +401,21 @@ class LLMEngine:
                 req.first_scheduled_time = now
             if item.seq.num_computed_tokens < item.seq.num_prompt_tokens:
                 self.counters["prompt_tokens"] += item.num_new_tokens
+        phases, mark = self.phase_seconds, time.perf_counter()
         self.runner.copy_blocks(copies)
         logits, rows, prompt = self._forward(scheduled)
         self._collect_prompt_logprobs(prompt)
         live = [item for item in scheduled if item.seq.request.error is None]
         for item in live:
             item.seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
+        now = time.perf_counter()
+        phases["forward"] += now - mark
+        mark = now
 
         new_tokens = self._sample(logits, [r for r in rows if r.item.seq.request.error is None])
+        now = time.perf_counter()
+        phases["sample"] += now - mark
+        mark = now
         touched: dict[str, list[Sequence]] = {}
         for seq, tokens, logprobs in new_tokens:
             if seq.request.error is None:  # (a sibling may have failed since)
@@ -407,6 +426,9 @@ class LLMEngine:
             seq = item.seq
             if not seq.finished and seq.request.error is None:
                 self.block_manager.commit(seq)
+        now = time.perf_counter()
+        phases["update"] += now - mark
+        mark = now
         outputs = []
         for req_id, seqs in touched.items():
             request = self.requests[req_id]
@@ -417,6 +439,7 @@ class LLMEngine:
                 outputs.append(out)
                 if request.finished:
                     self._retire(request)
+        phases["output"] += time.perf_counter() - mark
         return outputs
 
     def _execute(self, items: list[ScheduledSeq]
@@ -717,6 +740,7 @@ class LLMEngine:
             "spec_mean_accepted_per_step": (c["spec_accepted_tokens"] / c["spec_verify_steps"]
                                             if c["spec_verify_steps"] else 0.0),
             **c,
+            "step_phase_seconds": dict(self.phase_seconds),
         }
 
     def _kv_slots(self) -> tuple[int, int]:

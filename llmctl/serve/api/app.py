@@ -25,7 +25,15 @@ from llmctl.serve.api.async_engine import (
 )
 from llmctl.serve.api.errors import APIError
 from llmctl.serve.api.metrics import ServerMetrics
-from llmctl.serve.api.protocol import ChatCompletionRequest, CompletionRequest, allowed_range
+from llmctl.serve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    allowed_range,
+    tokenize_request_class,
+)
 from llmctl.serve.api.render import (
     Choice,
     TokenIdNames,
@@ -102,15 +110,11 @@ class Server:
 
     # --- parsing -------------------------------------------------------------------
     async def parse(self, request: Request, model_cls):
-        raw = await request.body()
-        try:
-            body = json.loads(raw, parse_constant=_reject_constant)  # no NaN / Infinity
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise errors.bad_request(f"malformed JSON body: {exc}") from None
-        except RecursionError:
-            raise errors.bad_request("malformed JSON body: nested too deeply") from None
-        if not isinstance(body, dict):
-            raise errors.bad_request("the request body must be a JSON object")
+        """The request body validated as ``model_cls`` (or as the class it picks, given
+        the body), its ``model`` one this server serves."""
+        body = await self._body(request)
+        if not isinstance(model_cls, type):
+            model_cls = model_cls(body)
         try:
             parsed = model_cls.model_validate(body)
         except ValidationError as exc:
@@ -120,6 +124,19 @@ class Server:
         if parsed.model is not None and parsed.model not in names:
             raise errors.model_not_found(parsed.model, self.config.model_name)
         return parsed
+
+    @staticmethod
+    async def _body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw, parse_constant=_reject_constant)  # no NaN / Infinity
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise errors.bad_request(f"malformed JSON body: {exc}") from None
+        except RecursionError:
+            raise errors.bad_request("malformed JSON body: nested too deeply") from None
+        if not isinstance(body, dict):
+            raise errors.bad_request("the request body must be a JSON object")
+        return body
 
     def encode_completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         prompts = []
@@ -137,9 +154,9 @@ class Server:
             prompts.append(ids)
         return prompts
 
-    def _tokenize(self, text: str) -> list[int]:
+    def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
-            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+            return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         except (TypeError, ValueError) as exc:  # e.g. a lone surrogate ("\ud800") in JSON
             raise errors.bad_request(f"the prompt cannot be tokenized ({exc}); send valid "
                                      "Unicode text", "prompt") from None
@@ -147,17 +164,36 @@ class Server:
     def echo_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def encode_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+        """The prompt ids of a conversation: its chat template's text, tokenized without
+        special tokens (the template writes them) unless the request asks for more."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise errors.bad_request("this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
+        extra = {"continue_final_message": True} if getattr(
+            req, "continue_final_message", False) else {}
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
+                **extra)
         except Exception as exc:  # jinja raises on templates that reject the roles
             raise errors.bad_request(f"the chat template rejected the messages: {exc}") from None
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        return self._tokenize(text, getattr(req, "add_special_tokens", False))
+
+    def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        ids = (self.encode_chat(req) if isinstance(req, TokenizeChatRequest)
+               else self._tokenize(req.prompt, req.add_special_tokens))
+        return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
+                "token_strs": self.tokenizer.convert_ids_to_tokens(ids)
+                if req.return_token_strs else None}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        bad = [t for t in req.tokens if t >= self.config.vocab_size]
+        if bad:
+            raise errors.bad_request(f"token id {bad[0]} is outside the vocabulary "
+                                     f"(0..{self.config.vocab_size - 1})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def sampling_params(self, req, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None):
@@ -494,6 +530,14 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
                 for i, (text, ids) in enumerate(zip(req.prompts(), prompts))]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await server.run("completion", req, jobs, params, request, include_usage)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return server.tokenize(await server.parse(request, tokenize_request_class))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return server.detokenize(await server.parse(request, DetokenizeRequest))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

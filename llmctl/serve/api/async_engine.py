@@ -39,6 +39,11 @@ class RequestFailedError(RuntimeError):
     """This request's own work failed in the engine (the others go on)."""
 
 
+def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -95,13 +100,23 @@ class AsyncEngine:
             self._added_since_snapshot = 0
 
     def _deliver(self, request_id: str, item: Any, final: bool) -> None:
+        self._deliver_many([(request_id, item, final)])
+
+    def _deliver_many(self, items: list[tuple[str, Any, bool]]) -> None:
+        """Hand a step's outputs to their streams with one wake-up per event loop: each
+        ``call_soon_threadsafe`` writes to the loop's self-pipe and takes the GIL to run a
+        callback, so at 64 running requests per-item calls cost 64 of each per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         with self._lock:
-            stream = self._streams.get(request_id)
-            if stream is None:
-                return
-            if final:
-                del self._streams[request_id]
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            for request_id, item, final in items:
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    continue
+                if final:
+                    del self._streams[request_id]
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _loop(self) -> None:
         try:
@@ -117,8 +132,7 @@ class AsyncEngine:
                 outputs = self.engine.step()  # raises only on an engine fault: fatal
                 if time.monotonic() - self._stats_time > _STATS_EVERY:
                     self._snapshot()
-                for out in outputs:
-                    self._deliver(out.request_id, out, final=out.finished)
+                self._deliver_many([(out.request_id, out, out.finished) for out in outputs])
         except BaseException as exc:  # the engine or the loop broke: the server is unhealthy
             self.error = exc
             log.exception("engine loop died")

@@ -43,6 +43,7 @@ class _EngineGauges:
             ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_draft_tokens"),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
              "spec_accepted_tokens"),
+            ("engine_steps", "Engine steps that ran the model.", "num_steps"),
         )
         from prometheus_client.core import CounterMetricFamily
 
@@ -50,6 +51,12 @@ class _EngineGauges:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric([self._model], float(stats.get(key) or 0.0))
             yield counter
+        phases = CounterMetricFamily(
+            PREFIX + "engine_step_phase_seconds", "Engine thread wall time in each phase of "
+            "a step (schedule, forward, sample, update, output).", labels=["model_name", "phase"])
+        for phase, seconds in (stats.get("step_phase_seconds") or {}).items():
+            phases.add_metric([self._model, phase], float(seconds))
+        yield phases
 
 
 class ServerMetrics:

@@ -230,3 +230,38 @@ class ChatCompletionRequest(_SamplingFields):
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- /tokenize and /detokenize (vLLM's shapes: its benchmark client aligns tokenizers
+# with them before a run) ------------------------------------------------------------------
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # e.g. BOS, as /v1/completions adds them
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of what the chat template writes
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def tokenize_request_class(body: dict) -> type[BaseModel]:
+    """/tokenize takes either shape; ``messages`` names the chat one (as vLLM's does)."""
+    return TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest

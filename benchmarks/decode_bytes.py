@@ -45,7 +45,8 @@ def _tensor_bytes(t) -> int:
 def _decode_path_bytes(layer) -> int:
     """Bytes one call of an llmctl linear reads at batch 1 (its kernel path)."""
     kind = getattr(layer, "kind", None)
-    if kind == "int4":  # the kernel reads the packed codes and scales, not the nibble copy
+    if hasattr(layer, "scales_zeros"):  # torch's int4 kernel reads its packed codes and
+        # scales, not the nibble copy kept for large batches
         return sum(_tensor_bytes(t) for t in (layer.packed, layer.scales_zeros, layer.bias)
                    if t is not None)
     if kind == "concat":

@@ -55,6 +55,13 @@ DraftModel = Annotated[str | None, Opt("--draft-model")]
 NumSpecTokens = Annotated[int, Opt("--num-speculative-tokens", min=1)]
 Threads = Annotated[int | None, Opt("--threads", min=1,
                                     help="torch threads (engine dirs: runtime threads).")]
+LmHead = Annotated[Literal["auto", "int8"], Opt(
+    "--lm-head", help="int8: the output projection on int8 codes, a scale per 32 inputs "
+                      "(a quarter of fp32's bytes per token); auto: as the checkpoint has it.")]
+GGUFWeights = Annotated[Literal["auto", "quantized", "float"], Opt(
+    "--gguf-weights", help="A GGUF's Q4_0/Q4_1/Q8_0 tensors: quantized (run as stored) or "
+                           "float (dequantized at load). auto: quantized for a .gguf path, "
+                           "float for the embedded alias.")]
 LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
 
 
@@ -69,7 +76,8 @@ def serve(
     max_num_batched_tokens: MaxBatchedTokens = 512, prefix_caching: PrefixCaching = True,
     chunked_prefill: ChunkedPrefill = True, speculative: Speculative = None,
     draft_model: DraftModel = None, num_speculative_tokens: NumSpecTokens = 4,
-    threads: Threads = None, log_level: LogLevelOpt = "info",
+    threads: Threads = None, lm_head: LmHead = "auto", gguf_weights: GGUFWeights = "auto",
+    log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""
     settings = {k: v for k, v in locals().items() if k != "ctx"}

@@ -44,7 +44,8 @@ log = logging.getLogger("llmctl.serve")
 
 # EngineConfig keys that mean nothing for an engine directory (its precision, device
 # and weights are fixed at build time): accepted and ignored, with a warning if set.
-IGNORED_KEYS = ("dtype", "kv_cache_dtype", "device", "quant_backend", "tokenizer")
+IGNORED_KEYS = ("dtype", "kv_cache_dtype", "device", "quant_backend", "tokenizer", "lm_head",
+                "gguf_weights")
 
 
 @dataclass

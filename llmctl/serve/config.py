@@ -90,6 +90,13 @@ class EngineConfig(BaseModel):
     # Quantized checkpoints: "kernel" runs int4/int8 weights through torch's low-bit CPU
     # kernels; "dequantize" expands them to float at load (the reference path).
     quant_backend: Literal["kernel", "dequantize"] = "kernel"
+    # A GGUF's Q4_0/Q4_1/Q8_0 tensors: "quantized" runs them as they are on the low-bit
+    # kernel, "float" dequantizes at load; "auto" = quantized for a .gguf path, float for
+    # an embedded alias (which names the float checkpoint the benchmarks compare).
+    gguf_weights: Literal["auto", "quantized", "float"] = "auto"
+    # "int8": the output projection on int8 codes, a scale per 32 inputs (CPU);
+    # "auto": as the checkpoint has it.
+    lm_head: Literal["auto", "int8"] = "auto"
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = Field(None, ge=1)
     # Seeds the engine-wide generator used by requests without their own seed.

@@ -7,6 +7,8 @@
 - :file:`csrc/norm_act.cpp`: residual add + RMSNorm and SwiGLU's ``silu(g) * u`` for
   bfloat16 activations in one pass each, with transformers' roundings (torch's bf16
   RMSNorm alone cost a fifth of the matrix products' time on a prefill step).
+- :file:`csrc/lowbit_gemm.cpp`: int4/int8 weights times bfloat16 activations with
+  AVX512-BF16 (:mod:`llmctl.serve.lowbit`).
 - :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use.
 
 Built with the system C++ compiler (``$CXX``, else ``c++``), ``-O3 -march=native
@@ -43,7 +45,8 @@ log = logging.getLogger("llmctl.serve")
 # Everything the library is built from, all hashed into its file name (so editing the
 # header rebuilds too); the .cpp files are the compiler's inputs.
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("paged_attention.cpp", "norm_act.cpp", "simd_math.h"))
+                for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
+                             "simd_math.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
 # torch dtype -> exported symbol
@@ -56,7 +59,11 @@ ARGTYPES = {
     "paged_attention_bf16": _PAGED_ARGS,
     "add_rms_norm_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_mul_bf16": [_PTR, _PTR, _I64, _I64, _INT],
+    "lowbit_gemm": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
+                    _I64, _INT, _INT, _INT],
+    "lowbit_simd": [],
 }
+RESTYPES = {"lowbit_simd": ctypes.c_int}
 
 
 def _compiler() -> str | None:
@@ -111,7 +118,7 @@ def _library() -> ctypes.CDLL | None:
     for name, argtypes in ARGTYPES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = None
+        fn.restype = RESTYPES.get(name)
     return lib
 
 
@@ -183,3 +190,12 @@ def norm_act_kernels(device: torch.device, dtype: torch.dtype) -> NormActKernels
         return None
     lib = _library()
     return NormActKernels(lib) if lib is not None else None
+
+
+def lowbit_kernel() -> tuple[object, bool] | None:
+    """``(lowbit_gemm, simd)``: the low-bit matrix product of :file:`csrc/lowbit_gemm.cpp`
+    and whether its AVX512-BF16 path is compiled in for this CPU; None without a build."""
+    lib = _library()
+    if lib is None:
+        return None
+    return lib.lowbit_gemm, bool(lib.lowbit_simd())

@@ -95,16 +95,24 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class _Built:
     """A model with its cache, block manager and runner (the target, or a draft model)."""
 
-    def __init__(self, path, config: EngineConfig, device: torch.device, max_len: int,
+    def __init__(self, resolved, config: EngineConfig, device: torch.device, max_len: int,
                  num_blocks: int | None = None) -> None:
         from llmctl.serve.weights import load_model
 
+        path = resolved.path
         self.spec = ModelSpec.from_dir(path)
         dtype = _DTYPES.get(config.dtype if config.dtype != "auto" else self.spec.torch_dtype,
                             torch.float32)
+        reader = None
+        self.gguf_native = _gguf_native(resolved, config)
+        if self.gguf_native:
+            from llmctl.serve.gguf_weights import GGUFWeights
+
+            reader = GGUFWeights(resolved.origin)
         self.model: LlamaModel = load_model(path, dtype=dtype, device=device,
                                             backend=config.quant_backend, max_len=max_len,
-                                            spec=self.spec)
+                                            spec=self.spec, reader=reader,
+                                            lm_head=config.lm_head)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         spec = self.spec
         self.plan: KVCachePlan = plan_kv_cache(
@@ -118,6 +126,15 @@ class _Built:
                                           num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                                           dtype=kv_dtype, device=device)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+
+
+def _gguf_native(resolved, config: EngineConfig) -> bool:
+    """Whether a GGUF-derived model keeps its quantized tensors (see EngineConfig)."""
+    if resolved.origin is None or config.quant_backend != "kernel":
+        return False
+    if config.gguf_weights == "auto":
+        return resolved.source == "gguf"
+    return config.gguf_weights == "quantized"
 
 
 class _PromptAwareBlockManager(BlockManager):
@@ -185,12 +202,13 @@ class LLMEngine:
         from llmctl.models.loading import load_tokenizer
         from llmctl.models.resolve import resolve_model
 
-        self.model_path = resolve_model(config.model).path
+        resolved = resolve_model(config.model)
+        self.model_path = resolved.path
         spec = ModelSpec.from_dir(self.model_path)
         self.max_model_len = self._check_max_len(config, spec.max_position_embeddings)
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer).path
                                         if config.tokenizer else self.model_path)
-        self.target = _Built(self.model_path, config, self.device, self.max_model_len)
+        self.target = _Built(resolved, config, self.device, self.max_model_len)
 
     @staticmethod
     def _check_max_len(config: EngineConfig, limit: int) -> int:
@@ -221,8 +239,7 @@ class LLMEngine:
                                  spec_cfg.ngram_max)
         from llmctl.models.resolve import resolve_model
 
-        draft_path = resolve_model(spec_cfg.draft_model).path
-        draft = _Built(draft_path, self.config, self.device, max_len,
+        draft = _Built(resolve_model(spec_cfg.draft_model), self.config, self.device, max_len,
                        num_blocks=self.kv_plan.num_blocks)
         if draft.spec.vocab_size != self.spec.vocab_size:
             raise ConfigError(

@@ -17,6 +17,8 @@ Dequantization is ``w = (q - zero_point) * scale`` per group of ``group_size`` i
 columns. Execution paths, picked per layer (activations in bf16 whatever the model
 dtype: "W4A16"):
 
+- int4 and int8, any group that divides the row, on a CPU with AVX512-BF16: llmctl's own
+  kernel (:class:`llmctl.serve.lowbit.LowBitLinear`) at every batch size. Without it:
 - int4 -> ``aten._weight_int4pack_mm_for_cpu`` for small batches, whose weights
   dequantize as ``(u - 8) * s + z`` with ``u = q + 8``: so ``z = -zero_point * s``. It
   accepts groups of 32/64/128/256 only: a larger group (or per-channel) repeats its
@@ -27,7 +29,7 @@ dtype: "W4A16"):
   kernels are tuned for decode and slow down ~10x at 128 rows; see KERNEL_MAX_ROWS).
   An int4 layer therefore holds its codes twice, packed for the kernel and two per byte:
   1 byte per weight plus scales, against 2 (bf16) and 4 (fp32).
-- everything else (FP8, int8 groups, CUDA) is dequantized once at load into the model
+- everything else (FP8, 2-bit, CUDA; int8 groups without the own kernel) is dequantized once at load into the model
   dtype: smaller on disk, not faster.
 - dense bf16 weights on the CPU (plain or dequantized) are reordered once into oneDNN's
   blocked layout (:class:`PackedLinear`). Activation quantization in a scheme is not
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 
 from llmctl.errors import UnsupportedArchitectureError
 from llmctl.quant.packing import unpack_int32
+from llmctl.serve.lowbit import AffineCodes, LowBitLinear, kernel_fits, simd_available
 
 _INT4_GROUPS = (256, 128, 64, 32)
 
@@ -289,6 +292,18 @@ class QuantWeight:
     group_size: int
     num_bits: int
 
+    def affine(self) -> AffineCodes | None:
+        """The same weights as the low-bit kernel's codes (4 and 8 bits; else None)."""
+        scale = self.scale.float()
+        zp = None if self.zero_point is None else self.zero_point.float()
+        if self.num_bits == 4:  # u = q + 8 in 0..15: w = s (u - 8 - zp)
+            return AffineCodes((self.q.to(torch.int16) + 8).to(torch.uint8), scale,
+                               -scale * (8 + (0 if zp is None else zp)), self.group_size, 4)
+        if self.num_bits == 8:
+            return AffineCodes(self.q.to(torch.int8), scale, None if zp is None else -scale * zp,
+                               self.group_size, 8)
+        return None
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         n, k = self.q.shape
         q = self.q.float().view(n, -1, self.group_size)
@@ -360,6 +375,12 @@ def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *
     if isinstance(weight, torch.Tensor):
         return dense_linear(weight.to(device=device, dtype=dtype).contiguous(), bias)
     kernels = backend == "kernel" and device.type == "cpu"
+    if kernels and simd_available():
+        codes = weight if isinstance(weight, AffineCodes) else weight.affine()
+        if codes is not None and kernel_fits(codes):
+            return LowBitLinear(codes, bias)
+    if isinstance(weight, AffineCodes):
+        return dense_linear(weight.dequantize(dtype).to(device).contiguous(), bias)
     # low-bit layers compute in bf16 (or fp16) whatever the model dtype: "W4A16"
     act = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     if kernels and weight.num_bits == 4 and kernel_group_size(weight.q.shape[1], weight.group_size):

@@ -2,7 +2,9 @@
 
 Tensors are read one at a time from memory-mapped safetensors files, so peak memory is
 the model in its final form plus one layer in flight. q/k/v and gate/up are fused into
-one linear each when their formats allow (fewer, larger matmuls per step).
+one linear each when their formats allow (fewer, larger matmuls per step). A GGUF file's
+quantized tensors come through :class:`llmctl.serve.gguf_weights.GGUFWeights` instead:
+any reader with ``name in reader``, ``reader(name)`` and ``reader.layer_weight(name)``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 import torch
 
 from llmctl.errors import NotAModelError
+from llmctl.serve.lowbit import AffineCodes, LowBitLinear, quantize_int8
 from llmctl.serve.model import Layer, LlamaModel, ModelSpec
 from llmctl.serve.quant_linear import (
     ConcatLinear,
@@ -26,7 +29,12 @@ from llmctl.serve.rope import interleave_rows
 
 
 def _interleave(weight, num_heads: int):
-    """q/k rows (a tensor or the rows of a QuantWeight) in the engine's RoPE layout."""
+    """q/k rows (a tensor, or the rows of integer codes) in the engine's RoPE layout."""
+    if isinstance(weight, AffineCodes):
+        return AffineCodes(interleave_rows(weight.q, num_heads),
+                           interleave_rows(weight.scale, num_heads),
+                           None if weight.zero is None else interleave_rows(weight.zero, num_heads),
+                           weight.group_size, weight.bits)
     if isinstance(weight, QuantWeight):
         return QuantWeight(
             q=interleave_rows(weight.q, num_heads), scale=interleave_rows(weight.scale, num_heads),
@@ -39,9 +47,10 @@ def _interleave(weight, num_heads: int):
 class CheckpointReader:
     """``reader(name) -> tensor`` over every ``*.safetensors`` file of a directory."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, quantization_config: dict | None = None) -> None:
         from safetensors import safe_open
 
+        self._quant = QuantConfig(quantization_config)
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise NotAModelError(f"{path} has no *.safetensors weights",
@@ -56,6 +65,13 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def layer_weight(self, name: str) -> torch.Tensor | QuantWeight:
+        """A linear layer's weight as a float tensor or a QuantWeight (not yet a kernel)."""
+        scheme = self._quant.scheme_for(name)
+        if scheme is None or f"{name}.weight_scale" not in self:
+            return self(f"{name}.weight")
+        return load_quant_weight(self, name, scheme.args, scheme.format)
+
     def __call__(self, name: str) -> torch.Tensor:
         """An owned copy: a tensor viewing the memory map would keep the whole file
         mapped (and counted in RSS) after loading."""
@@ -68,10 +84,16 @@ class CheckpointReader:
 
 
 def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend: str,
-               max_len: int, spec: ModelSpec | None = None) -> LlamaModel:
+               max_len: int, spec: ModelSpec | None = None, reader=None,
+               lm_head: str = "auto") -> LlamaModel:
+    """The engine's model from the checkpoint at ``path`` (or from ``reader``).
+
+    ``lm_head="int8"`` runs the output projection on int8 codes with a scale per 32
+    inputs (the tied 49k x 576 head of SmolLM2 is half of a bf16 batch-1 step's bytes);
+    "auto" keeps it as the checkpoint has it.
+    """
     spec = spec or ModelSpec.from_dir(path)
-    read = CheckpointReader(path)
-    quant = QuantConfig(spec.quantization_config)
+    read = reader if reader is not None else CheckpointReader(path, spec.quantization_config)
 
     def tensor(name: str) -> torch.Tensor:
         return read(name).to(device=device, dtype=dtype)
@@ -79,17 +101,13 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
     def optional(name: str) -> torch.Tensor | None:
         return read(name) if name in read else None
 
-    def raw_weight(name: str):
-        """A layer's weight as a float tensor or a QuantWeight (not yet a kernel)."""
-        scheme = quant.scheme_for(name)
-        if scheme is None or f"{name}.weight_scale" not in read:
-            return read(f"{name}.weight")
-        return load_quant_weight(read, name, scheme.args, scheme.format)
+    def linear(weight, bias):
+        return make_linear(weight, bias, dtype=dtype, device=device, backend=backend)
 
     rotated = {"q_proj": spec.num_heads, "k_proj": spec.num_kv_heads}
 
     def fused(names: list[str], with_bias: bool):
-        weights = [raw_weight(n) for n in names]
+        weights = [read.layer_weight(n) for n in names]
         biases = [optional(f"{n}.bias") for n in names] if with_bias else [None] * len(names)
         for i, name in enumerate(names):
             heads = rotated.get(name.rsplit(".", 1)[-1])
@@ -98,15 +116,14 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
                 if biases[i] is not None:
                     biases[i] = interleave_rows(biases[i], heads)
         bias = torch.cat(biases) if all(b is not None for b in biases) else None
-        if all(isinstance(w, torch.Tensor) for w in weights):
-            return make_linear(torch.cat(weights), bias, dtype=dtype, device=device,
-                               backend=backend)
-        if not any(isinstance(w, torch.Tensor) for w in weights):
-            joined = concat_quant(weights)
+        kinds = {type(w) for w in weights}
+        if len(kinds) == 1:
+            joined = (torch.cat(weights) if torch.Tensor in kinds
+                      else AffineCodes.cat(weights) if AffineCodes in kinds
+                      else concat_quant(weights))
             if joined is not None:
-                return make_linear(joined, bias, dtype=dtype, device=device, backend=backend)
-        return ConcatLinear([make_linear(w, b, dtype=dtype, device=device, backend=backend)
-                             for w, b in zip(weights, biases)])
+                return linear(joined, bias)
+        return ConcatLinear([linear(w, b) for w, b in zip(weights, biases)])
 
     def qk_norm(attn: str) -> torch.Tensor:
         """qwen3's per-head q and k RMSNorm weights as one ``[heads + kv_heads, d]`` table."""
@@ -128,13 +145,31 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
             gate_up=fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"], spec.mlp_bias),
             down=fused([f"{mlp}.down_proj"], spec.mlp_bias),
         ))
-    embed = tensor("model.embed_tokens.weight")
-    if spec.tie_word_embeddings or "lm_head.weight" not in read and \
-            "lm_head.weight_packed" not in read:
+    tied = spec.tie_word_embeddings or ("lm_head.weight" not in read
+                                        and "lm_head.weight_packed" not in read)
+    head_source = "model.embed_tokens" if tied else "lm_head"
+    head_weight = read.layer_weight(head_source)
+    embed = (head_weight.dequantize(dtype) if isinstance(head_weight, AffineCodes) and tied
+             else tensor("model.embed_tokens.weight")).to(device)
+    if lm_head == "int8" and device.type == "cpu":
+        if isinstance(head_weight, AffineCodes):
+            head_weight = head_weight.dequantize()
+        if isinstance(head_weight, torch.Tensor):
+            head_weight = quantize_int8(head_weight, 32)
+    head = _head_linear(head_weight, device)
+    if head is None:
         # tied: a packed layout is a copy (the embedding lookup needs the plain table)
-        lm_head = dense_linear(embed, None)
-    else:
-        lm_head = fused(["lm_head"], False)
+        head = dense_linear(embed, None) if tied else linear(head_weight, None)
     return LlamaModel(spec, embed=embed, layers=layers, norm=tensor("model.norm.weight"),
-                      lm_head=lm_head, dtype=dtype, device=device, max_len=max_len)
+                      lm_head=head, dtype=dtype, device=device, max_len=max_len)
 
+
+def _head_linear(weight, device: torch.device):
+    """Integer codes of the output projection on the low-bit kernel, float32 logits
+    out; None when the head is a float tensor (or the kernel is missing)."""
+    from llmctl.serve.lowbit import kernel_fits, simd_available
+
+    if isinstance(weight, AffineCodes) and device.type == "cpu" and simd_available() \
+            and kernel_fits(weight):
+        return LowBitLinear(weight, out_float=True)
+    return None

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmctl.serve import quant_linear
 from llmctl.serve.llm import LLM
+from llmctl.serve.lowbit import simd_available
 from llmctl.serve.quant_linear import (
     KERNEL_MAX_ROWS,
     Int4Linear,
@@ -20,10 +22,11 @@ from tests.serve.conftest import PROMPTS, encode
 from tests.serve.quant_checkpoints import SCHEMES, write_quantized
 from tests.serve.test_model import engine_logits, hf_logits
 
-# the kernel path the engine must pick for each scheme on CPU
+# the kernel path the engine must pick for each scheme on CPU: llmctl's own kernel takes
+# int8 groups too; torch's (CPUs without AVX512-BF16) only per-channel int8
 KERNEL_KIND = {"w4-g32-sym": "int4", "w4-g64-asym": "int4", "w4-channel": "int4",
-               "w8-channel": "int8", "w8-channel-asym": "int8", "w8-g32": "dense",
-               "fp8-channel": "dense"}
+               "w8-channel": "int8", "w8-channel-asym": "int8",
+               "w8-g32": "int8" if simd_available() else "dense", "fp8-channel": "dense"}
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +85,16 @@ def test_quantized_weights_are_smaller(quantized, tiny_llama):
 
     linear_dense = linear_bytes(dense)
     linear_w4 = linear_bytes(w4)
-    # int4 group 32 holds the kernel's packed codes (0.5 B), its own nibble copy for large
-    # batches (0.5 B) and bf16 scale+zero per 32 weights (0.125 B): 1.125 of fp32's 4 bytes
+    # int4 group 32 on torch's kernel holds its packed codes (0.5 B), its own nibble copy for
+    # large batches (0.5 B) and bf16 scale+zero per 32 weights (0.125 B): 1.125 of fp32's
+    # 4 bytes; on llmctl's kernel the codes once and float32 scale+offset (0.75 B)
     assert linear_w4 <= linear_dense * 1.125 / 4
 
 
 @pytest.mark.parametrize("bits,rows", [(4, 3), (4, 64), (8, 3), (8, 64)])
-def test_low_bit_layers_on_kernel_and_dequantized_paths(bits, rows):
-    """Small batches take the kernels, large ones the on-the-fly bf16 weight: both match.
+def test_low_bit_layers_on_kernel_and_dequantized_paths(bits, rows, monkeypatch):
+    """Without the own kernel (a CPU lacking AVX512-BF16), small batches take torch's
+    kernels, large ones the on-the-fly bf16 weight: both match.
 
     int4: 40 output rows (not a multiple of 16) and one group of 192 = 3 x 64 (a size the
     kernel does not take); both layers asymmetric."""
@@ -102,6 +107,7 @@ def test_low_bit_layers_on_kernel_and_dequantized_paths(bits, rows):
     weight = QuantWeight(q=q, scale=scale, zero_point=zp, group_size=192, num_bits=bits)
     if bits == 4:
         assert kernel_group_size(k, 192) == 64
+    monkeypatch.setattr(quant_linear, "simd_available", lambda: False)
     layer = make_linear(weight, None, dtype=torch.float32, device=torch.device("cpu"),
                         backend="kernel")
     assert isinstance(layer, Int4Linear if bits == 4 else Int8Linear)

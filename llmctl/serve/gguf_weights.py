@@ -1,0 +1,122 @@
+"""A GGUF file's weights for the engine, quantized tensors kept quantized.
+
+Q4_0, Q4_1 and Q8_0 blocks (32 weights, one fp16 scale, Q4_1 an fp16 minimum too) become
+:class:`llmctl.serve.lowbit.AffineCodes` with groups of 32, bit for bit::
+
+    Q4_0  | d | nibbles[16]      w = d * (u - 8)     -> q = u, s = d, z = -8 d
+    Q4_1  | d | m | nibbles[16]  w = d * u + m       -> q = u, s = d, z = m
+    Q8_0  | d | q[32] int8       w = d * q           -> q,     s = d, no z
+
+(nibble ``j`` of a block is byte ``j``'s low half for ``j < 16``, byte ``j - 16``'s high
+half after), and run on the low-bit kernel as llama.cpp runs them: no float copy of a
+quantized matrix. Other types (F32, F16, BF16, K-quants, Q5_*) are read as float.
+Names are Hugging Face's; q/k rows come back in HF order (the engine applies its own
+RoPE interleaving, which is the permutation llama.cpp's converter stored).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmctl.errors import GGUFError
+from llmctl.models.architectures import expand_tensor_names, rope_unpermute
+from llmctl.models.gguf_reader import open_checkpoint
+from llmctl.serve.lowbit import AffineCodes
+
+QK = 32  # weights per block in every legacy GGML type
+
+
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q4_0(blocks: np.ndarray):
+    d = _fp16(blocks[..., 0:2])
+    return _nibbles(blocks[..., 2:18]), d, -8.0 * d
+
+
+def _q4_1(blocks: np.ndarray):
+    return _nibbles(blocks[..., 4:20]), _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+
+
+def _q8_0(blocks: np.ndarray):
+    return np.ascontiguousarray(blocks[..., 2:34]).view(np.int8), _fp16(blocks[..., 0:2]), None
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+# type -> (bytes per block, bits, decoder of [rows, blocks, bytes] into (q, d, z))
+CODECS = {"Q4_0": (18, 4, _q4_0), "Q4_1": (20, 4, _q4_1), "Q8_0": (34, 8, _q8_0)}
+
+
+def decode_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> AffineCodes:
+    """A quantized GGUF tensor's bytes as codes with per-32 scales and offsets."""
+    size, bits, decode = CODECS[type_name]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // QK, size)
+    q, d, z = decode(blocks)
+    return AffineCodes(
+        q=torch.from_numpy(np.ascontiguousarray(q).reshape(rows, cols)),
+        scale=torch.from_numpy(d), zero=None if z is None else torch.from_numpy(z),
+        group_size=QK, bits=bits)
+
+
+class GGUFWeights:
+    """``reader(hf_name) -> float tensor``; :meth:`layer_weight` keeps codes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._ckpt = open_checkpoint(self.path)
+        config = self._ckpt.config
+        names = expand_tensor_names(self._ckpt.arch, config["num_hidden_layers"])
+        by_gguf = {t.name: t for t in self._ckpt.reader.tensors}
+        self._tensors = {hf: by_gguf[g] for hf, g in names.items() if g in by_gguf}
+        self._heads = {"q_proj": config["num_attention_heads"],
+                       "k_proj": config["num_key_value_heads"]}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def _entry(self, name: str):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise GGUFError(f"{self.path.name} has no tensor for {name!r}",
+                            "the file does not match its own metadata; re-export it") from None
+
+    def _unpermute_heads(self, name: str) -> int | None:
+        if not self._ckpt.arch.rope_permute:
+            return None
+        return self._heads.get(name.rsplit(".", 2)[-2]) if name.endswith(".weight") else None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        import gguf
+
+        t = self._entry(name)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        array = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                           dtype=np.float32).reshape(shape)
+        heads = self._unpermute_heads(name)
+        if heads:
+            array = rope_unpermute(array, heads)
+        return torch.from_numpy(np.array(array, order="C"))
+
+    def layer_weight(self, name: str) -> torch.Tensor | AffineCodes:
+        """A linear layer's ``{name}.weight``: codes for Q4_0/Q4_1/Q8_0, else float."""
+        full = f"{name}.weight"
+        t = self._entry(full)
+        if t.tensor_type.name not in CODECS:
+            return self(full)
+        cols, rows = (int(d) for d in t.shape)
+        codes = decode_blocks(t.data, t.tensor_type.name, rows, cols)
+        heads = self._unpermute_heads(full)
+        if heads:
+            codes = AffineCodes(rope_unpermute(codes.q, heads),
+                                rope_unpermute(codes.scale, heads),
+                                None if codes.zero is None else rope_unpermute(codes.zero, heads),
+                                codes.group_size, codes.bits)
+        return codes

@@ -1,0 +1,178 @@
+"""int4 and int8 weights on llmctl's own CPU kernel (:file:`csrc/lowbit_gemm.cpp`).
+
+Every low-bit source becomes :class:`AffineCodes`, ``w[n, k] = s[n, g] * q[n, k] +
+z[n, g]`` per group of ``group_size`` inputs:
+
+================================  =========  ==================  ======================
+source                            q          s                   z
+================================  =========  ==================  ======================
+compressed-tensors int4           q + 8      scale               -scale * (8 + zp)
+compressed-tensors int8           q          scale               -scale * zp (or none)
+GGUF Q4_0 (blocks of 32)          u          d                   -8 d
+GGUF Q4_1                         u          d                   m
+GGUF Q8_0                         q          d                   none
+================================  =========  ==================  ======================
+
+:class:`LowBitLinear` packs them once into the kernel's layout (the C file's header
+has it and the int4 encoding: scales go in as ``16 s`` and ``z - 16 s``) and applies
+them to bfloat16 activations at any batch size: batch-1 decode reads a quarter
+(int4) or half (int8) of bf16's bytes, and a 64-row decode step widens each weight
+once for 8 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmctl.serve.cpu_kernels import lowbit_kernel
+
+BLOCK = 16  # output columns per kernel block
+
+
+@dataclass
+class AffineCodes:
+    """Integer codes with per-group scale and offset (see the module table)."""
+
+    q: torch.Tensor  # [N, K]: uint8 0..15 (bits=4) or int8 (bits=8)
+    scale: torch.Tensor  # [N, G] float32
+    zero: torch.Tensor | None  # [N, G] float32, or None (symmetric int8)
+    group_size: int
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.float().view(n, -1, self.group_size) * self.scale.float().unsqueeze(-1)
+        if self.zero is not None:
+            w = w + self.zero.float().unsqueeze(-1)
+        return w.view(n, k).to(dtype)
+
+    def rows(self, index: torch.Tensor) -> AffineCodes:
+        """The same codes with output rows reordered (RoPE's interleaving)."""
+        return AffineCodes(self.q[index], self.scale[index],
+                           None if self.zero is None else self.zero[index],
+                           self.group_size, self.bits)
+
+    @staticmethod
+    def cat(parts: list[AffineCodes]) -> AffineCodes | None:
+        """Stack layers sharing an input (q/k/v, gate/up); None if their schemes differ."""
+        first = parts[0]
+        if any(p.bits != first.bits or p.group_size != first.group_size for p in parts):
+            return None
+        zeros = [p.zero for p in parts]
+        if any(z is None for z in zeros) and not all(z is None for z in zeros):
+            zeros = [torch.zeros_like(p.scale) if p.zero is None else p.zero for p in parts]
+        return AffineCodes(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                           None if zeros[0] is None else torch.cat(zeros),
+                           first.group_size, first.bits)
+
+
+def quantize_int8(weight: torch.Tensor, group_size: int) -> AffineCodes:
+    """Symmetric int8 with one scale per ``group_size`` inputs (absmax / 127): the
+    ``--lm-head int8`` option, like llama.cpp's Q8_0 head with groups of 32."""
+    n, k = weight.shape
+    w = weight.float().view(n, -1, group_size)
+    scale = w.abs().amax(-1) / 127.0
+    q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1))
+    return AffineCodes(q.clamp(-127, 127).to(torch.int8).view(n, k), scale, None, group_size, 8)
+
+
+def kernel_fits(codes: AffineCodes) -> bool:
+    """Whether the kernel takes this layout: 4 or 8 bits, whole groups of a multiple of 4."""
+    n, k = codes.shape
+    return (codes.bits in (4, 8) and codes.group_size % 4 == 0 and k % codes.group_size == 0)
+
+
+def simd_available() -> bool:
+    """The kernel's AVX512-BF16 path is built for this CPU (else keep torch's kernels)."""
+    kernel = lowbit_kernel()
+    return kernel is not None and kernel[1]
+
+
+def _blocked(t: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """``[N, G]`` per-row values -> ``[N/16, G, 16]`` float32, zero rows for padding."""
+    t = t.float()
+    if n_pad:
+        t = torch.cat([t, t.new_zeros(n_pad, t.shape[1])])
+    return t.view(-1, BLOCK, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(packed codes, scales, offsets)`` in the kernel's layout."""
+    n, k = codes.shape
+    n_pad = -n % BLOCK
+    q = codes.q
+    if n_pad:
+        q = torch.cat([q, q.new_zeros(n_pad, k)])
+    blocks = (n + n_pad) // BLOCK
+    if codes.bits == 4:
+        # byte 2c+p of step t = q[c, 4t+p] | q[c, 4t+2+p] << 4
+        u = q.to(torch.uint8).view(blocks, BLOCK, k // 4, 2, 2).permute(0, 2, 3, 1, 4)
+        packed = (u[:, :, 0] | (u[:, :, 1] << 4)).contiguous()
+        zero = codes.zero if codes.zero is not None else torch.zeros_like(codes.scale)
+        scale = codes.scale.float()
+        return packed, _blocked(16 * scale, n_pad), _blocked(zero.float() - 16 * scale, n_pad)
+    # int8: byte 2c+p of step t = q[c, 2t+p]
+    packed = q.to(torch.int8).view(blocks, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    zero = None if codes.zero is None else _blocked(codes.zero, n_pad)
+    return packed, _blocked(codes.scale, n_pad), zero
+
+
+class LowBitLinear:
+    """A weight-only int4/int8 layer on the native kernel, any batch size.
+
+    ``out_float`` returns float32 (the logits of an int8 ``lm_head``) instead of the
+    activation dtype. ``portable`` runs the kernel's scalar reference path (tests)."""
+
+    __slots__ = ("packed", "scales", "zeros", "bits", "group_size", "bias", "out_features",
+                 "in_features", "out_float", "portable", "_fn")
+
+    def __init__(self, codes: AffineCodes, bias: torch.Tensor | None = None, *,
+                 out_float: bool = False, portable: bool = False) -> None:
+        kernel = lowbit_kernel()
+        if kernel is None or not kernel_fits(codes):
+            raise ValueError("the low-bit kernel is not available for this layer")
+        self._fn = kernel[0]
+        self.packed, self.scales, self.zeros = pack(codes)
+        self.bits, self.group_size = codes.bits, codes.group_size
+        self.out_features, self.in_features = codes.shape
+        self.bias = bias
+        self.out_float = out_float
+        self.portable = portable
+
+    @property
+    def kind(self) -> str:
+        return f"int{self.bits}"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        rows = x2.shape[0]
+        out_dtype = torch.float32 if self.out_float else torch.bfloat16
+        out = torch.empty((rows, self.out_features), dtype=out_dtype)
+        if rows:
+            self._fn(x2.data_ptr(), x2.stride(0), self.packed.data_ptr(), self.bits,
+                     self.scales.data_ptr(),
+                     None if self.zeros is None else self.zeros.data_ptr(), rows,
+                     self.packed.shape[0], self.in_features, self.group_size, out.data_ptr(),
+                     self.out_features, self.out_features, int(self.out_float),
+                     int(self.portable), torch.get_num_threads())
+        if not self.out_float and x.dtype != torch.bfloat16:
+            out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.packed, self.scales, self.zeros, self.bias) if t is not None)

@@ -134,19 +134,21 @@ def test_matrix_end_to_end_cache_lineage_and_speed_gates(tiny_llama, home, tmp_p
         assert speed["form"] == "ratio" and speed["interval"]["n_baseline"] == 3
         assert speed["compared"] == speed["interval"]["low"] < speed["value"]
 
-    # A baseline twice as fast: the same speed now fails the gate (exit 1, JUnit failure).
-    # It is the second run doubled, not the first: both warm (the first run's servers
-    # also compiled kernels and warmed caches), so only the doubling separates them.
-    doubled = copy.deepcopy(second)
-    for entry in doubled["candidates"]:
+    # A baseline five times as fast: the same speed now fails the gate (exit 1, JUnit
+    # failure). It is the second run scaled, not the first: both warm (the first run's
+    # servers also compiled kernels and warmed caches), so only the scaling separates them.
+    # Five, not two: six requests on a tiny model vary run to run by up to ~2x on a busy
+    # 2-core machine (one full-suite run measured 2.25x), which a doubling cannot absorb.
+    faster = copy.deepcopy(second)
+    for entry in faster["candidates"]:
         entry["rounds"]["bench.chat.output_throughput"] = [
-            2 * v for v in entry["rounds"]["bench.chat.output_throughput"]]
-    (tmp_path / "doubled.json").write_text(json.dumps(doubled))
+            5 * v for v in entry["rounds"]["bench.chat.output_throughput"]]
+    (tmp_path / "faster.json").write_text(json.dumps(faster))
     # ... and one recipe field changed: only that candidate is quantized again.
     w8.write_text(W8.replace("ignore: [lm_head]", "ignore: [lm_head, 're:.*down_proj']"))
     pipe.write_text(pipeline_text(tiny_llama, w8, ["bench.chat.output_throughput>=0.9*baseline"]))
     out3 = tmp_path / "run3"
-    code, output = check(pipe, "-o", out3, "--baseline", tmp_path / "doubled.json",
+    code, output = check(pipe, "-o", out3, "--baseline", tmp_path / "faster.json",
                          "--junit", out3 / "junit.xml")
     assert code == 1, output
     third = json.loads((out3 / "report.json").read_text())
@@ -157,9 +159,9 @@ def test_matrix_end_to_end_cache_lineage_and_speed_gates(tiny_llama, home, tmp_p
     assert not third["verdict"]["passed"] and len(third["verdict"]["failed_gates"]) == 2
     gate = third["candidates"][0]["gates"][0]
     ours = third["candidates"][0]["rounds"]["bench.chat.output_throughput"]
-    theirs = doubled["candidates"][0]["rounds"]["bench.chat.output_throughput"]
+    theirs = faster["candidates"][0]["rounds"]["bench.chat.output_throughput"]
     assert gate["value"] == pytest.approx(ratio_interval(ours, theirs).ratio)
-    assert gate["compared"] <= gate["value"] < 0.9  # ~0.5: half the baseline
+    assert gate["compared"] <= gate["value"] < 0.9  # ~0.2: a fifth of the baseline
     assert (out3 / "junit.xml").read_text().count("<failure") == 2
     assert (out3 / "report.md").read_text().startswith("## llmctl check: **FAIL**")
 

@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from llmctl.serve.llm import LLM
-from llmctl.serve.model_runner import ModelRunner
-from llmctl.serve.scheduler import ScheduledSeq
-from llmctl.serve.spec_decode import _Shadow
+from llmctl.serve.scoring import teacher_forced_logits
 from tests.serve.conftest import PROMPTS, encode, hf_model
 
 VARIANTS = {
@@ -35,22 +33,7 @@ VARIANTS = {
 
 def engine_logits(llm: LLM, ids: list[int], first_chunk: int) -> torch.Tensor:
     """Logits at positions ``first_chunk - 1 ..`` through the engine's model and cache."""
-    engine = llm.engine
-    runner: ModelRunner = engine.runner
-    seq = _Shadow()
-    seq.token_ids = list(ids[:first_chunk])
-    rows = []
-    while True:
-        n = seq.num_tokens - seq.num_computed_tokens
-        assert engine.block_manager.allocate(seq, n) is not None
-        logits, _ = runner.execute([ScheduledSeq(seq, n, 0)])
-        rows.append(logits[0])
-        seq.num_computed_tokens = seq.num_tokens
-        if seq.num_tokens == len(ids):
-            break
-        seq.token_ids.append(ids[seq.num_tokens])
-    engine.block_manager.free_seq(seq)
-    return torch.stack(rows)
+    return teacher_forced_logits(llm.engine, ids, first_chunk)
 
 
 def hf_logits(path, ids: list[int]) -> torch.Tensor:

@@ -97,20 +97,11 @@ def _ids(model: str) -> tuple[list[int], list[int]]:
     return ids[1000:1000 + PROMPT_TOKENS], ids[40000:40000 + KLD_TOKENS]
 
 
-def _decode_rate(llm, prompt, n) -> float:
-    from llmctl.serve.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    stamps = []
-    for out in llm.stream([prompt], params):
-        stamps.extend([time.perf_counter()] * len(out.outputs[0].new_token_ids))
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
 def worker_llmctl(cfg: dict) -> dict:
     import numpy as np
-
     from decode_bytes import bytes_read_per_token, llmctl_model_reads
+    from engine_bench import _decode_rate
+
     from llmctl.serve.llm import LLM
     from llmctl.serve.quant_linear import describe
     from llmctl.serve.scoring import teacher_forced_logits

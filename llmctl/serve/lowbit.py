@@ -84,7 +84,7 @@ def quantize_int8(weight: torch.Tensor, group_size: int) -> AffineCodes:
 
 def kernel_fits(codes: AffineCodes) -> bool:
     """Whether the kernel takes this layout: 4 or 8 bits, whole groups of a multiple of 4."""
-    n, k = codes.shape
+    _, k = codes.shape
     return (codes.bits in (4, 8) and codes.group_size % 4 == 0 and k % codes.group_size == 0)
 
 

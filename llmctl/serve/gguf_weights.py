@@ -114,9 +114,4 @@ class GGUFWeights:
         cols, rows = (int(d) for d in t.shape)
         codes = decode_blocks(t.data, t.tensor_type.name, rows, cols)
         heads = self._unpermute_heads(full)
-        if heads:
-            codes = AffineCodes(rope_unpermute(codes.q, heads),
-                                rope_unpermute(codes.scale, heads),
-                                None if codes.zero is None else rope_unpermute(codes.zero, heads),
-                                codes.group_size, codes.bits)
-        return codes
+        return codes.map_rows(lambda t: rope_unpermute(t, heads)) if heads else codes

@@ -104,8 +104,7 @@ class _Built:
         dtype = _DTYPES.get(config.dtype if config.dtype != "auto" else self.spec.torch_dtype,
                             torch.float32)
         reader = None
-        self.gguf_native = _gguf_native(resolved, config)
-        if self.gguf_native:
+        if _gguf_native(resolved, config):
             from llmctl.serve.gguf_weights import GGUFWeights
 
             reader = GGUFWeights(resolved.origin)

@@ -52,10 +52,10 @@ class AffineCodes:
             w = w + self.zero.float().unsqueeze(-1)
         return w.view(n, k).to(dtype)
 
-    def rows(self, index: torch.Tensor) -> AffineCodes:
-        """The same codes with output rows reordered (RoPE's interleaving)."""
-        return AffineCodes(self.q[index], self.scale[index],
-                           None if self.zero is None else self.zero[index],
+    def map_rows(self, fn) -> AffineCodes:
+        """The same codes with ``fn`` (a reordering of output rows, e.g. RoPE's
+        interleaving) applied to the codes, scales and offsets alike."""
+        return AffineCodes(fn(self.q), fn(self.scale), None if self.zero is None else fn(self.zero),
                            self.group_size, self.bits)
 
     @staticmethod

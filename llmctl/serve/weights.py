@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 
 from llmctl.errors import NotAModelError
-from llmctl.serve.lowbit import AffineCodes, LowBitLinear, quantize_int8
+from llmctl.serve.lowbit import (
+    AffineCodes,
+    LowBitLinear,
+    kernel_fits,
+    quantize_int8,
+    simd_available,
+)
 from llmctl.serve.model import Layer, LlamaModel, ModelSpec
 from llmctl.serve.quant_linear import (
     ConcatLinear,
@@ -31,10 +37,7 @@ from llmctl.serve.rope import interleave_rows
 def _interleave(weight, num_heads: int):
     """q/k rows (a tensor, or the rows of integer codes) in the engine's RoPE layout."""
     if isinstance(weight, AffineCodes):
-        return AffineCodes(interleave_rows(weight.q, num_heads),
-                           interleave_rows(weight.scale, num_heads),
-                           None if weight.zero is None else interleave_rows(weight.zero, num_heads),
-                           weight.group_size, weight.bits)
+        return weight.map_rows(lambda t: interleave_rows(t, num_heads))
     if isinstance(weight, QuantWeight):
         return QuantWeight(
             q=interleave_rows(weight.q, num_heads), scale=interleave_rows(weight.scale, num_heads),
@@ -149,9 +152,14 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
                                         and "lm_head.weight_packed" not in read)
     head_source = "model.embed_tokens" if tied else "lm_head"
     head_weight = read.layer_weight(head_source)
-    embed = (head_weight.dequantize(dtype) if isinstance(head_weight, AffineCodes) and tied
-             else tensor("model.embed_tokens.weight")).to(device)
-    if lm_head == "int8" and device.type == "cpu":
+    if tied and isinstance(head_weight, AffineCodes):
+        embed = head_weight.dequantize(dtype).to(device)
+    elif tied and isinstance(head_weight, torch.Tensor):
+        embed = head_weight.to(device=device, dtype=dtype)  # the same table: read once
+    else:
+        embed = tensor("model.embed_tokens.weight")
+    already_int8 = isinstance(head_weight, AffineCodes) and head_weight.bits == 8
+    if lm_head == "int8" and device.type == "cpu" and not already_int8:
         if isinstance(head_weight, AffineCodes):
             head_weight = head_weight.dequantize()
         if isinstance(head_weight, torch.Tensor):
@@ -167,8 +175,6 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
 def _head_linear(weight, device: torch.device):
     """Integer codes of the output projection on the low-bit kernel, float32 logits
     out; None when the head is a float tensor (or the kernel is missing)."""
-    from llmctl.serve.lowbit import kernel_fits, simd_available
-
     if isinstance(weight, AffineCodes) and device.type == "cpu" and simd_available() \
             and kernel_fits(weight):
         return LowBitLinear(weight, out_float=True)

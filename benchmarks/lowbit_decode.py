@@ -8,8 +8,13 @@ Sides (2 threads each, one process per side per round, sides alternating in ever
 - ``bf16-head8``: the same with ``lm_head="int8"``.
 - ``gguf-q4_1``: ``llmctl`` on the GGUF file itself, served quantized (the same bytes
   llama.cpp reads), bf16 activations.
-- ``w4a16`` / ``w4a16-head8``: a compressed-tensors W4A16 checkpoint (RTN, symmetric,
-  group 64, from the float checkpoint) without / with the int8 head.
+- ``w4a16`` / ``w4a16-head8``: a compressed-tensors W4A16 checkpoint made by ``llmctl
+  quantize`` with GPTQ (symmetric, group 64, static act-order; 32 x 256 calibration
+  tokens of ``builtin:pydoc-calib``) from the float checkpoint, without / with the int8
+  head.
+
+A single row runs on ``csrc/lowbit_vnni.cpp`` on CPUs with AVX512-VNNI (15-bit
+activations per block of 32), so the KLD below is the decode path's own.
 
 Decode rate: a 32-token prompt from stdlib prose, 128 greedy tokens (EOS ignored), rate
 = 127 / (last token - first token); the median of 3 generations per round, after one
@@ -17,8 +22,8 @@ warm-up. Bytes read per token (llmctl sides) count what one step reads: every ma
 weight once (a tied head once), one embedding row (``decode_bytes.py``); the read
 bandwidth is a 512 MiB ``torch.sum`` on the same threads, measured in every round.
 
-Quality: KLD(float32 || side) per position over 256 tokens of held-out prose, full
-vocabulary, float64; the float32 reference is llmctl's engine in float32 on the float
+Quality: KLD(float32 || side) per position over 256 tokens of ``builtin:pydoc-heldout``
+(text no calibration saw), one decode step per token for llmctl, full vocabulary, float64; the float32 reference is llmctl's engine in float32 on the float
 checkpoint (matches transformers to 2e-4 in tests/serve/test_model.py). For llama.cpp
 the rows are its ``scores`` after evaluating the same ids.
 
@@ -88,13 +93,31 @@ def read_bandwidth(size_mib: int = 512, repeats: int = 5) -> float:
 
 
 def _ids(model: str) -> tuple[list[int], list[int]]:
+    """The decode prompt (calibration-split prose) and the KLD text (held-out split)."""
     from engine_bench import corpus_ids
 
+    from llmctl.data.sources import load_text_source, token_stream
     from llmctl.models.loading import load_tokenizer
     from llmctl.models.resolve import resolve_model
 
-    ids = corpus_ids(load_tokenizer(resolve_model(model).path))
-    return ids[1000:1000 + PROMPT_TOKENS], ids[40000:40000 + KLD_TOKENS]
+    tokenizer = load_tokenizer(resolve_model(model).path)
+    heldout = token_stream(tokenizer, load_text_source("builtin:pydoc-heldout"))
+    return corpus_ids(tokenizer)[1000:1000 + PROMPT_TOKENS], heldout[1000:1000 + KLD_TOKENS]
+
+
+def gptq_checkpoint(model_dir: Path, dst: Path, threads: int) -> Path:
+    """llmctl's own GPTQ W4A16 g64 of ``model_dir`` (made once, kept at ``dst``)."""
+    if (dst / "config.json").exists():
+        return dst
+    import tempfile
+
+    from benchmarks.quant_common import llmctl_quantize, write_recipe
+
+    with tempfile.TemporaryDirectory() as work:
+        recipe = write_recipe(Path(work), "gptq", 4, 64)
+        llmctl_quantize(str(model_dir), recipe, dst, samples=32, seq_len=256, threads=threads,
+                        log=Path(work) / "quantize.log")
+    return dst
 
 
 def worker_llmctl(cfg: dict) -> dict:
@@ -204,8 +227,6 @@ def main(argv=None) -> int:
     import tempfile
 
     import numpy as np
-    from engine_bench import write_w4a16
-
     from llmctl.home import models_dir
     from llmctl.models.resolve import resolve_model
 
@@ -218,7 +239,8 @@ def main(argv=None) -> int:
                               extra_pythons={"llamacpp": (args.llamacpp_python,
                                                           ["llama_cpp_python"])})
     resolved = resolve_model("smollm2-135m")
-    w4 = write_w4a16(resolved.path, models_dir() / f"{resolved.path.name}-w4a16-g64-rtn")
+    w4 = gptq_checkpoint(resolved.path, models_dir() / f"{resolved.path.name}-w4a16-g64-gptq",
+                         args.threads)
     prompt, kld_ids = _ids("smollm2-135m")
     tmp = Path(tempfile.mkdtemp(prefix="lowbit-decode-"))
     base = {"prompt": prompt, "kld_ids": kld_ids, "n": DECODE_TOKENS, "reps": args.reps,

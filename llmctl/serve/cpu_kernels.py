@@ -8,7 +8,8 @@
   bfloat16 activations in one pass each, with transformers' roundings (torch's bf16
   RMSNorm alone cost a fifth of the matrix products' time on a prefill step).
 - :file:`csrc/lowbit_gemm.cpp`: int4/int8 weights times bfloat16 activations with
-  AVX512-BF16 (:mod:`llmctl.serve.lowbit`).
+  AVX512-BF16 (:mod:`llmctl.serve.lowbit`); :file:`csrc/lowbit_vnni.cpp` the same for
+  one to four rows with AVX512-VNNI byte products on 15-bit activations.
 - :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use.
 
 Built with the system C++ compiler (``$CXX``, else ``c++``), ``-O3 -march=native
@@ -46,7 +47,7 @@ log = logging.getLogger("llmctl.serve")
 # header rebuilds too); the .cpp files are the compiler's inputs.
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
-                             "simd_math.h"))
+                             "lowbit_vnni.cpp", "simd_math.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
 # torch dtype -> exported symbol
@@ -62,8 +63,11 @@ ARGTYPES = {
     "lowbit_gemm": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
                     _I64, _INT, _INT, _INT],
     "lowbit_simd": [],
+    "lowbit_gemv_vnni": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
+                         _I64, _INT, _INT],
+    "lowbit_vnni_rows": [],
 }
-RESTYPES = {"lowbit_simd": ctypes.c_int}
+RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int}
 
 
 def _compiler() -> str | None:
@@ -199,3 +203,12 @@ def lowbit_kernel() -> tuple[object, bool] | None:
     if lib is None:
         return None
     return lib.lowbit_gemm, bool(lib.lowbit_simd())
+
+
+def lowbit_vnni_kernel() -> tuple[object, int] | None:
+    """``(lowbit_gemv_vnni, max_rows)`` of :file:`csrc/lowbit_vnni.cpp`, or None when
+    there is no build or this CPU lacks AVX512-VNNI."""
+    lib = _library()
+    if lib is None or not lib.lowbit_vnni_rows():
+        return None
+    return lib.lowbit_gemv_vnni, int(lib.lowbit_vnni_rows())

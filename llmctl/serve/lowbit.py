@@ -17,7 +17,10 @@ GGUF Q8_0                         q          d                   none
 has it and the int4 encoding: scales go in as ``16 s`` and ``z - 16 s``) and applies
 them to bfloat16 activations at any batch size: batch-1 decode reads a quarter
 (int4) or half (int8) of bf16's bytes, and a 64-row decode step widens each weight
-once for 8 rows.
+once for 16 rows. Where the CPU has AVX512-VNNI, layers whose groups are whole blocks of
+32 inputs also keep a second copy of the codes in :file:`csrc/lowbit_vnni.cpp`'s byte
+layout (same size as the first) for one to four rows: there the bfloat16 widening,
+not memory, bounded the step.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from llmctl.serve.cpu_kernels import lowbit_kernel
+from llmctl.serve.cpu_kernels import lowbit_kernel, lowbit_vnni_kernel
 
 BLOCK = 16  # output columns per kernel block
+VNNI_BLOCK = 32  # inputs per activation block of the VNNI kernel
 
 
 @dataclass
@@ -88,6 +92,13 @@ def kernel_fits(codes: AffineCodes) -> bool:
     return (codes.bits in (4, 8) and codes.group_size % 4 == 0 and k % codes.group_size == 0)
 
 
+def vnni_fits(codes: AffineCodes) -> bool:
+    """Whether the VNNI kernel takes this layout: groups of whole 32-input blocks."""
+    _, k = codes.shape
+    return (codes.bits in (4, 8) and codes.group_size % VNNI_BLOCK == 0
+            and k % codes.group_size == 0)
+
+
 def simd_available() -> bool:
     """The kernel's AVX512-BF16 path is built for this CPU (else keep torch's kernels)."""
     kernel = lowbit_kernel()
@@ -123,56 +134,98 @@ def pack(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     return packed, _blocked(codes.scale, n_pad), zero
 
 
+def pack_vnni(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(packed codes, scales, offsets)`` in :file:`csrc/lowbit_vnni.cpp`'s layout."""
+    n, k = codes.shape
+    n_pad = -n % (2 * BLOCK)  # blocks come in interleaved pairs
+    q = codes.q
+    if n_pad:
+        q = torch.cat([q, q.new_zeros(n_pad, k)])
+    pairs = (n + n_pad) // (2 * BLOCK)
+    if codes.bits == 4:
+        # pair p, step t, block j: byte 4c+i = q[c, 8t+i] | q[c, 8t+4+i] << 4
+        u = q.to(torch.uint8).view(pairs, 2, BLOCK, k // 8, 2, 4).permute(0, 3, 1, 4, 2, 5)
+        packed = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).contiguous()
+    else:
+        # pair p, step t, block j: byte 4c+i = q[c, 4t+i] + 128
+        u = (q.to(torch.int16) + 128).to(torch.uint8)
+        packed = u.view(pairs, 2, BLOCK, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
+    zero = codes.zero if codes.zero is not None else torch.zeros_like(codes.scale)
+    return packed, _blocked(codes.scale, n_pad), _blocked(zero, n_pad)
+
+
 class LowBitLinear:
     """A weight-only int4/int8 layer on the native kernel, any batch size.
 
     ``out_float`` returns float32 (the logits of an int8 ``lm_head``) instead of the
-    activation dtype. ``portable`` runs the kernel's scalar reference path (tests)."""
+    activation dtype. ``portable`` runs the kernel's scalar reference path (tests);
+    ``vnni=False`` keeps one to four rows on the bfloat16 kernel too."""
 
     __slots__ = ("packed", "scales", "zeros", "bits", "group_size", "bias", "out_features",
-                 "in_features", "out_float", "portable", "_fn")
+                 "in_features", "out_float", "portable", "_wide", "_vnni", "_vnni_rows",
+                 "_out_args", "_vnni_codes")
 
     def __init__(self, codes: AffineCodes, bias: torch.Tensor | None = None, *,
-                 out_float: bool = False, portable: bool = False) -> None:
+                 out_float: bool = False, portable: bool = False, vnni: bool = True) -> None:
         kernel = lowbit_kernel()
         if kernel is None or not kernel_fits(codes):
             raise ValueError("the low-bit kernel is not available for this layer")
-        self._fn = kernel[0]
         self.packed, self.scales, self.zeros = pack(codes)
         self.bits, self.group_size = codes.bits, codes.group_size
         self.out_features, self.in_features = codes.shape
+        self._out_args = (self.out_features, self.out_features, int(out_float))
+        self._wide = self._bind(kernel[0], self.packed, self.scales, self.zeros,
+                                self.packed.shape[0])
+        small = lowbit_vnni_kernel() if vnni and not portable and vnni_fits(codes) else None
+        self._vnni_codes = None if small is None else pack_vnni(codes)
+        self._vnni = None if small is None else self._bind(small[0], *self._vnni_codes,
+                                                           self._vnni_codes[1].shape[0])
+        self._vnni_rows = 0 if small is None else small[1]
         self.bias = bias
         self.out_float = out_float
         self.portable = portable
+
+    def _bind(self, fn, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+              blocks: int) -> tuple:
+        """``(fn, arguments before the row count, arguments after it)``: the tensors are
+        attributes of self, so their pointers stay valid as long as the layer does."""
+        return (fn, (packed.data_ptr(), self.bits, scales.data_ptr(),
+                     None if zeros is None else zeros.data_ptr()),
+                (blocks, self.in_features, self.group_size))
 
     @property
     def kind(self) -> str:
         return f"int{self.bits}"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        # A decode step makes ~120 of these calls per token, so the per-call Python is
+        # kept to a minimum: the constant arguments are bound once in _bind.
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
+            x2 = x
+        else:
+            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
         rows = x2.shape[0]
-        out_dtype = torch.float32 if self.out_float else torch.bfloat16
-        out = torch.empty((rows, self.out_features), dtype=out_dtype)
-        if rows:
-            self._fn(x2.data_ptr(), x2.stride(0), self.packed.data_ptr(), self.bits,
-                     self.scales.data_ptr(),
-                     None if self.zeros is None else self.zeros.data_ptr(), rows,
-                     self.packed.shape[0], self.in_features, self.group_size, out.data_ptr(),
-                     self.out_features, self.out_features, int(self.out_float),
-                     int(self.portable), torch.get_num_threads())
+        out = torch.empty((rows, self.out_features),
+                          dtype=torch.float32 if self.out_float else torch.bfloat16)
+        if 0 < rows <= self._vnni_rows:
+            fn, head, tail = self._vnni
+            fn(x2.data_ptr(), x2.stride(0), *head, rows, *tail, out.data_ptr(), *self._out_args,
+               torch.get_num_threads())
+        elif rows:
+            fn, head, tail = self._wide
+            fn(x2.data_ptr(), x2.stride(0), *head, rows, *tail, out.data_ptr(), *self._out_args,
+               int(self.portable), torch.get_num_threads())
         if not self.out_float and x.dtype != torch.bfloat16:
             out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*lead, self.out_features)
+        return out if x2 is x else out.reshape(*x.shape[:-1], self.out_features)
 
     @property
     def nbytes(self) -> int:
+        """Bytes one product reads (one layout's codes, scales and offsets, the bias):
+        the second layout is resident but a step reads only one of them."""
         return sum(t.numel() * t.element_size()
                    for t in (self.packed, self.scales, self.zeros, self.bias) if t is not None)

@@ -1,5 +1,6 @@
-"""The own int4/int8 kernel (csrc/lowbit_gemm.cpp) and what runs on it: compressed-tensors
-layers, the int8 lm_head, and GGUF Q4_0/Q4_1/Q8_0 tensors served without a float copy."""
+"""The own int4/int8 kernels (csrc/lowbit_gemm.cpp, csrc/lowbit_vnni.cpp for one to four
+rows) and what runs on them: compressed-tensors layers, the int8 lm_head, and GGUF
+Q4_0/Q4_1/Q8_0 tensors served without a float copy."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ import pytest
 import torch
 
 from llmctl.serve import quant_linear
-from llmctl.serve.cpu_kernels import lowbit_kernel
+from llmctl.serve.cpu_kernels import lowbit_kernel, lowbit_vnni_kernel
 from llmctl.serve.gguf_weights import CODECS, decode_blocks
 from llmctl.serve.llm import LLM
-from llmctl.serve.lowbit import AffineCodes, LowBitLinear, quantize_int8, simd_available
+from llmctl.serve.lowbit import (
+    AffineCodes,
+    LowBitLinear,
+    quantize_int8,
+    simd_available,
+    vnni_fits,
+)
 from llmctl.serve.quant_linear import QuantWeight, make_linear
 from llmctl.utils.cpu import cpu_flags
 from tests.serve.conftest import PROMPTS, encode
@@ -39,6 +46,7 @@ def test_the_kernel_is_built_with_avx512_bf16_where_the_cpu_has_it():
     of silently serving on torch's slower kernels."""
     assert lowbit_kernel() is not None, "the native kernels did not build"
     assert simd_available() == ("avx512_bf16" in cpu_flags())
+    assert (lowbit_vnni_kernel() is not None) == ("avx512_vnni" in cpu_flags())
 
 
 @pytest.mark.parametrize("portable", PATHS, ids=["simd", "portable"])
@@ -54,12 +62,13 @@ def test_kernel_matches_float32_reference(portable, bits, n, k, group, zero, row
     codes = _codes(bits, n, k, group, zero, seed=rows + n)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
     want = x.float() @ codes.dequantize().T
-    got = LowBitLinear(codes, out_float=True, portable=portable)(x)
+    # vnni=False: one to four rows stay on this kernel (the VNNI one is tested below)
+    got = LowBitLinear(codes, out_float=True, portable=portable, vnni=False)(x)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     # the products are exact (bf16 x small integers in float32): only the float32
     # summation order differs from the reference, ~1e-6 of the output's scale
     torch.testing.assert_close(got, want, atol=2e-5 * want.abs().max().item(), rtol=1e-5)
-    bf16 = LowBitLinear(codes, portable=portable)(x)
+    bf16 = LowBitLinear(codes, portable=portable, vnni=False)(x)
     assert bf16.dtype == torch.bfloat16
     torch.testing.assert_close(bf16.float(), got.bfloat16().float(), atol=0, rtol=0)
 
@@ -70,12 +79,75 @@ def test_a_row_does_not_depend_on_its_batch(portable, bits):
     """Each row's sums run in the same order at any batch size: a request's tokens do
     not change with the company it is batched with (bit for bit)."""
     codes = _codes(bits, 64, 128, 32, True, seed=bits)
-    layer = LowBitLinear(codes, portable=portable)
+    layer = LowBitLinear(codes, portable=portable, vnni=False)
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
     full = layer(x)
     for i in (0, 1, 7, 63):
         assert torch.equal(layer(x[i:i + 1]), full[i:i + 1])
     assert torch.equal(layer(x[5:8]), full[5:8])
+
+
+def _vnni_reference(codes: AffineCodes, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VNNI kernel's product in float64 (dequantized weights times the activations
+    rounded to 15 bits per block of 32, as csrc/lowbit_vnni.cpp rounds them), and the
+    bound on its distance from the product with x itself: half a step per input."""
+    rows, k = x.shape
+    blocks = x.float().view(rows, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(16383.0) / amax, torch.zeros_like(amax))
+    step = (amax / 16383.0).double()
+    xq = (torch.round(blocks * inv).double() * step).view(rows, k)
+    w = codes.dequantize(torch.float64)
+    bound = (step / 2).expand(-1, -1, 32).reshape(rows, k) @ w.abs().T
+    return xq @ w.T, bound
+
+
+@pytest.mark.skipif(lowbit_vnni_kernel() is None, reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("bits,n,k,group,zero", [
+    (4, 40, 192, 64, True),     # output rows not a multiple of 32 (pairs of blocks)
+    (4, 96, 128, 32, True),     # GGUF-sized groups
+    (4, 64, 256, 256, False),   # per channel, symmetric
+    (8, 48, 64, 32, False),     # Q8_0-like
+    (8, 40, 192, 192, True),    # asymmetric per channel
+])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_vnni_kernel_is_exact_on_15_bit_activations(bits, n, k, group, zero, rows):
+    """One to four rows run on byte products of 15-bit activations: exact against the
+    same rounding done here in float64 (float32 sums aside), and within the rounding's
+    own bound of the product with the bfloat16 activations themselves."""
+    codes = _codes(bits, n, k, group, zero, seed=rows + n)
+    gen = torch.Generator().manual_seed(rows)
+    # heavy-tailed activations, a zero block and a block of one outlier among tiny values
+    x = (torch.randn(rows, k, generator=gen) * torch.randn(rows, k, generator=gen).exp())
+    x[0, :32] = 0
+    x[-1, 32:64] = 1e-3
+    x[-1, 40] = 50.0
+    x = x.bfloat16()
+    layer = LowBitLinear(codes, out_float=True)
+    assert vnni_fits(codes) and layer._vnni_rows >= rows
+    got = layer(x).double()
+    want, bound = _vnni_reference(codes, x)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, atol=2e-6 * scale, rtol=1e-5)
+    exact = x.double() @ codes.dequantize(torch.float64).T
+    assert ((got - exact).abs() <= bound + 2e-6 * scale).all()
+    # the bfloat16 output is the float32 one rounded, and a row's result is the same at
+    # any row count this kernel takes (integer sums, then one order of float ones)
+    assert torch.equal(LowBitLinear(codes)(x).float(), got.float().bfloat16().float())
+    for i in range(rows):
+        assert torch.equal(layer(x[i:i + 1]), got.float()[i:i + 1])
+
+
+def test_layers_the_vnni_kernel_cannot_take_stay_on_the_bfloat16_one():
+    """Groups that are not whole 32-input blocks keep one to four rows on the first
+    kernel (no second copy of the codes)."""
+    codes = _codes(4, 32, 96, 48, True, seed=3)
+    assert not vnni_fits(codes)
+    layer = LowBitLinear(codes, out_float=True)
+    assert layer._vnni_rows == 0
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+    want = x.float() @ codes.dequantize().T
+    torch.testing.assert_close(layer(x), want, atol=2e-5 * want.abs().max().item(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("bits,zero", [(4, False), (4, True), (8, False), (8, True)])

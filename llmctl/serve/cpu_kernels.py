@@ -10,6 +10,8 @@
 - :file:`csrc/lowbit_gemm.cpp`: int4/int8 weights times bfloat16 activations with
   AVX512-BF16 (:mod:`llmctl.serve.lowbit`); :file:`csrc/lowbit_vnni.cpp` the same for
   one to four rows with AVX512-VNNI byte products on 15-bit activations.
+- :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
+  pass for bfloat16 (nine torch ops per layer before).
 - :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use.
 
 Built with the system C++ compiler (``$CXX``, else ``c++``), ``-O3 -march=native
@@ -47,7 +49,7 @@ log = logging.getLogger("llmctl.serve")
 # header rebuilds too); the .cpp files are the compiler's inputs.
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
-                             "lowbit_vnni.cpp", "simd_math.h"))
+                             "lowbit_vnni.cpp", "rope_kv.cpp", "simd_math.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
 # torch dtype -> exported symbol
@@ -66,6 +68,8 @@ ARGTYPES = {
     "lowbit_gemv_vnni": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
                          _I64, _INT, _INT],
     "lowbit_vnni_rows": [],
+    "rope_kv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
+                     _PTR, _INT],
 }
 RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int}
 
@@ -186,6 +190,33 @@ class NormActKernels:
         self._silu(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
                    torch.get_num_threads())
         return out
+
+
+class RopeKV:
+    """RoPE on q and k plus the K/V cache write in one native call (bfloat16)."""
+
+    def __init__(self, lib: ctypes.CDLL, freqs: torch.Tensor) -> None:
+        self._fn = lib.rope_kv_bf16
+        self.freqs = torch.view_as_real(freqs).contiguous()  # [positions, d / 2, 2] float32
+
+    def __call__(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, layer_cache: torch.Tensor) -> None:
+        """Rotate ``qk [T, q_heads + kv_heads, d]`` in place (rows may be strided, each
+        row's heads contiguous) and write its keys and ``v [T, kv_heads, d]`` at
+        ``slots`` of ``layer_cache [2, blocks, block_size, kv_heads, d]``."""
+        t, heads, d = qk.shape
+        kv_heads = v.shape[1]
+        self._fn(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), t, heads - kv_heads,
+                 kv_heads, d, self.freqs.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                 layer_cache[0].data_ptr(), layer_cache[1].data_ptr(), torch.get_num_threads())
+
+
+def rope_kv_kernel(device: torch.device, dtype: torch.dtype, freqs: torch.Tensor) -> RopeKV | None:
+    """The fused RoPE + cache write for bfloat16 activations and cache on the CPU, or None."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return None
+    lib = _library()
+    return RopeKV(lib, freqs) if lib is not None else None
 
 
 def norm_act_kernels(device: torch.device, dtype: torch.dtype) -> NormActKernels | None:

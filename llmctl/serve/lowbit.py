@@ -134,8 +134,8 @@ def pack(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     return packed, _blocked(codes.scale, n_pad), zero
 
 
-def pack_vnni(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(packed codes, scales, offsets)`` in :file:`csrc/lowbit_vnni.cpp`'s layout."""
+def pack_vnni(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(packed codes, scales, offsets or None)`` in :file:`csrc/lowbit_vnni.cpp`'s layout."""
     n, k = codes.shape
     n_pad = -n % (2 * BLOCK)  # blocks come in interleaved pairs
     q = codes.q
@@ -150,8 +150,8 @@ def pack_vnni(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         # pair p, step t, block j: byte 4c+i = q[c, 4t+i] + 128
         u = (q.to(torch.int16) + 128).to(torch.uint8)
         packed = u.view(pairs, 2, BLOCK, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
-    zero = codes.zero if codes.zero is not None else torch.zeros_like(codes.scale)
-    return packed, _blocked(codes.scale, n_pad), _blocked(zero, n_pad)
+    zero = None if codes.zero is None else _blocked(codes.zero, n_pad)
+    return packed, _blocked(codes.scale, n_pad), zero
 
 
 class LowBitLinear:

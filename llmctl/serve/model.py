@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from llmctl.errors import UnsupportedArchitectureError
 from llmctl.models.architectures import get_architecture
 from llmctl.serve.attention import AttnMetadata, paged_attention
-from llmctl.serve.cpu_kernels import norm_act_kernels
+from llmctl.serve.cpu_kernels import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.rope import apply_rope, rope_freqs, rope_parameters
 
 # model_type -> features: a bool, or the config key that switches the feature on.
@@ -176,6 +176,7 @@ class LlamaModel:
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
         self.norm_act = norm_act_kernels(device, dtype) or TorchNormAct()
+        self.rope_kv = rope_kv_kernel(device, dtype, self.freqs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
@@ -185,7 +186,8 @@ class LlamaModel:
         head = (spec.head_dim,)
         t = input_ids.shape[0]
         nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        freqs = self.freqs[positions].unsqueeze(1)
+        rope_kv = self.rope_kv if kv_cache.dtype == torch.bfloat16 else None
+        freqs = self.freqs[positions].unsqueeze(1) if rope_kv is None else None
         qk_size = self.q_size + self.kv_size
         slots = meta.slot_mapping
         ops = self.norm_act
@@ -199,14 +201,18 @@ class LlamaModel:
             v = qkv[:, qk_size:].view(t, nkv, d)
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, head, None, eps) * layer.qk_norm
-            qk = apply_rope(qk, freqs)  # q and k rotated together
-            q, k = qk[:, :nh], qk[:, nh:]
             layer_cache = kv_cache[i]
-            cache_dtype = layer_cache.dtype
-            if cache_dtype != q.dtype:
-                q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
-            layer_cache[0].view(-1, nkv, d).index_copy_(0, slots, k)
-            layer_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
+            if rope_kv is not None:  # bf16 throughout: rotate in place, write the cache
+                rope_kv(qk, v, positions, slots, layer_cache)
+                q, k = qk[:, :nh], qk[:, nh:]
+            else:
+                qk = apply_rope(qk, freqs)  # q and k rotated together
+                q, k = qk[:, :nh], qk[:, nh:]
+                cache_dtype = layer_cache.dtype
+                if cache_dtype != q.dtype:
+                    q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
+                layer_cache[0].view(-1, nkv, d).index_copy_(0, slots, k)
+                layer_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
             attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
             h = ops.add_rms_norm(x, layer.o(attn.to(x.dtype)), layer.post_norm, eps)
             mlp = layer.down(ops.silu_mul(layer.gate_up(h)))

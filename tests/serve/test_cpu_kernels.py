@@ -142,10 +142,49 @@ def test_fused_silu_mul_matches_torch(width):
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-6, rtol=2 ** -7)
 
 
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 3, 100])  # 100: the multi-threaded branch
+@pytest.mark.parametrize("qk_norm", [False, True])  # True: q/k in their own tensor
+def test_fused_rope_and_cache_write_match_the_torch_path(tokens, qk_norm):
+    """Rotation and cache write as apply_rope + index_copy_ do them: the same float32
+    products rounded to bfloat16 (a fused multiply-add in either may move a rare value
+    by one bf16 step), K/V landing at exactly the slots given, nothing else written."""
+    from llmctl.serve.rope import apply_rope, rope_freqs, rope_parameters
+
+    nh, nkv, d, block = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(tokens)
+    freqs = rope_freqs(rope_parameters({"rope_theta": 10000.0}), d, 2048, 512)
+    kernel = cpu_kernels.rope_kv_kernel(torch.device("cpu"), torch.bfloat16, freqs)
+    qkv = (torch.randn(tokens, (nh + 2 * nkv) * d, generator=gen) * 3).bfloat16()
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    slots = torch.randperm(40 * block, generator=gen)[:tokens]
+    cache = torch.randn(2, 40, block, nkv, d, generator=gen).bfloat16()
+    v = qkv[:, (nh + nkv) * d:].view(tokens, nkv, d)
+    qk = qkv[:, :(nh + nkv) * d].view(tokens, nh + nkv, d)
+    if qk_norm:
+        qk = qk * 1.5  # a new contiguous tensor, as the q/k norm makes
+    want_qk = apply_rope(qk, freqs[positions].unsqueeze(1))
+    want_cache = cache.clone()
+    want_cache[0].view(-1, nkv, d).index_copy_(0, slots, want_qk[:, nh:])
+    want_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
+    kernel(qk, v, positions, slots, cache)
+    assert (qk != want_qk).float().mean().item() < 1e-3
+    torch.testing.assert_close(qk.float(), want_qk.float(), atol=1e-6, rtol=2 ** -7)
+    written = torch.zeros(40 * block, dtype=torch.bool)
+    written[slots] = True
+    for i in range(2):
+        flat, ref = cache[i].view(-1, nkv, d), want_cache[i].view(-1, nkv, d)
+        assert torch.equal(flat[~written], ref[~written])
+    assert torch.equal(cache[0].view(-1, nkv, d)[slots], qk[:, nh:])
+    assert torch.equal(cache[1].view(-1, nkv, d)[slots], v)
+
+
 def test_kernels_absent_for_other_devices_and_dtypes():
     assert cpu_kernels.paged_attention_kernel(torch.device("meta"), torch.float32) is None
     assert cpu_kernels.paged_attention_kernel(torch.device("cpu"), torch.float16) is None
     assert cpu_kernels.norm_act_kernels(torch.device("cpu"), torch.float32) is None
+    freqs = torch.ones(4, 2, dtype=torch.complex64)
+    assert cpu_kernels.rope_kv_kernel(torch.device("cpu"), torch.float32, freqs) is None
 
 
 @pytest.fixture

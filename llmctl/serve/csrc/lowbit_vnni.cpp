@@ -25,7 +25,7 @@
 //   int4, 8 k per step: byte 4c+j = q[c, k+j] | q[c, k+4+j] << 4, q unsigned 0..15
 //   int8, 4 k per step: byte 4c+j = q[c, k+j] + 128 (vpdpbusd wants the unsigned operand;
 //                       I_b is corrected by 128 S_b in int32, before any rounding)
-// s and z are [block][group][16] float32 as they are (z zero when absent). Groups must be
+// s and z are [block][group][16] float32 as they are (z may be null: no offset). Groups must be
 // whole multiples of the 32-input activation block.
 
 #include <cstdint>
@@ -164,10 +164,12 @@ void tile(const Problem& p, int64_t b0) {
     }
     for (int j = 0; j < NT; ++j) {
       const int64_t at = ((b0 + j) * groups + g) * kCols;
-      const __m512 sv = _mm512_loadu_ps(p.s + at), zv = _mm512_loadu_ps(p.z + at);
-      for (int i = 0; i < MT; ++i) {
-        tot[i][j] = _mm512_fmadd_ps(sv, gacc[i][j], tot[i][j]);
-        tot[i][j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(p.zx[i * groups + g]), tot[i][j]);
+      const __m512 sv = _mm512_loadu_ps(p.s + at);
+      for (int i = 0; i < MT; ++i) tot[i][j] = _mm512_fmadd_ps(sv, gacc[i][j], tot[i][j]);
+      if (p.z != nullptr) {  // symmetric int8 has none: its bytes are not read at all
+        const __m512 zv = _mm512_loadu_ps(p.z + at);
+        for (int i = 0; i < MT; ++i)
+          tot[i][j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(p.zx[i * groups + g]), tot[i][j]);
       }
     }
   }

@@ -15,13 +15,16 @@
 
 using namespace llmctl_simd;
 
+// A decode step's few rows take ~1 us in one thread; waking the pool costs more.
+constexpr int64_t kParallelRows = 8;
+
 extern "C" {
 
 // x [rows, cols] bf16, updated in place to x + residual when residual is not null;
 // out [rows, cols] = RMSNorm(x) * weight.
 void add_rms_norm_bf16(uint16_t* x, const uint16_t* residual, const uint16_t* weight,
                        uint16_t* out, int64_t rows, int64_t cols, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= kParallelRows)
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* xr = x + r * cols;
     float sum = 0.f;
@@ -52,7 +55,7 @@ void add_rms_norm_bf16(uint16_t* x, const uint16_t* residual, const uint16_t* we
 // gate_up [rows, 2 * inter] (gate columns, then up columns) -> out [rows, inter].
 void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
                    int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= kParallelRows)
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* g = gate_up + r * 2 * inter;
     const uint16_t* u = g + inter;

@@ -97,6 +97,10 @@ class EngineConfig(BaseModel):
     # "int8": the output projection on int8 codes, a scale per 32 inputs (CPU);
     # "auto": as the checkpoint has it.
     lm_head: Literal["auto", "int8"] = "auto"
+    # bfloat16 dense layers on the CPU: "on" keeps a second copy of each weight for
+    # batches of 1-4 rows (csrc/gemv_bf16.cpp, read at memory speed where oneDNN is not);
+    # "auto" = on when that copy takes at most 1/8 of the machine's memory.
+    decode_gemv: Literal["auto", "on", "off"] = "auto"
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = Field(None, ge=1)
     # Seeds the engine-wide generator used by requests without their own seed.

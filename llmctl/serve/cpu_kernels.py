@@ -10,6 +10,8 @@
 - :file:`csrc/lowbit_gemm.cpp`: int4/int8 weights times bfloat16 activations with
   AVX512-BF16 (:mod:`llmctl.serve.lowbit`); :file:`csrc/lowbit_vnni.cpp` the same for
   one to four rows with AVX512-VNNI byte products on 15-bit activations.
+- :file:`csrc/gemv_bf16.cpp`: dense bfloat16 weights times one to four rows
+  (:class:`llmctl.serve.quant_linear.PackedLinear`'s decode copy).
 - :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
   pass for bfloat16 (nine torch ops per layer before).
 - :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use.
@@ -49,7 +51,8 @@ log = logging.getLogger("llmctl.serve")
 # header rebuilds too); the .cpp files are the compiler's inputs.
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
-                             "lowbit_vnni.cpp", "rope_kv.cpp", "simd_math.h"))
+                             "lowbit_vnni.cpp", "gemv_bf16.cpp", "rope_kv.cpp",
+                             "simd_math.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
 # torch dtype -> exported symbol
@@ -68,10 +71,13 @@ ARGTYPES = {
     "lowbit_gemv_vnni": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
                          _I64, _INT, _INT],
     "lowbit_vnni_rows": [],
+    "gemv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
+    "gemv_bf16_rows": [],
     "rope_kv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                      _PTR, _INT],
 }
-RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int}
+RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int,
+            "gemv_bf16_rows": ctypes.c_int}
 
 
 def _compiler() -> str | None:
@@ -243,3 +249,12 @@ def lowbit_vnni_kernel() -> tuple[object, int] | None:
     if lib is None or not lib.lowbit_vnni_rows():
         return None
     return lib.lowbit_gemv_vnni, int(lib.lowbit_vnni_rows())
+
+
+def gemv_bf16_kernel() -> tuple[object, int] | None:
+    """``(gemv_bf16, max_rows)`` of :file:`csrc/gemv_bf16.cpp`, or None when there is no
+    build or this CPU lacks AVX512-BF16."""
+    lib = _library()
+    if lib is None or not lib.gemv_bf16_rows():
+        return None
+    return lib.gemv_bf16, int(lib.gemv_bf16_rows())

@@ -111,7 +111,8 @@ class _Built:
         self.model: LlamaModel = load_model(path, dtype=dtype, device=device,
                                             backend=config.quant_backend, max_len=max_len,
                                             spec=self.spec, reader=reader,
-                                            lm_head=config.lm_head)
+                                            lm_head=config.lm_head,
+                                            decode_gemv=config.decode_gemv)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         spec = self.spec
         self.plan: KVCachePlan = plan_kv_cache(

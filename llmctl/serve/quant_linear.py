@@ -82,23 +82,70 @@ class PackedLinear:
     128 rows 13.5 vs 21.7 ms. float32 gains nothing (stays on :class:`DenseLinear`).
     The weight is packed for 1024-row batches (the hint changes the blocking): the best of
     the hints tried at both 128 and 1024 rows.
+
+    ``decode_copy=True`` also keeps the weight in :file:`csrc/gemv_bf16.cpp`'s layout for
+    one to four rows (batch-1 decode), where oneDNN streams cold weights well below the
+    memory's bandwidth: twice the resident bytes, the same bytes read per step.
     """
 
     kind = "dense"
-    __slots__ = ("bias", "in_features", "out_features", "weight")
+    __slots__ = ("bias", "in_features", "out_features", "weight", "_gemv")
     BATCH_HINT = 1024
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                 decode_copy: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
         self.bias = bias
+        self._gemv = gemv_bf16_layer(weight) if decode_copy else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemv is not None and x.dim() == 2 and x.shape[0] <= self._gemv.max_rows \
+                and x.stride(-1) == 1:
+            out = self._gemv(x)
+            return out if self.bias is None else out + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features * 2 + _nbytes(self.bias)
+
+
+class GemvBF16:
+    """A bf16 weight in :file:`csrc/gemv_bf16.cpp`'s layout (see there) for 1-4 rows."""
+
+    __slots__ = ("packed", "out_features", "in_features", "max_rows", "_fn", "_blocks")
+
+    def __init__(self, weight: torch.Tensor, fn, max_rows: int) -> None:
+        n, k = weight.shape
+        n_pad = -n % 32  # column blocks of 16 come in interleaved pairs
+        w = weight.to(torch.bfloat16)
+        if n_pad:
+            w = torch.cat([w, w.new_zeros(n_pad, k)])
+        pairs = (n + n_pad) // 32
+        # pair u, step t, block j: element 2c+p = w[32u + 16j + c, 2t+p]
+        self.packed = w.view(pairs, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
+        self.out_features, self.in_features = n, k
+        self.max_rows, self._fn, self._blocks = max_rows, fn, 2 * pairs
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        out = torch.empty((rows, self.out_features), dtype=torch.bfloat16)
+        if rows:
+            self._fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(), rows, self._blocks,
+                     self.in_features, out.data_ptr(), self.out_features, self.out_features,
+                     torch.get_num_threads())
+        return out
+
+
+def gemv_bf16_layer(weight: torch.Tensor) -> GemvBF16 | None:
+    """The 1-4-row copy of a bf16 CPU weight, or None (no kernel on this CPU, odd width)."""
+    from llmctl.serve.cpu_kernels import gemv_bf16_kernel
+
+    kernel = gemv_bf16_kernel()
+    if kernel is None or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+        return None
+    return GemvBF16(weight, *kernel)
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -110,10 +157,12 @@ def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None):
-    """The dense layer for a weight already in its device and dtype."""
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, *,
+                 decode_copy: bool = False):
+    """The dense layer for a weight already in its device and dtype (``decode_copy``:
+    see :class:`PackedLinear`)."""
     if packing_available(weight.dtype, weight.device):
-        return PackedLinear(weight, bias)
+        return PackedLinear(weight, bias, decode_copy=decode_copy)
     return DenseLinear(weight, bias)
 
 
@@ -368,12 +417,14 @@ def concat_quant(parts: list[QuantWeight]) -> QuantWeight | None:
 
 
 def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *,
-                dtype: torch.dtype, device: torch.device, backend: str):
+                dtype: torch.dtype, device: torch.device, backend: str,
+                decode_copy: bool = False):
     """The fastest layer this machine has for ``weight`` (see the module docstring)."""
     if bias is not None:
         bias = bias.to(device=device, dtype=dtype)
     if isinstance(weight, torch.Tensor):
-        return dense_linear(weight.to(device=device, dtype=dtype).contiguous(), bias)
+        return dense_linear(weight.to(device=device, dtype=dtype).contiguous(), bias,
+                            decode_copy=decode_copy)
     kernels = backend == "kernel" and device.type == "cpu"
     if kernels and simd_available():
         codes = weight if isinstance(weight, AffineCodes) else weight.affine()

@@ -53,6 +53,7 @@ class ServeSettings:
     threads: int | None = None
     lm_head: str = "auto"
     gguf_weights: str = "auto"
+    decode_gemv: str = "auto"
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 
@@ -106,10 +107,12 @@ def engine_kwargs(settings: ServeSettings, engine_dir: bool) -> dict[str, Any]:
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "enable_prefix_caching": settings.prefix_caching,
         "enable_chunked_prefill": settings.chunked_prefill, "num_threads": settings.threads,
-        "lm_head": settings.lm_head, "gguf_weights": settings.gguf_weights}
+        "lm_head": settings.lm_head, "gguf_weights": settings.gguf_weights,
+        "decode_gemv": settings.decode_gemv}
     if engine_dir:  # what the user did not set is not a request to warn about
         for key, name in (("enable_prefix_caching", "prefix_caching"), ("dtype", "dtype"),
-                          ("lm_head", "lm_head"), ("gguf_weights", "gguf_weights")):
+                          ("lm_head", "lm_head"), ("gguf_weights", "gguf_weights"),
+                          ("decode_gemv", "decode_gemv")):
             if name not in settings.given:
                 kwargs.pop(key)
     else:

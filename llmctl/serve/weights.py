@@ -9,6 +9,7 @@ any reader with ``name in reader``, ``reader(name)`` and ``reader.layer_weight(n
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -88,14 +89,16 @@ class CheckpointReader:
 
 def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend: str,
                max_len: int, spec: ModelSpec | None = None, reader=None,
-               lm_head: str = "auto") -> LlamaModel:
+               lm_head: str = "auto", decode_gemv: str = "off") -> LlamaModel:
     """The engine's model from the checkpoint at ``path`` (or from ``reader``).
 
     ``lm_head="int8"`` runs the output projection on int8 codes with a scale per 32
     inputs (the tied 49k x 576 head of SmolLM2 is half of a bf16 batch-1 step's bytes);
-    "auto" keeps it as the checkpoint has it.
+    "auto" keeps it as the checkpoint has it. ``decode_gemv``: see
+    :class:`llmctl.serve.config.EngineConfig` (:func:`wants_decode_copy`).
     """
     spec = spec or ModelSpec.from_dir(path)
+    copy = wants_decode_copy(decode_gemv, spec, dtype, device)
     read = reader if reader is not None else CheckpointReader(path, spec.quantization_config)
 
     def tensor(name: str) -> torch.Tensor:
@@ -105,7 +108,8 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
         return read(name) if name in read else None
 
     def linear(weight, bias):
-        return make_linear(weight, bias, dtype=dtype, device=device, backend=backend)
+        return make_linear(weight, bias, dtype=dtype, device=device, backend=backend,
+                           decode_copy=copy)
 
     rotated = {"q_proj": spec.num_heads, "k_proj": spec.num_kv_heads}
 
@@ -167,9 +171,28 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
     head = _head_linear(head_weight, device)
     if head is None:
         # tied: a packed layout is a copy (the embedding lookup needs the plain table)
-        head = dense_linear(embed, None) if tied else linear(head_weight, None)
+        head = dense_linear(embed, None, decode_copy=copy) if tied else linear(head_weight, None)
     return LlamaModel(spec, embed=embed, layers=layers, norm=tensor("model.norm.weight"),
                       lm_head=head, dtype=dtype, device=device, max_len=max_len)
+
+
+def dense_parameters(spec: ModelSpec) -> int:
+    """Parameters of the matrix products (the output head counted once, tied or not)."""
+    attn = spec.hidden_size * (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    mlp = 3 * spec.hidden_size * spec.intermediate_size
+    return spec.num_layers * (attn + mlp) + spec.vocab_size * spec.hidden_size
+
+
+def wants_decode_copy(choice: str, spec: ModelSpec, dtype: torch.dtype,
+                      device: torch.device) -> bool:
+    """Whether bf16 dense layers keep their 1-4-row copy: "on"/"off" as said; "auto"
+    when a bf16 copy of every dense weight is at most 1/8 of physical memory."""
+    if choice == "off" or dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    if choice == "on":
+        return True
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 2 * dense_parameters(spec) <= memory // 8
 
 
 def _head_linear(weight, device: torch.device):

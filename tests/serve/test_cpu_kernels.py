@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from llmctl.serve import cpu_kernels
+from llmctl.utils.cpu import cpu_flags
 from llmctl.serve.attention import (
     AttnMetadata,
     build_kernel_group,
@@ -344,3 +345,59 @@ def test_packed_linear_matches_f_linear_and_is_picked_for_bf16_only(monkeypatch)
     assert isinstance(dense_linear(w.float(), None), DenseLinear)  # float32 gains nothing
     monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
     assert isinstance(dense_linear(w, None), DenseLinear)
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_decode_copy_is_the_float32_product_rounded_once(with_bias):
+    """One to four rows on csrc/gemv_bf16.cpp: exact bf16 products summed in float32 and
+    rounded once, so each output is the float64 product rounded to bf16 up to one step
+    (the sum's float32 rounding may cross a bf16 boundary); more rows stay on oneDNN,
+    bit for bit the layer without the copy."""
+    from llmctl.serve.quant_linear import PackedLinear, packing_available
+
+    if not packing_available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("torch here has no oneDNN weight packing")
+    if cpu_kernels.gemv_bf16_kernel() is None:
+        assert "avx512_bf16" not in cpu_flags()  # only a CPU without it may lack the kernel
+        pytest.skip("this CPU has no AVX512-BF16")
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn((40, 96), generator=gen).bfloat16()  # 40: pads to a pair of blocks
+    b = torch.randn(40, generator=gen).bfloat16() if with_bias else None
+    fast, plain = PackedLinear(w, b, decode_copy=True), PackedLinear(w, b)
+    def ulp(v: torch.Tensor) -> torch.Tensor:  # one bf16 step at v's magnitude
+        return 2.0 ** (torch.floor(torch.log2(v.abs().clamp_min(1e-30))) - 7)
+
+    for rows in (1, 2, 3, 4):
+        x = torch.randn((rows, 96), generator=gen).bfloat16()
+        exact = x.double() @ w.double().T
+        got = fast(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
+        want = exact.float().bfloat16().double()
+        bound = ulp(exact)
+        if b is not None:  # the bias is added to the rounded product: one more rounding
+            want = want + b.double()
+            bound = bound + ulp(want)
+        assert ((got.double() - want).abs() <= bound).all()
+    x = torch.randn((5, 96), generator=gen).bfloat16()
+    assert torch.equal(fast(x), plain(x))
+
+
+def test_the_bf16_decode_copy_follows_the_setting_and_memory(monkeypatch):
+    from llmctl.serve.model import ModelSpec
+    from llmctl.serve.weights import dense_parameters, wants_decode_copy
+
+    spec = ModelSpec.from_config({
+        "model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "tie_word_embeddings": True})
+    # 2 layers x (q, k, v, o: 64 x (2 x 4 + 2 x 2) x 16 + mlp 3 x 64 x 128) + head 1000 x 64
+    assert dense_parameters(spec) == 2 * (64 * 12 * 16 + 3 * 64 * 128) + 1000 * 64
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert wants_decode_copy("on", spec, bf16, cpu)
+    assert not wants_decode_copy("off", spec, bf16, cpu)
+    assert not wants_decode_copy("on", spec, torch.float32, cpu)  # bf16 weights only
+    assert wants_decode_copy("auto", spec, bf16, cpu)  # a few hundred KB
+    pages = 2 * dense_parameters(spec) * 8 // 4096 - 1  # memory just too small for it
+    monkeypatch.setattr("os.sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else pages)
+    assert not wants_decode_copy("auto", spec, bf16, cpu)

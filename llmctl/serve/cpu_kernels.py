@@ -12,6 +12,8 @@
   one to four rows with AVX512-VNNI byte products on 15-bit activations.
 - :file:`csrc/gemv_bf16.cpp`: dense bfloat16 weights times one to four rows
   (:class:`llmctl.serve.quant_linear.PackedLinear`'s decode copy).
+- :file:`csrc/decode_layer.cpp`: a whole decoder layer for 1-4 decode tokens in one
+  call, from the kernels above (:mod:`llmctl.serve.decode_layers`).
 - :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
   pass for bfloat16 (nine torch ops per layer before).
 - :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use.
@@ -52,7 +54,7 @@ log = logging.getLogger("llmctl.serve")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
                              "lowbit_vnni.cpp", "gemv_bf16.cpp", "rope_kv.cpp",
-                             "simd_math.h"))
+                             "decode_layer.cpp", "simd_math.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
 # torch dtype -> exported symbol
@@ -73,6 +75,7 @@ ARGTYPES = {
     "lowbit_vnni_rows": [],
     "gemv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
     "gemv_bf16_rows": [],
+    "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
     "rope_kv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                      _PTR, _INT],
 }
@@ -258,3 +261,12 @@ def gemv_bf16_kernel() -> tuple[object, int] | None:
     if lib is None or not lib.gemv_bf16_rows():
         return None
     return lib.gemv_bf16, int(lib.gemv_bf16_rows())
+
+
+def decode_layer_kernel():
+    """:file:`csrc/decode_layer.cpp`'s ``decode_layer_bf16``, or None without a build or
+    without the 1-4-row kernels it calls (AVX512-BF16 and AVX512-VNNI)."""
+    lib = _library()
+    if lib is None or not lib.gemv_bf16_rows() or not lib.lowbit_vnni_rows():
+        return None
+    return lib.decode_layer_bf16

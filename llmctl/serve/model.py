@@ -30,6 +30,7 @@ from llmctl.errors import UnsupportedArchitectureError
 from llmctl.models.architectures import get_architecture
 from llmctl.serve.attention import AttnMetadata, paged_attention
 from llmctl.serve.cpu_kernels import norm_act_kernels, rope_kv_kernel
+from llmctl.serve.decode_layers import DecodeLayers
 from llmctl.serve.rope import apply_rope, rope_freqs, rope_parameters
 
 # model_type -> features: a bool, or the config key that switches the feature on.
@@ -177,6 +178,7 @@ class LlamaModel:
         self.scale = spec.head_dim ** -0.5
         self.norm_act = norm_act_kernels(device, dtype) or TorchNormAct()
         self.rope_kv = rope_kv_kernel(device, dtype, self.freqs)
+        self.decode_layers = DecodeLayers.build(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
@@ -195,6 +197,9 @@ class LlamaModel:
         # branch that precedes it (the last layer's MLP output goes into the final norm)
         x = F.embedding(input_ids, self.embed)
         h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
+        fused = self.decode_layers
+        if fused is not None and fused.applies(t, meta, kv_cache):
+            return fused(x, h, positions, meta, kv_cache)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             qk = qkv[:, :qk_size].view(t, nh + nkv, d)

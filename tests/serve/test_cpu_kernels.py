@@ -401,3 +401,38 @@ def test_the_bf16_decode_copy_follows_the_setting_and_memory(monkeypatch):
     pages = 2 * dense_parameters(spec) * 8 // 4096 - 1  # memory just too small for it
     monkeypatch.setattr("os.sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else pages)
     assert not wants_decode_copy("auto", spec, bf16, cpu)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", [None, "w4-g32-sym", "w8-g32"])
+def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_path(
+        tiny_llama, tmp_path, scheme, monkeypatch):
+    """Decode steps of 1-4 sequences through csrc/decode_layer.cpp give the very logits
+    of the Python layer loop (same kernels, same order): greedy tokens and log-probs of
+    three concurrent requests compared exactly, bf16 dense and int4/int8 codes."""
+    from llmctl.serve import decode_layers
+    from llmctl.serve.llm import LLM
+    from llmctl.serve.sampling_params import SamplingParams
+    from tests.serve.quant_checkpoints import write_quantized
+
+    if cpu_kernels.decode_layer_kernel() is None:
+        assert not {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
+        pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VNNI")
+    model = tiny_llama if scheme is None else write_quantized(tiny_llama, tmp_path / "q", scheme)[0]
+    llm = LLM(str(model), dtype="bfloat16", max_num_seqs=4, kv_cache_memory="16MiB",
+              decode_gemv="on")
+    net = llm.engine.target.model
+    assert net.decode_layers is not None
+    calls = []
+    real = decode_layers.DecodeLayers.__call__
+    monkeypatch.setattr(decode_layers.DecodeLayers, "__call__",
+                        lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+    prompts = ["the quick brown", "a b c d e f", "hello"]
+    fused = llm.generate(prompts, params)
+    assert calls and set(calls) <= {1, 2, 3} and 3 in calls
+    net.decode_layers = None
+    plain = llm.generate(prompts, params)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -49,7 +49,7 @@ def test_sigterm_finishes_or_errors_every_stream_and_exits_0(tiny_llama):
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmctl", "serve", str(tiny_llama), "--port", str(port),
-         "--grace-period", "3", "--kv-cache-memory", "64MiB", "--max-num-seqs", "1",
+         "--grace-period", "1", "--kv-cache-memory", "64MiB", "--max-num-seqs", "1",
          "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -57,14 +57,16 @@ def test_sigterm_finishes_or_errors_every_stream_and_exits_0(tiny_llama):
 
         async def scenario():
             # One sequence at a time: the first is generating at SIGTERM, the others wait
-            # in the queue, and the last cannot finish within the grace period.
+            # in the queue, and the last cannot finish within the grace period: 16 x 480
+            # tokens in 1 s would take 0.13 ms a token (4 x 480 in 3 s, as this test had
+            # it, became reachable once the engine's decode step got faster).
             long = {"prompt": "a", "max_tokens": 480, "ignore_eos": True, "stream": True}
-            tasks = [asyncio.create_task(_stream(url, long)) for _ in range(4)]
+            tasks = [asyncio.create_task(_stream(url, long)) for _ in range(16)]
             # SIGTERM only once the long requests are generating
             async with httpx.AsyncClient() as client:
                 for _ in range(600):
                     metrics = (await client.get(url + "/metrics")).text
-                    if _gauge(metrics, "running") + _gauge(metrics, "waiting") >= 4:
+                    if _gauge(metrics, "running") + _gauge(metrics, "waiting") >= len(tasks):
                         break
                     await asyncio.sleep(0.1)
             proc.send_signal(signal.SIGTERM)

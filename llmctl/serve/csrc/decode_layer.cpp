@@ -1,0 +1,104 @@
+// One Llama decoder layer for a decode step of one to four tokens, bfloat16, in one call.
+//
+// At batch 1 a SmolLM2 layer is ten kernel calls of a few microseconds of work each;
+// from Python each cost 5-10 us more in dispatch (ctypes, torch.empty, views), about
+// 1 ms of a 7-12 ms token. Here the same kernels run in the same order on the same
+// data, called from C: the result is bit for bit the layer-by-layer path's
+// (tests/serve/test_cpu_kernels.py holds it to that). Nothing new is computed here.
+//
+//   qkv = W_qkv h;  RoPE(q, k), K/V -> cache;  a = attention(q, cache)
+//   x += W_o a;  h = RMSNorm(x) w_post;  x += W_down silu_mul(W_gate_up h);
+//   h = RMSNorm(x) w_next
+//
+// Each matrix is a bf16 weight in gemv_bf16.cpp's layout or int4/int8 codes in
+// lowbit_vnni.cpp's; a layer with a bias or a q/k norm stays on the Python path.
+
+#include <cstdint>
+
+#include "simd_math.h"
+
+using namespace llmctl_simd;
+
+extern "C" {
+
+void gemv_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t m, int64_t blocks,
+               int64_t k, uint16_t* out, int64_t ldo, int64_t n_valid, int num_threads);
+void lowbit_gemv_vnni(const uint16_t* x, int64_t ldx, const uint8_t* w, int bits, const float* s,
+                      const float* z, int64_t m, int64_t blocks, int64_t k, int64_t group,
+                      void* out, int64_t ldo, int64_t n_valid, int out_f32, int num_threads);
+void rope_kv_bf16(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
+                  int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
+                  const float* freqs, const int64_t* positions, const int64_t* slots,
+                  uint16_t* k_cache, uint16_t* v_cache, int num_threads);
+void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                          const int64_t* bt, int64_t max_blocks, const int64_t* ctx,
+                          int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                          float scale, float* out, int num_threads);
+void add_rms_norm_bf16(uint16_t* x, const uint16_t* residual, const uint16_t* weight,
+                       uint16_t* out, int64_t rows, int64_t cols, float eps, int num_threads);
+void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
+                   int num_threads);
+
+// A matrix as llmctl/serve/model.py's DecodeLayers describes it (ctypes Structure).
+struct Matrix {
+  int64_t kind;  // 0: bf16 (gemv_bf16), 1: int4/int8 codes (lowbit_vnni)
+  const void* w;
+  const float* s;
+  const float* z;
+  int64_t bits, blocks, k, group, n;
+};
+
+struct Step {  // what every layer of one step shares
+  int64_t m, hidden, q_heads, kv_heads, head_dim;
+  const float* freqs;
+  const int64_t* positions;
+  const int64_t* slots;
+  const int64_t* block_tables;
+  int64_t max_blocks;
+  const int64_t* context_lens;
+  int64_t block_size;
+  float scale, eps;
+  uint16_t* x;  // [m, hidden] residual stream, updated
+  uint16_t* h;  // [m, hidden] normed input, replaced by the next layer's
+  uint16_t* qkv;  // scratch [m, qkv n]
+  uint16_t* attn;  // scratch [m, q_heads * head_dim]
+  float* attn_f;  // scratch, same, float32
+  uint16_t* proj;  // scratch [m, hidden]
+  uint16_t* gate_up;  // scratch [m, gate_up n]
+  uint16_t* act;  // scratch [m, gate_up n / 2]
+  int num_threads;
+};
+
+static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Step& st) {
+  if (mat.kind == 0)
+    gemv_bf16(x, mat.k, static_cast<const uint16_t*>(mat.w), st.m, mat.blocks, mat.k, out, mat.n,
+              mat.n, st.num_threads);
+  else
+    lowbit_gemv_vnni(x, mat.k, static_cast<const uint8_t*>(mat.w), static_cast<int>(mat.bits),
+                     mat.s, mat.z, st.m, mat.blocks, mat.k, mat.group, out, mat.n, mat.n, 0,
+                     st.num_threads);
+}
+
+void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
+                       const Matrix* gate_up, const Matrix* down, uint16_t* k_cache,
+                       uint16_t* v_cache, const uint16_t* post_norm, const uint16_t* next_norm) {
+  const Step& st = *step;
+  const int64_t d = st.head_dim, q_size = st.q_heads * d, width = qkv->n;
+  apply(*qkv, st.h, st.qkv, st);
+  rope_kv_bf16(st.qkv, width, st.qkv + q_size + st.kv_heads * d, width, st.m, st.q_heads,
+               st.kv_heads, d, st.freqs, st.positions, st.slots, k_cache, v_cache,
+               st.num_threads);
+  paged_attention_bf16(st.qkv, k_cache, v_cache, st.block_tables, st.max_blocks,
+                       st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
+                       st.block_size, st.scale, st.attn_f, st.num_threads);
+  for (int64_t i = 0; i < st.m * q_size; ++i) st.attn[i] = float_to_bf16(st.attn_f[i]);
+  apply(*o, st.attn, st.proj, st);
+  add_rms_norm_bf16(st.x, st.proj, post_norm, st.h, st.m, st.hidden, st.eps, st.num_threads);
+  apply(*gate_up, st.h, st.gate_up, st);
+  silu_mul_bf16(st.gate_up, st.act, st.m, gate_up->n / 2, st.num_threads);
+  apply(*down, st.act, st.proj, st);
+  add_rms_norm_bf16(st.x, st.proj, next_norm, st.h, st.m, st.hidden, st.eps, st.num_threads);
+}
+
+}  // extern "C"

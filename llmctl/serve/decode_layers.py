@@ -1,0 +1,132 @@
+"""Decode steps of one to four tokens as one native call per decoder layer.
+
+:file:`csrc/decode_layer.cpp` runs a layer's ten kernels (the 1-4-row matrix products,
+RoPE + cache write, paged attention, the fused norms and SwiGLU) from C, on the same
+data in the same order as :meth:`llmctl.serve.model.LlamaModel.forward` does from
+Python, so the hidden states are bit for bit the same; what goes is ~10 Python-to-C
+transitions and tensor allocations per layer (about 1 ms of a SmolLM2 batch-1 token).
+
+It applies when every matrix of every layer has a 1-4-row form (a bf16 weight with its
+decode copy, or int4/int8 codes in the VNNI layout), no bias, no q/k norm, bfloat16
+activations and cache, and the step is one attention group of single-token sequences
+on the native kernel; :meth:`DecodeLayers.build` returns None otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from llmctl.serve.attention import AttnMetadata
+from llmctl.serve.cpu_kernels import decode_layer_kernel
+from llmctl.serve.lowbit import LowBitLinear
+from llmctl.serve.quant_linear import PackedLinear
+
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+
+
+class Matrix(ctypes.Structure):
+    """:file:`csrc/decode_layer.cpp`'s ``Matrix``."""
+
+    _fields_ = [("kind", _I64), ("w", _PTR), ("s", _PTR), ("z", _PTR), ("bits", _I64),
+                ("blocks", _I64), ("k", _I64), ("group", _I64), ("n", _I64)]
+
+
+class Step(ctypes.Structure):
+    """:file:`csrc/decode_layer.cpp`'s ``Step``."""
+
+    _fields_ = [("m", _I64), ("hidden", _I64), ("q_heads", _I64), ("kv_heads", _I64),
+                ("head_dim", _I64), ("freqs", _PTR), ("positions", _PTR), ("slots", _PTR),
+                ("block_tables", _PTR), ("max_blocks", _I64), ("context_lens", _PTR),
+                ("block_size", _I64), ("scale", _F32), ("eps", _F32), ("x", _PTR), ("h", _PTR),
+                ("qkv", _PTR), ("attn", _PTR), ("attn_f", _PTR), ("proj", _PTR),
+                ("gate_up", _PTR), ("act", _PTR), ("num_threads", _INT)]
+
+
+def matrix(layer) -> Matrix | None:
+    """The 1-4-row form of a layer, or None when it has none (or has a bias)."""
+    if getattr(layer, "bias", None) is not None:
+        return None
+    if isinstance(layer, PackedLinear) and layer._gemv is not None:
+        g = layer._gemv
+        return Matrix(0, g.packed.data_ptr(), None, None, 16, g._blocks, g.in_features, 0,
+                      g.out_features)
+    if isinstance(layer, LowBitLinear) and layer._vnni_rows and not layer.out_float:
+        packed, scales, zeros = layer._vnni_codes
+        return Matrix(1, packed.data_ptr(), scales.data_ptr(),
+                      None if zeros is None else zeros.data_ptr(), layer.bits, scales.shape[0],
+                      layer.in_features, layer.group_size, layer.out_features)
+    return None
+
+
+class DecodeLayers:
+    """Per-layer descriptors and scratch buffers for one model (see the module doc)."""
+
+    MAX_ROWS = 4
+
+    def __init__(self, model, fn, matrices: list[tuple[Matrix, ...]]) -> None:
+        spec = model.spec
+        self._fn = fn
+        self._matrices = matrices  # kept alive: the C side holds pointers into them
+        self._norms = [layer.post_norm for layer in model.layers]
+        self._next = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
+        rows, qkv_n, gate_up_n = self.MAX_ROWS, matrices[0][0].n, matrices[0][2].n
+        q_size = spec.num_heads * spec.head_dim
+        bf16 = torch.bfloat16
+        self._scratch = {
+            "qkv": torch.empty(rows * qkv_n, dtype=bf16),
+            "attn": torch.empty(rows * q_size, dtype=bf16),
+            "attn_f": torch.empty(rows * q_size, dtype=torch.float32),
+            "proj": torch.empty(rows * spec.hidden_size, dtype=bf16),
+            "gate_up": torch.empty(rows * gate_up_n, dtype=bf16),
+            "act": torch.empty(rows * gate_up_n // 2, dtype=bf16),
+        }
+        self._step = Step(hidden=spec.hidden_size, q_heads=spec.num_heads,
+                          kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                          freqs=model.rope_kv.freqs.data_ptr(), scale=model.scale,
+                          eps=spec.rms_norm_eps,
+                          **{k: v.data_ptr() for k, v in self._scratch.items()})
+
+    @classmethod
+    def build(cls, model) -> DecodeLayers | None:
+        fn = decode_layer_kernel()
+        if fn is None or model.rope_kv is None or model.dtype != torch.bfloat16:
+            return None
+        matrices = []
+        for layer in model.layers:
+            if layer.qk_norm is not None:
+                return None
+            mats = tuple(matrix(getattr(layer, n)) for n in ("qkv", "o", "gate_up", "down"))
+            if any(m is None for m in mats):
+                return None
+            matrices.append(mats)
+        return cls(model, fn, matrices)
+
+    def applies(self, tokens: int, meta: AttnMetadata, kv_cache: torch.Tensor) -> bool:
+        """A step of 1-4 single-token sequences, one kernel group, a bf16 cache."""
+        if not 0 < tokens <= self.MAX_ROWS or len(meta.groups) != 1:
+            return False
+        grp = meta.groups[0]
+        return (grp.q_len == 1 and grp.context_lens is not None
+                and kv_cache.dtype == torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
+                 meta: AttnMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Every layer on ``x`` (residual, updated) and ``h`` (the first layer's normed
+        input); returns the final norm's output, as ``forward`` does."""
+        grp = meta.groups[0]
+        st = self._step
+        st.m = x.shape[0]
+        st.positions, st.slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
+        st.block_tables, st.max_blocks = grp.block_tables.data_ptr(), grp.block_tables.shape[1]
+        st.context_lens, st.block_size = grp.context_lens.data_ptr(), kv_cache.shape[3]
+        st.x, st.h, st.num_threads = x.data_ptr(), h.data_ptr(), torch.get_num_threads()
+        ref = ctypes.byref(st)
+        fn = self._fn
+        for i, (qkv, o, gate_up, down) in enumerate(self._matrices):
+            cache = kv_cache[i]
+            fn(ref, ctypes.byref(qkv), ctypes.byref(o), ctypes.byref(gate_up),
+               ctypes.byref(down), cache[0].data_ptr(), cache[1].data_ptr(),
+               self._norms[i].data_ptr(), self._next[i].data_ptr())
+        return h

@@ -48,12 +48,12 @@ def matrix(layer) -> Matrix | None:
     """The 1-4-row form of a layer, or None when it has none (or has a bias)."""
     if getattr(layer, "bias", None) is not None:
         return None
-    if isinstance(layer, PackedLinear) and layer._gemv is not None:
-        g = layer._gemv
-        return Matrix(0, g.packed.data_ptr(), None, None, 16, g._blocks, g.in_features, 0,
+    if isinstance(layer, PackedLinear) and layer.decode_copy is not None:
+        g = layer.decode_copy
+        return Matrix(0, g.packed.data_ptr(), None, None, 16, g.blocks, g.in_features, 0,
                       g.out_features)
-    if isinstance(layer, LowBitLinear) and layer._vnni_rows and not layer.out_float:
-        packed, scales, zeros = layer._vnni_codes
+    if isinstance(layer, LowBitLinear) and layer.vnni_rows and not layer.out_float:
+        packed, scales, zeros = layer.vnni_codes
         return Matrix(1, packed.data_ptr(), scales.data_ptr(),
                       None if zeros is None else zeros.data_ptr(), layer.bits, scales.shape[0],
                       layer.in_features, layer.group_size, layer.out_features)

@@ -134,22 +134,31 @@ def pack(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     return packed, _blocked(codes.scale, n_pad), zero
 
 
+def interleave_block_pairs(t: torch.Tensor, per_step: int) -> torch.Tensor:
+    """``t [N, K]`` -> ``[N/32, K/per_step, 2, 16, per_step]``: output rows in blocks of
+    16 (zero rows padding N to a pair of blocks), the two blocks of a pair interleaved
+    step by step, ``per_step`` inputs of a row together. The streaming layout of
+    :file:`csrc/lowbit_vnni.cpp` and :file:`csrc/gemv_bf16.cpp`: each pair of blocks is
+    one sequential stream."""
+    n, k = t.shape
+    n_pad = -n % (2 * BLOCK)
+    if n_pad:
+        t = torch.cat([t, t.new_zeros(n_pad, k)])
+    pairs = (n + n_pad) // (2 * BLOCK)
+    return t.view(pairs, 2, BLOCK, k // per_step, per_step).permute(0, 3, 1, 2, 4)
+
+
 def pack_vnni(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(packed codes, scales, offsets or None)`` in :file:`csrc/lowbit_vnni.cpp`'s layout."""
-    n, k = codes.shape
-    n_pad = -n % (2 * BLOCK)  # blocks come in interleaved pairs
-    q = codes.q
-    if n_pad:
-        q = torch.cat([q, q.new_zeros(n_pad, k)])
-    pairs = (n + n_pad) // (2 * BLOCK)
+    n_pad = -codes.shape[0] % (2 * BLOCK)
     if codes.bits == 4:
-        # pair p, step t, block j: byte 4c+i = q[c, 8t+i] | q[c, 8t+4+i] << 4
-        u = q.to(torch.uint8).view(pairs, 2, BLOCK, k // 8, 2, 4).permute(0, 3, 1, 4, 2, 5)
-        packed = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).contiguous()
+        # step t, block j, byte 4c+i = q[c, 8t+i] | q[c, 8t+4+i] << 4
+        u = interleave_block_pairs(codes.q.to(torch.uint8), 8)
+        packed = (u[..., :4] | (u[..., 4:] << 4)).contiguous()
     else:
-        # pair p, step t, block j: byte 4c+i = q[c, 4t+i] + 128
-        u = (q.to(torch.int16) + 128).to(torch.uint8)
-        packed = u.view(pairs, 2, BLOCK, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
+        # step t, block j, byte 4c+i = q[c, 4t+i] + 128
+        u = (codes.q.to(torch.int16) + 128).to(torch.uint8)
+        packed = interleave_block_pairs(u, 4).contiguous()
     zero = None if codes.zero is None else _blocked(codes.zero, n_pad)
     return packed, _blocked(codes.scale, n_pad), zero
 
@@ -159,11 +168,13 @@ class LowBitLinear:
 
     ``out_float`` returns float32 (the logits of an int8 ``lm_head``) instead of the
     activation dtype. ``portable`` runs the kernel's scalar reference path (tests);
-    ``vnni=False`` keeps one to four rows on the bfloat16 kernel too."""
+    ``vnni=False`` keeps one to four rows on the bfloat16 kernel too. ``vnni_rows`` is
+    the most rows the VNNI kernel takes for this layer (0: none), ``vnni_codes`` its
+    ``(packed, scales, offsets)``."""
 
     __slots__ = ("packed", "scales", "zeros", "bits", "group_size", "bias", "out_features",
-                 "in_features", "out_float", "portable", "_wide", "_vnni", "_vnni_rows",
-                 "_out_args", "_vnni_codes")
+                 "in_features", "out_float", "portable", "_wide", "_vnni", "vnni_rows",
+                 "_out_args", "vnni_codes")
 
     def __init__(self, codes: AffineCodes, bias: torch.Tensor | None = None, *,
                  out_float: bool = False, portable: bool = False, vnni: bool = True) -> None:
@@ -177,10 +188,10 @@ class LowBitLinear:
         self._wide = self._bind(kernel[0], self.packed, self.scales, self.zeros,
                                 self.packed.shape[0])
         small = lowbit_vnni_kernel() if vnni and not portable and vnni_fits(codes) else None
-        self._vnni_codes = None if small is None else pack_vnni(codes)
-        self._vnni = None if small is None else self._bind(small[0], *self._vnni_codes,
-                                                           self._vnni_codes[1].shape[0])
-        self._vnni_rows = 0 if small is None else small[1]
+        self.vnni_codes = None if small is None else pack_vnni(codes)
+        self._vnni = None if small is None else self._bind(small[0], *self.vnni_codes,
+                                                           self.vnni_codes[1].shape[0])
+        self.vnni_rows = 0 if small is None else small[1]
         self.bias = bias
         self.out_float = out_float
         self.portable = portable
@@ -209,7 +220,7 @@ class LowBitLinear:
         rows = x2.shape[0]
         out = torch.empty((rows, self.out_features),
                           dtype=torch.float32 if self.out_float else torch.bfloat16)
-        if 0 < rows <= self._vnni_rows:
+        if 0 < rows <= self.vnni_rows:
             fn, head, tail = self._vnni
             fn(x2.data_ptr(), x2.stride(0), *head, rows, *tail, out.data_ptr(), *self._out_args,
                torch.get_num_threads())

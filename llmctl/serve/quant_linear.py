@@ -46,7 +46,13 @@ import torch.nn.functional as F
 
 from llmctl.errors import UnsupportedArchitectureError
 from llmctl.quant.packing import unpack_int32
-from llmctl.serve.lowbit import AffineCodes, LowBitLinear, kernel_fits, simd_available
+from llmctl.serve.lowbit import (
+    AffineCodes,
+    LowBitLinear,
+    interleave_block_pairs,
+    kernel_fits,
+    simd_available,
+)
 
 _INT4_GROUPS = (256, 128, 64, 32)
 
@@ -89,7 +95,7 @@ class PackedLinear:
     """
 
     kind = "dense"
-    __slots__ = ("bias", "in_features", "out_features", "weight", "_gemv")
+    __slots__ = ("bias", "in_features", "out_features", "weight", "decode_copy")
     BATCH_HINT = 1024
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
@@ -97,12 +103,13 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
         self.bias = bias
-        self._gemv = gemv_bf16_layer(weight) if decode_copy else None
+        self.decode_copy = gemv_bf16_layer(weight) if decode_copy else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemv is not None and x.dim() == 2 and x.shape[0] <= self._gemv.max_rows \
-                and x.stride(-1) == 1:
-            out = self._gemv(x)
+        if self.decode_copy is not None and x.dim() == 2 \
+                and x.shape[0] <= self.decode_copy.max_rows \
+                and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
+            out = self.decode_copy(x)
             return out if self.bias is None else out + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
@@ -114,25 +121,19 @@ class PackedLinear:
 class GemvBF16:
     """A bf16 weight in :file:`csrc/gemv_bf16.cpp`'s layout (see there) for 1-4 rows."""
 
-    __slots__ = ("packed", "out_features", "in_features", "max_rows", "_fn", "_blocks")
+    __slots__ = ("packed", "out_features", "in_features", "max_rows", "blocks", "_fn")
 
     def __init__(self, weight: torch.Tensor, fn, max_rows: int) -> None:
-        n, k = weight.shape
-        n_pad = -n % 32  # column blocks of 16 come in interleaved pairs
-        w = weight.to(torch.bfloat16)
-        if n_pad:
-            w = torch.cat([w, w.new_zeros(n_pad, k)])
-        pairs = (n + n_pad) // 32
-        # pair u, step t, block j: element 2c+p = w[32u + 16j + c, 2t+p]
-        self.packed = w.view(pairs, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
-        self.out_features, self.in_features = n, k
-        self.max_rows, self._fn, self._blocks = max_rows, fn, 2 * pairs
+        # step t, block j: element 2c+p = w[c, 2t+p]
+        self.packed = interleave_block_pairs(weight.to(torch.bfloat16), 2).contiguous()
+        self.out_features, self.in_features = weight.shape
+        self.max_rows, self.blocks, self._fn = max_rows, 2 * self.packed.shape[0], fn
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         out = torch.empty((rows, self.out_features), dtype=torch.bfloat16)
         if rows:
-            self._fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(), rows, self._blocks,
+            self._fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(), rows, self.blocks,
                      self.in_features, out.data_ptr(), self.out_features, self.out_features,
                      torch.get_num_threads())
         return out

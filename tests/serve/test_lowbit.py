@@ -124,7 +124,7 @@ def test_vnni_kernel_is_exact_on_15_bit_activations(bits, n, k, group, zero, row
     x[-1, 40] = 50.0
     x = x.bfloat16()
     layer = LowBitLinear(codes, out_float=True)
-    assert vnni_fits(codes) and layer._vnni_rows >= rows
+    assert vnni_fits(codes) and layer.vnni_rows >= rows
     got = layer(x).double()
     want, bound = _vnni_reference(codes, x)
     scale = want.abs().max().item()
@@ -144,7 +144,7 @@ def test_layers_the_vnni_kernel_cannot_take_stay_on_the_bfloat16_one():
     codes = _codes(4, 32, 96, 48, True, seed=3)
     assert not vnni_fits(codes)
     layer = LowBitLinear(codes, out_float=True)
-    assert layer._vnni_rows == 0
+    assert layer.vnni_rows == 0
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
     want = x.float() @ codes.dequantize().T
     torch.testing.assert_close(layer(x), want, atol=2e-5 * want.abs().max().item(), rtol=1e-5)

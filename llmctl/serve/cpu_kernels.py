@@ -9,10 +9,10 @@
   RMSNorm alone cost a fifth of the matrix products' time on a prefill step).
 - :file:`csrc/lowbit_gemm.cpp`: int4/int8 weights times bfloat16 activations with
   AVX512-BF16 (:mod:`llmctl.serve.lowbit`); :file:`csrc/lowbit_vnni.cpp` the same for
-  one to four rows with AVX512-VNNI byte products on 15-bit activations.
+  one to eight rows with AVX512-VNNI byte products on 15-bit activations.
 - :file:`csrc/gemv_bf16.cpp`: dense bfloat16 weights times one to four rows
   (:class:`llmctl.serve.quant_linear.PackedLinear`'s decode copy).
-- :file:`csrc/decode_layer.cpp`: a whole decoder layer for 1-4 decode tokens in one
+- :file:`csrc/decode_layer.cpp`: a whole decoder layer for a small decode step in one
   call, from the kernels above (:mod:`llmctl.serve.decode_layers`).
 - :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
   pass for bfloat16 (nine torch ops per layer before).
@@ -265,7 +265,7 @@ def gemv_bf16_kernel() -> tuple[object, int] | None:
 
 def decode_layer_kernel():
     """:file:`csrc/decode_layer.cpp`'s ``decode_layer_bf16``, or None without a build or
-    without the 1-4-row kernels it calls (AVX512-BF16 and AVX512-VNNI)."""
+    without the small-batch kernels it calls (AVX512-BF16 and AVX512-VNNI)."""
     lib = _library()
     if lib is None or not lib.gemv_bf16_rows() or not lib.lowbit_vnni_rows():
         return None

@@ -1,12 +1,13 @@
-"""Decode steps of one to four tokens as one native call per decoder layer.
+"""Small decode steps (1-4 tokens on bf16 weights, 1-8 on int4/int8 codes) as one native
+call per decoder layer.
 
-:file:`csrc/decode_layer.cpp` runs a layer's ten kernels (the 1-4-row matrix products,
+:file:`csrc/decode_layer.cpp` runs a layer's ten kernels (the small-batch matrix products,
 RoPE + cache write, paged attention, the fused norms and SwiGLU) from C, on the same
 data in the same order as :meth:`llmctl.serve.model.LlamaModel.forward` does from
 Python, so the hidden states are bit for bit the same; what goes is ~10 Python-to-C
 transitions and tensor allocations per layer (about 1 ms of a SmolLM2 batch-1 token).
 
-It applies when every matrix of every layer has a 1-4-row form (a bf16 weight with its
+It applies when every matrix of every layer has a small-batch form (a bf16 weight with its
 decode copy, or int4/int8 codes in the VNNI layout), no bias, no q/k norm, bfloat16
 activations and cache, and the step is one attention group of single-token sequences
 on the native kernel; :meth:`DecodeLayers.build` returns None otherwise.
@@ -44,34 +45,34 @@ class Step(ctypes.Structure):
                 ("gate_up", _PTR), ("act", _PTR), ("num_threads", _INT)]
 
 
-def matrix(layer) -> Matrix | None:
-    """The 1-4-row form of a layer, or None when it has none (or has a bias)."""
+def matrix(layer) -> tuple[Matrix, int] | None:
+    """The small-batch form of a layer and the most rows it takes, or None when it has
+    none (or has a bias)."""
     if getattr(layer, "bias", None) is not None:
         return None
     if isinstance(layer, PackedLinear) and layer.decode_copy is not None:
         g = layer.decode_copy
         return Matrix(0, g.packed.data_ptr(), None, None, 16, g.blocks, g.in_features, 0,
-                      g.out_features)
+                      g.out_features), g.max_rows
     if isinstance(layer, LowBitLinear) and layer.vnni_rows and not layer.out_float:
         packed, scales, zeros = layer.vnni_codes
         return Matrix(1, packed.data_ptr(), scales.data_ptr(),
                       None if zeros is None else zeros.data_ptr(), layer.bits, scales.shape[0],
-                      layer.in_features, layer.group_size, layer.out_features)
+                      layer.in_features, layer.group_size, layer.out_features), layer.vnni_rows
     return None
 
 
 class DecodeLayers:
     """Per-layer descriptors and scratch buffers for one model (see the module doc)."""
 
-    MAX_ROWS = 4
-
-    def __init__(self, model, fn, matrices: list[tuple[Matrix, ...]]) -> None:
+    def __init__(self, model, fn, matrices: list[tuple[Matrix, ...]], max_rows: int) -> None:
         spec = model.spec
+        self.max_rows = max_rows  # the fewest any matrix takes: 4 (bf16) or 8 (codes)
         self._fn = fn
         self._matrices = matrices  # kept alive: the C side holds pointers into them
         self._norms = [layer.post_norm for layer in model.layers]
         self._next = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
-        rows, qkv_n, gate_up_n = self.MAX_ROWS, matrices[0][0].n, matrices[0][2].n
+        rows, qkv_n, gate_up_n = max_rows, matrices[0][0].n, matrices[0][2].n
         q_size = spec.num_heads * spec.head_dim
         bf16 = torch.bfloat16
         self._scratch = {
@@ -93,19 +94,21 @@ class DecodeLayers:
         fn = decode_layer_kernel()
         if fn is None or model.rope_kv is None or model.dtype != torch.bfloat16:
             return None
-        matrices = []
+        matrices, max_rows = [], None
         for layer in model.layers:
             if layer.qk_norm is not None:
                 return None
-            mats = tuple(matrix(getattr(layer, n)) for n in ("qkv", "o", "gate_up", "down"))
-            if any(m is None for m in mats):
+            forms = [matrix(getattr(layer, n)) for n in ("qkv", "o", "gate_up", "down")]
+            if any(f is None for f in forms):
                 return None
-            matrices.append(mats)
-        return cls(model, fn, matrices)
+            matrices.append(tuple(f[0] for f in forms))
+            max_rows = min([f[1] for f in forms] + ([max_rows] if max_rows else []))
+        return cls(model, fn, matrices, max_rows) if matrices else None
 
     def applies(self, tokens: int, meta: AttnMetadata, kv_cache: torch.Tensor) -> bool:
-        """A step of 1-4 single-token sequences, one kernel group, a bf16 cache."""
-        if not 0 < tokens <= self.MAX_ROWS or len(meta.groups) != 1:
+        """A step of up to ``max_rows`` single-token sequences, one kernel group, a bf16
+        cache."""
+        if not 0 < tokens <= self.max_rows or len(meta.groups) != 1:
             return False
         grp = meta.groups[0]
         return (grp.q_len == 1 and grp.context_lens is not None

@@ -19,7 +19,7 @@ them to bfloat16 activations at any batch size: batch-1 decode reads a quarter
 (int4) or half (int8) of bf16's bytes, and a 64-row decode step widens each weight
 once for 16 rows. Where the CPU has AVX512-VNNI, layers whose groups are whole blocks of
 32 inputs also keep a second copy of the codes in :file:`csrc/lowbit_vnni.cpp`'s byte
-layout (same size as the first) for one to four rows: there the bfloat16 widening,
+layout (same size as the first) for one to eight rows: there the bfloat16 widening,
 not memory, bounded the step.
 """
 
@@ -168,7 +168,7 @@ class LowBitLinear:
 
     ``out_float`` returns float32 (the logits of an int8 ``lm_head``) instead of the
     activation dtype. ``portable`` runs the kernel's scalar reference path (tests);
-    ``vnni=False`` keeps one to four rows on the bfloat16 kernel too. ``vnni_rows`` is
+    ``vnni=False`` keeps one to eight rows on the bfloat16 kernel too. ``vnni_rows`` is
     the most rows the VNNI kernel takes for this layer (0: none), ``vnni_codes`` its
     ``(packed, scales, offsets)``."""
 

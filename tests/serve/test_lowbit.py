@@ -110,9 +110,9 @@ def _vnni_reference(codes: AffineCodes, x: torch.Tensor) -> tuple[torch.Tensor, 
     (8, 48, 64, 32, False),     # Q8_0-like
     (8, 40, 192, 192, True),    # asymmetric per channel
 ])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])  # 5-8: a second pass over the codes
 def test_vnni_kernel_is_exact_on_15_bit_activations(bits, n, k, group, zero, rows):
-    """One to four rows run on byte products of 15-bit activations: exact against the
+    """One to eight rows run on byte products of 15-bit activations: exact against the
     same rounding done here in float64 (float32 sums aside), and within the rounding's
     own bound of the product with the bfloat16 activations themselves."""
     codes = _codes(bits, n, k, group, zero, seed=rows + n)

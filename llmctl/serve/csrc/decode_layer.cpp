@@ -1,4 +1,5 @@
-// One Llama decoder layer for a decode step of one to four tokens, bfloat16, in one call.
+// One Llama decoder layer for a small decode step (1-4 tokens on bf16 weights, 1-8 on
+// int4/int8 codes), bfloat16 activations, in one call.
 //
 // At batch 1 a SmolLM2 layer is ten kernel calls of a few microseconds of work each;
 // from Python each cost 5-10 us more in dispatch (ctypes, torch.empty, views), about

@@ -1,5 +1,8 @@
-// Low-bit weights times a few rows of activations (batch-1 to batch-4 decode) with
-// AVX512-VNNI's byte dot product, the small-batch companion of lowbit_gemm.cpp.
+// Low-bit weights times a few rows of activations (batch-1 to batch-8 decode) with
+// AVX512-VNNI's byte dot product, the small-batch companion of lowbit_gemm.cpp. At 6-8
+// rows it is level with lowbit_gemm.cpp (SmolLM2's int4 layers, development measurement)
+// and faster below; it goes to 8 so such steps also run as one call per layer
+// (decode_layer.cpp).
 //
 // Why a second kernel: at one row nothing amortizes lowbit_gemm.cpp's widening of the
 // codes to bfloat16 (about 8 vector instructions per 64 int4 weights), and that, not
@@ -30,6 +33,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "simd_math.h"
@@ -205,10 +209,11 @@ constexpr bool kVnni = false;
 
 extern "C" {
 
-// The most rows lowbit_gemv_vnni takes (a tile's rows share each 64-byte load).
-int lowbit_vnni_rows(void) { return kVnni ? 4 : 0; }
+// The most rows lowbit_gemv_vnni takes: a tile's rows (up to 4) share each 64-byte load;
+// rows 5-8 are a second pass over the same pair of blocks, from L1/L2.
+int lowbit_vnni_rows(void) { return kVnni ? 8 : 0; }
 
-// y = x w^T for m <= 4 rows of bf16 x [m, ldx]; out float32 or bf16 [m, ldo].
+// y = x w^T for m <= 8 rows of bf16 x [m, ldx]; out float32 or bf16 [m, ldo].
 void lowbit_gemv_vnni(const uint16_t* x, int64_t ldx, const uint8_t* w, int bits, const float* s,
                       const float* z, int64_t m, int64_t blocks, int64_t k, int64_t group,
                       void* out, int64_t ldo, int64_t n_valid, int out_f32, int num_threads) {
@@ -220,12 +225,21 @@ void lowbit_gemv_vnni(const uint16_t* x, int64_t ldx, const uint8_t* w, int bits
   for (int64_t i = 0; i < m; ++i)
     quantize_row(x + i * ldx, k, group, bytes.data() + i * k, bytes.data() + (m + i) * k,
                  d.data() + i * nb, corr.data() + i * nb, zx.data() + i * groups);
+  const int64_t first = m < 4 ? m : 4;
   const Problem p{bytes.data(), bytes.data() + m * k, d.data(), corr.data(), zx.data(), w, bits,
-                  s, z, m, blocks, k, group, out, ldo, n_valid, out_f32 != 0};
+                  s, z, first, blocks, k, group, out, ldo, n_valid, out_f32 != 0};
+  // rows 4.. as a Problem of their own (m - 4 of them; none when m <= 4)
+  const Problem rest{p.hi + 4 * k, p.lo + 4 * k, p.d + 4 * nb, p.corr + 4 * nb, p.zx + 4 * groups,
+                     w, bits, s, z, m - first, blocks, k, group,
+                     static_cast<char*>(out) + 4 * ldo * (out_f32 ? 4 : 2), ldo, n_valid,
+                     out_f32 != 0};
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t u = 0; u < blocks / kPair; ++u) {
-    if (bits == 4) run_pair<4>(p, u * kPair);
-    else run_pair<8>(p, u * kPair);
+    for (const Problem* q : {&p, &rest}) {
+      if (q->m == 0) continue;
+      if (bits == 4) run_pair<4>(*q, u * kPair);
+      else run_pair<8>(*q, u * kPair);
+    }
   }
 #else
   (void)x, (void)ldx, (void)w, (void)bits, (void)s, (void)z, (void)m, (void)blocks, (void)k;

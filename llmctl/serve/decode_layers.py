@@ -70,8 +70,11 @@ class DecodeLayers:
         self.max_rows = max_rows  # the fewest any matrix takes: 4 (bf16) or 8 (codes)
         self._fn = fn
         self._matrices = matrices  # kept alive: the C side holds pointers into them
-        self._norms = [layer.post_norm for layer in model.layers]
-        self._next = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
+        following = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
+        # the per-layer arguments that never change, bound once (this is the decode loop)
+        self._layer_args = [
+            (*(ctypes.byref(m) for m in mats), layer.post_norm.data_ptr(), nxt.data_ptr())
+            for mats, layer, nxt in zip(matrices, model.layers, following)]
         rows, qkv_n, gate_up_n = max_rows, matrices[0][0].n, matrices[0][2].n
         q_size = spec.num_heads * spec.head_dim
         bf16 = torch.bfloat16
@@ -112,7 +115,7 @@ class DecodeLayers:
             return False
         grp = meta.groups[0]
         return (grp.q_len == 1 and grp.context_lens is not None
-                and kv_cache.dtype == torch.bfloat16)
+                and kv_cache.dtype == torch.bfloat16 and kv_cache.is_contiguous())
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
                  meta: AttnMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -125,11 +128,11 @@ class DecodeLayers:
         st.block_tables, st.max_blocks = grp.block_tables.data_ptr(), grp.block_tables.shape[1]
         st.context_lens, st.block_size = grp.context_lens.data_ptr(), kv_cache.shape[3]
         st.x, st.h, st.num_threads = x.data_ptr(), h.data_ptr(), torch.get_num_threads()
-        ref = ctypes.byref(st)
-        fn = self._fn
-        for i, (qkv, o, gate_up, down) in enumerate(self._matrices):
-            cache = kv_cache[i]
-            fn(ref, ctypes.byref(qkv), ctypes.byref(o), ctypes.byref(gate_up),
-               ctypes.byref(down), cache[0].data_ptr(), cache[1].data_ptr(),
-               self._norms[i].data_ptr(), self._next[i].data_ptr())
+        ref, fn = ctypes.byref(st), self._fn
+        # kv_cache [layers, 2, ...] contiguous: layer i's K and V at fixed byte offsets
+        half = kv_cache.stride(1) * kv_cache.element_size()
+        k_ptr = kv_cache.data_ptr()
+        for qkv, o, gate_up, down, post, nxt in self._layer_args:
+            fn(ref, qkv, o, gate_up, down, k_ptr, k_ptr + half, post, nxt)
+            k_ptr += 2 * half
         return h

@@ -62,10 +62,10 @@ GGUFWeights = Annotated[Literal["auto", "quantized", "float"], Opt(
     "--gguf-weights", help="A GGUF's Q4_0/Q4_1/Q8_0 tensors: quantized (run as stored) or "
                            "float (dequantized at load). auto: quantized for a .gguf path, "
                            "float for the embedded alias.")]
-DecodeGemv = Annotated[Literal["auto", "on", "off"], Opt(
-    "--decode-gemv", help="bf16 on CPU: on keeps a second copy of each dense weight for "
-                          "batches of 1-4 rows (read at memory speed); auto: on when the "
-                          "copy is at most 1/8 of the machine's memory.")]
+Bf16Gemm = Annotated[Literal["auto", "own", "onednn"], Opt(
+    "--bf16-gemm", help="bf16 dense layers on CPU: own (llmctl's AVX512-BF16 kernel at "
+                        "every batch size), onednn, or auto: own without AMX; with AMX "
+                        "oneDNN, plus own for 1-4 rows when that copy is <= 1/8 of memory.")]
 LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
 
 
@@ -81,7 +81,7 @@ def serve(
     chunked_prefill: ChunkedPrefill = True, speculative: Speculative = None,
     draft_model: DraftModel = None, num_speculative_tokens: NumSpecTokens = 4,
     threads: Threads = None, lm_head: LmHead = "auto", gguf_weights: GGUFWeights = "auto",
-    decode_gemv: DecodeGemv = "auto", log_level: LogLevelOpt = "info",
+    bf16_gemm: Bf16Gemm = "auto", log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""
     settings = {k: v for k, v in locals().items() if k != "ctx"}

@@ -97,10 +97,11 @@ class EngineConfig(BaseModel):
     # "int8": the output projection on int8 codes, a scale per 32 inputs (CPU);
     # "auto": as the checkpoint has it.
     lm_head: Literal["auto", "int8"] = "auto"
-    # bfloat16 dense layers on the CPU: "on" keeps a second copy of each weight for
-    # batches of 1-4 rows (csrc/gemv_bf16.cpp, read at memory speed where oneDNN is not);
-    # "auto" = on when that copy takes at most 1/8 of the machine's memory.
-    decode_gemv: Literal["auto", "on", "off"] = "auto"
+    # bfloat16 dense layers on the CPU (llmctl.serve.weights.bf16_gemm_plan): "own" =
+    # csrc/gemm_bf16.cpp at every batch size, "onednn" = oneDNN's packed GEMM, "auto" =
+    # own on CPUs without AMX; with AMX oneDNN, plus own for 1-4 rows when that second
+    # copy of the weights takes at most 1/8 of the machine's memory.
+    bf16_gemm: Literal["auto", "own", "onednn"] = "auto"
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = Field(None, ge=1)
     # Seeds the engine-wide generator used by requests without their own seed.

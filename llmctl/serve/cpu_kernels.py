@@ -10,8 +10,8 @@
 - :file:`csrc/lowbit_gemm.cpp`: int4/int8 weights times bfloat16 activations with
   AVX512-BF16 (:mod:`llmctl.serve.lowbit`); :file:`csrc/lowbit_vnni.cpp` the same for
   one to eight rows with AVX512-VNNI byte products on 15-bit activations.
-- :file:`csrc/gemv_bf16.cpp`: dense bfloat16 weights times one to four rows
-  (:class:`llmctl.serve.quant_linear.PackedLinear`'s decode copy).
+- :file:`csrc/gemm_bf16.cpp`: dense bfloat16 weights times any number of rows
+  (:class:`llmctl.serve.quant_linear.PackedLinear`'s own kernel).
 - :file:`csrc/decode_layer.cpp`: a whole decoder layer for a small decode step in one
   call, from the kernels above (:mod:`llmctl.serve.decode_layers`).
 - :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
@@ -53,7 +53,7 @@ log = logging.getLogger("llmctl.serve")
 # header rebuilds too); the .cpp files are the compiler's inputs.
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
-                             "lowbit_vnni.cpp", "gemv_bf16.cpp", "rope_kv.cpp",
+                             "lowbit_vnni.cpp", "gemm_bf16.cpp", "rope_kv.cpp",
                              "decode_layer.cpp", "simd_math.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
@@ -73,14 +73,14 @@ ARGTYPES = {
     "lowbit_gemv_vnni": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
                          _I64, _INT, _INT],
     "lowbit_vnni_rows": [],
-    "gemv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
-    "gemv_bf16_rows": [],
+    "gemm_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
+    "gemm_bf16_available": [],
     "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
     "rope_kv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                      _PTR, _INT],
 }
 RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int,
-            "gemv_bf16_rows": ctypes.c_int}
+            "gemm_bf16_available": ctypes.c_int}
 
 
 def _compiler() -> str | None:
@@ -254,19 +254,19 @@ def lowbit_vnni_kernel() -> tuple[object, int] | None:
     return lib.lowbit_gemv_vnni, int(lib.lowbit_vnni_rows())
 
 
-def gemv_bf16_kernel() -> tuple[object, int] | None:
-    """``(gemv_bf16, max_rows)`` of :file:`csrc/gemv_bf16.cpp`, or None when there is no
-    build or this CPU lacks AVX512-BF16."""
+def gemm_bf16_kernel():
+    """``gemm_bf16`` of :file:`csrc/gemm_bf16.cpp`, or None when there is no build or
+    this CPU lacks AVX512-BF16."""
     lib = _library()
-    if lib is None or not lib.gemv_bf16_rows():
+    if lib is None or not lib.gemm_bf16_available():
         return None
-    return lib.gemv_bf16, int(lib.gemv_bf16_rows())
+    return lib.gemm_bf16
 
 
 def decode_layer_kernel():
     """:file:`csrc/decode_layer.cpp`'s ``decode_layer_bf16``, or None without a build or
     without the small-batch kernels it calls (AVX512-BF16 and AVX512-VNNI)."""
     lib = _library()
-    if lib is None or not lib.gemv_bf16_rows() or not lib.lowbit_vnni_rows():
+    if lib is None or not lib.gemm_bf16_available() or not lib.lowbit_vnni_rows():
         return None
     return lib.decode_layer_bf16

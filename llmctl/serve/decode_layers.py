@@ -1,5 +1,5 @@
-"""Small decode steps (1-4 tokens on bf16 weights, 1-8 on int4/int8 codes) as one native
-call per decoder layer.
+"""Small decode steps (1-8 tokens: MAX_ROWS; 1-4 where bf16 layers keep their own-kernel
+form for small batches only) as one native call per decoder layer.
 
 :file:`csrc/decode_layer.cpp` runs a layer's ten kernels (the small-batch matrix products,
 RoPE + cache write, paged attention, the fused norms and SwiGLU) from C, on the same
@@ -7,8 +7,8 @@ data in the same order as :meth:`llmctl.serve.model.LlamaModel.forward` does fro
 Python, so the hidden states are bit for bit the same; what goes is ~10 Python-to-C
 transitions and tensor allocations per layer (about 1 ms of a SmolLM2 batch-1 token).
 
-It applies when every matrix of every layer has a small-batch form (a bf16 weight with its
-decode copy, or int4/int8 codes in the VNNI layout), no bias, no q/k norm, bfloat16
+It applies when every matrix of every layer has a small-batch form (a bf16 weight in
+:file:`csrc/gemm_bf16.cpp`'s layout, or int4/int8 codes in the VNNI layout), no bias, no q/k norm, bfloat16
 activations and cache, and the step is one attention group of single-token sequences
 on the native kernel; :meth:`DecodeLayers.build` returns None otherwise.
 """
@@ -25,6 +25,9 @@ from llmctl.serve.lowbit import LowBitLinear
 from llmctl.serve.quant_linear import PackedLinear
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+# The most tokens a step runs here: the VNNI kernel's rows. Beyond a few rows the layer's
+# ten Python calls are a small share of the step, and the scratch buffers stay small.
+MAX_ROWS = 8
 
 
 class Matrix(ctypes.Structure):
@@ -50,10 +53,10 @@ def matrix(layer) -> tuple[Matrix, int] | None:
     none (or has a bias)."""
     if getattr(layer, "bias", None) is not None:
         return None
-    if isinstance(layer, PackedLinear) and layer.decode_copy is not None:
-        g = layer.decode_copy
+    if isinstance(layer, PackedLinear) and layer.own is not None:
+        g = layer.own
         return Matrix(0, g.packed.data_ptr(), None, None, 16, g.blocks, g.in_features, 0,
-                      g.out_features), g.max_rows
+                      g.out_features), min(layer.own_rows, MAX_ROWS)
     if isinstance(layer, LowBitLinear) and layer.vnni_rows and not layer.out_float:
         packed, scales, zeros = layer.vnni_codes
         return Matrix(1, packed.data_ptr(), scales.data_ptr(),
@@ -67,7 +70,7 @@ class DecodeLayers:
 
     def __init__(self, model, fn, matrices: list[tuple[Matrix, ...]], max_rows: int) -> None:
         spec = model.spec
-        self.max_rows = max_rows  # the fewest any matrix takes: 4 (bf16) or 8 (codes)
+        self.max_rows = max_rows  # the fewest any matrix takes, at most MAX_ROWS
         self._fn = fn
         self._matrices = matrices  # kept alive: the C side holds pointers into them
         following = [layer.input_norm for layer in model.layers[1:]] + [model.norm]

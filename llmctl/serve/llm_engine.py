@@ -112,7 +112,7 @@ class _Built:
                                             backend=config.quant_backend, max_len=max_len,
                                             spec=self.spec, reader=reader,
                                             lm_head=config.lm_head,
-                                            decode_gemv=config.decode_gemv)
+                                            bf16_gemm=config.bf16_gemm)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         spec = self.spec
         self.plan: KVCachePlan = plan_kv_cache(

@@ -138,7 +138,7 @@ def interleave_block_pairs(t: torch.Tensor, per_step: int) -> torch.Tensor:
     """``t [N, K]`` -> ``[N/32, K/per_step, 2, 16, per_step]``: output rows in blocks of
     16 (zero rows padding N to a pair of blocks), the two blocks of a pair interleaved
     step by step, ``per_step`` inputs of a row together. The streaming layout of
-    :file:`csrc/lowbit_vnni.cpp` and :file:`csrc/gemv_bf16.cpp`: each pair of blocks is
+    :file:`csrc/lowbit_vnni.cpp` and :file:`csrc/gemm_bf16.cpp`: each pair of blocks is
     one sequential stream."""
     n, k = t.shape
     n_pad = -n % (2 * BLOCK)

@@ -31,14 +31,15 @@ dtype: "W4A16"):
   1 byte per weight plus scales, against 2 (bf16) and 4 (fp32).
 - everything else (FP8, 2-bit, CUDA; int8 groups without the own kernel) is dequantized once at load into the model
   dtype: smaller on disk, not faster.
-- dense bf16 weights on the CPU (plain or dequantized) are reordered once into oneDNN's
-  blocked layout (:class:`PackedLinear`). Activation quantization in a scheme is not
+- dense bf16 and float32 weights on the CPU (plain or dequantized) are reordered once
+  into oneDNN's blocked layout (:class:`PackedLinear`). Activation quantization in a scheme is not
   applied (weights-only execution); :func:`describe` reports which path each layer got.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -79,55 +80,73 @@ class DenseLinear:
 
 
 class PackedLinear:
-    """A dense bf16 weight reordered once into oneDNN's blocked layout for this CPU
-    (``mkldnn._reorder_linear_weight``) and applied with ``mkldnn._linear_pointwise``,
-    instead of repacking it inside every ``F.linear`` call.
+    """A dense bf16 or float32 CPU weight prepared once for this CPU's GEMM, in one or
+    two forms:
 
-    Measured here (2 threads, SmolLM2's four layer matmuls, interleaved A/B): 1.78 vs
-    2.50 ms per layer at 128 rows, 9.9 vs 10.9 ms at 1024 rows; the 49k x 576 lm_head at
-    128 rows 13.5 vs 21.7 ms. float32 gains nothing (stays on :class:`DenseLinear`).
-    The weight is packed for 1024-row batches (the hint changes the blocking): the best of
-    the hints tried at both 128 and 1024 rows.
+    - ``own``: :file:`csrc/gemm_bf16.cpp`'s layout (bf16 on a CPU with AVX512-BF16),
+      rows of up to ``own_rows`` run there;
+    - oneDNN's blocked layout (``mkldnn._reorder_linear_weight``) applied with
+      ``mkldnn._linear_pointwise`` (instead of repacking inside every ``F.linear``), for
+      larger batches, or for every batch when there is no own form.
 
-    ``decode_copy=True`` also keeps the weight in :file:`csrc/gemv_bf16.cpp`'s layout for
-    one to four rows (batch-1 decode), where oneDNN streams cold weights well below the
-    memory's bandwidth: twice the resident bytes, the same bytes read per step.
+    ``gemm`` picks (:func:`llmctl.serve.weights.bf16_gemm_plan` decides per model):
+    "own" (every batch, one copy of the weight), "onednn", or "both" (own for up to
+    :data:`SMALL_ROWS` rows, oneDNN above: two copies, as on CPUs with AMX, whose oneDNN
+    tile kernels are not measured here). Measurements are in the kernel's header.
+
+    oneDNN against ``F.linear`` (2 threads, SmolLM2's four layer matmuls, interleaved
+    A/B): bf16 1.78 vs 2.50 ms per layer at 128 rows, 9.9 vs 10.9 ms at 1024 rows; the
+    49k x 576 lm_head at 128 rows 13.5 vs 21.7 ms. float32 over all 30 layers
+    (development measurement, cold weights): 24.3 vs 36.4 ms at 1 row, 40.9 vs 69.4 at
+    32, 141 vs 222 at 128, 1019 vs 1218 at 1024; the head at 32 rows 9.5 vs 23.6 ms. The
+    bf16 weight is packed for 1024-row batches (the hint changes the blocking): the best
+    of the hints tried at both 128 and 1024 rows; float32 is indifferent to it.
     """
 
     kind = "dense"
-    __slots__ = ("bias", "in_features", "out_features", "weight", "decode_copy")
+    __slots__ = ("bias", "in_features", "out_features", "weight", "own", "own_rows",
+                 "itemsize")
     BATCH_HINT = 1024
+    SMALL_ROWS = 4  # "both": the own kernel's rows (memory-bound: the copy pays there)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                 decode_copy: bool = False) -> None:
+                 gemm: str = "onednn") -> None:
         self.out_features, self.in_features = weight.shape
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
+        self.itemsize = weight.element_size()
         self.bias = bias
-        self.decode_copy = gemv_bf16_layer(weight) if decode_copy else None
+        self.own = bf16_gemm_layer(weight) if gemm in ("own", "both") else None
+        self.own_rows = 0 if self.own is None else (
+            sys.maxsize if gemm == "own" else self.SMALL_ROWS)
+        self.weight = (None if self.own_rows == sys.maxsize
+                       else torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode_copy is not None and x.dim() == 2 \
-                and x.shape[0] <= self.decode_copy.max_rows \
+        if self.own is not None and x.shape[0] <= self.own_rows and x.dim() == 2 \
                 and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
-            out = self.decode_copy(x)
+            out = self.own(x)
             return out if self.bias is None else out + self.bias
+        if self.weight is None:  # own only: a 3-D or strided input
+            flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+            return self(flat).view(
+                *x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     @property
     def nbytes(self) -> int:
-        return self.out_features * self.in_features * 2 + _nbytes(self.bias)
+        """The weight as used (one copy), not the memory held (two with "both")."""
+        return self.out_features * self.in_features * self.itemsize + _nbytes(self.bias)
 
 
-class GemvBF16:
-    """A bf16 weight in :file:`csrc/gemv_bf16.cpp`'s layout (see there) for 1-4 rows."""
+class GemmBF16:
+    """A bf16 weight in :file:`csrc/gemm_bf16.cpp`'s layout (see there), any rows."""
 
-    __slots__ = ("packed", "out_features", "in_features", "max_rows", "blocks", "_fn")
+    __slots__ = ("packed", "out_features", "in_features", "blocks", "_fn")
 
-    def __init__(self, weight: torch.Tensor, fn, max_rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, fn) -> None:
         # step t, block j: element 2c+p = w[c, 2t+p]
         self.packed = interleave_block_pairs(weight.to(torch.bfloat16), 2).contiguous()
         self.out_features, self.in_features = weight.shape
-        self.max_rows, self.blocks, self._fn = max_rows, 2 * self.packed.shape[0], fn
+        self.blocks, self._fn = 2 * self.packed.shape[0], fn
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -139,31 +158,32 @@ class GemvBF16:
         return out
 
 
-def gemv_bf16_layer(weight: torch.Tensor) -> GemvBF16 | None:
-    """The 1-4-row copy of a bf16 CPU weight, or None (no kernel on this CPU, odd width)."""
-    from llmctl.serve.cpu_kernels import gemv_bf16_kernel
+def bf16_gemm_layer(weight: torch.Tensor) -> GemmBF16 | None:
+    """The own-kernel form of a bf16 CPU weight, or None (no kernel on this CPU, odd
+    width)."""
+    from llmctl.serve.cpu_kernels import gemm_bf16_kernel
 
-    kernel = gemv_bf16_kernel()
+    kernel = gemm_bf16_kernel()
     if kernel is None or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         return None
-    return GemvBF16(weight, *kernel)
+    return GemmBF16(weight, kernel)
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether dense layers of this dtype/device become :class:`PackedLinear`."""
     from llmctl.serve.cpu_kernels import native_enabled
 
-    return (dtype == torch.bfloat16 and device.type == "cpu" and native_enabled()
+    return (dtype in (torch.bfloat16, torch.float32) and device.type == "cpu" and native_enabled()
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, *,
-                 decode_copy: bool = False):
-    """The dense layer for a weight already in its device and dtype (``decode_copy``:
-    see :class:`PackedLinear`)."""
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, gemm: str = "onednn"):
+    """The dense layer for a weight already in its device and dtype (``gemm``: see
+    :class:`PackedLinear`; float32 weights take oneDNN whatever it says)."""
     if packing_available(weight.dtype, weight.device):
-        return PackedLinear(weight, bias, decode_copy=decode_copy)
+        return PackedLinear(weight, bias,
+                            gemm=gemm if weight.dtype == torch.bfloat16 else "onednn")
     return DenseLinear(weight, bias)
 
 
@@ -419,13 +439,13 @@ def concat_quant(parts: list[QuantWeight]) -> QuantWeight | None:
 
 def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *,
                 dtype: torch.dtype, device: torch.device, backend: str,
-                decode_copy: bool = False):
+                gemm: str = "onednn"):
     """The fastest layer this machine has for ``weight`` (see the module docstring)."""
     if bias is not None:
         bias = bias.to(device=device, dtype=dtype)
     if isinstance(weight, torch.Tensor):
         return dense_linear(weight.to(device=device, dtype=dtype).contiguous(), bias,
-                            decode_copy=decode_copy)
+                            gemm=gemm)
     kernels = backend == "kernel" and device.type == "cpu"
     if kernels and simd_available():
         codes = weight if isinstance(weight, AffineCodes) else weight.affine()

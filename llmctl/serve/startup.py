@@ -53,7 +53,7 @@ class ServeSettings:
     threads: int | None = None
     lm_head: str = "auto"
     gguf_weights: str = "auto"
-    decode_gemv: str = "auto"
+    bf16_gemm: str = "auto"
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 
@@ -108,11 +108,11 @@ def engine_kwargs(settings: ServeSettings, engine_dir: bool) -> dict[str, Any]:
         "enable_prefix_caching": settings.prefix_caching,
         "enable_chunked_prefill": settings.chunked_prefill, "num_threads": settings.threads,
         "lm_head": settings.lm_head, "gguf_weights": settings.gguf_weights,
-        "decode_gemv": settings.decode_gemv}
+        "bf16_gemm": settings.bf16_gemm}
     if engine_dir:  # what the user did not set is not a request to warn about
         for key, name in (("enable_prefix_caching", "prefix_caching"), ("dtype", "dtype"),
                           ("lm_head", "lm_head"), ("gguf_weights", "gguf_weights"),
-                          ("decode_gemv", "decode_gemv")):
+                          ("bf16_gemm", "bf16_gemm")):
             if name not in settings.given:
                 kwargs.pop(key)
     else:

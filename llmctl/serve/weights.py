@@ -33,6 +33,7 @@ from llmctl.serve.quant_linear import (
     make_linear,
 )
 from llmctl.serve.rope import interleave_rows
+from llmctl.utils.cpu import cpu_flags
 
 
 def _interleave(weight, num_heads: int):
@@ -89,16 +90,16 @@ class CheckpointReader:
 
 def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend: str,
                max_len: int, spec: ModelSpec | None = None, reader=None,
-               lm_head: str = "auto", decode_gemv: str = "off") -> LlamaModel:
+               lm_head: str = "auto", bf16_gemm: str = "onednn") -> LlamaModel:
     """The engine's model from the checkpoint at ``path`` (or from ``reader``).
 
     ``lm_head="int8"`` runs the output projection on int8 codes with a scale per 32
     inputs (the tied 49k x 576 head of SmolLM2 is half of a bf16 batch-1 step's bytes);
-    "auto" keeps it as the checkpoint has it. ``decode_gemv``: see
-    :class:`llmctl.serve.config.EngineConfig` (:func:`wants_decode_copy`).
+    "auto" keeps it as the checkpoint has it. ``bf16_gemm``: see
+    :class:`llmctl.serve.config.EngineConfig` (:func:`bf16_gemm_plan`).
     """
     spec = spec or ModelSpec.from_dir(path)
-    copy = wants_decode_copy(decode_gemv, spec, dtype, device)
+    gemm = bf16_gemm_plan(bf16_gemm, spec, dtype, device)
     read = reader if reader is not None else CheckpointReader(path, spec.quantization_config)
 
     def tensor(name: str) -> torch.Tensor:
@@ -109,7 +110,7 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
 
     def linear(weight, bias):
         return make_linear(weight, bias, dtype=dtype, device=device, backend=backend,
-                           decode_copy=copy)
+                           gemm=gemm)
 
     rotated = {"q_proj": spec.num_heads, "k_proj": spec.num_kv_heads}
 
@@ -171,7 +172,7 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
     head = _head_linear(head_weight, device)
     if head is None:
         # tied: a packed layout is a copy (the embedding lookup needs the plain table)
-        head = dense_linear(embed, None, decode_copy=copy) if tied else linear(head_weight, None)
+        head = dense_linear(embed, None, gemm=gemm) if tied else linear(head_weight, None)
     return LlamaModel(spec, embed=embed, layers=layers, norm=tensor("model.norm.weight"),
                       lm_head=head, dtype=dtype, device=device, max_len=max_len)
 
@@ -183,16 +184,20 @@ def dense_parameters(spec: ModelSpec) -> int:
     return spec.num_layers * (attn + mlp) + spec.vocab_size * spec.hidden_size
 
 
-def wants_decode_copy(choice: str, spec: ModelSpec, dtype: torch.dtype,
-                      device: torch.device) -> bool:
-    """Whether bf16 dense layers keep their 1-4-row copy: "on"/"off" as said; "auto"
-    when a bf16 copy of every dense weight is at most 1/8 of physical memory."""
-    if choice == "off" or dtype != torch.bfloat16 or device.type != "cpu":
-        return False
-    if choice == "on":
-        return True
+def bf16_gemm_plan(choice: str, spec: ModelSpec, dtype: torch.dtype,
+                   device: torch.device) -> str:
+    """The :class:`llmctl.serve.quant_linear.PackedLinear` form of a model's bf16 dense
+    layers for the ``bf16_gemm`` setting: "own" and "onednn" as said; "auto" = "own" on
+    a CPU without AMX (measured faster than oneDNN at 1-2048 rows, one copy), and with
+    AMX oneDNN (its tile kernels, not measured here) plus the own kernel for small
+    batches ("both") when that second copy of every dense weight is at most 1/8 of
+    physical memory."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or choice == "onednn":
+        return "onednn"
+    if choice == "own" or "amx_bf16" not in cpu_flags():
+        return "own"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 2 * dense_parameters(spec) <= memory // 8
+    return "both" if 2 * dense_parameters(spec) <= memory // 8 else "onednn"
 
 
 def _head_linear(weight, device: torch.device):

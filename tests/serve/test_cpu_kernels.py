@@ -326,7 +326,7 @@ def test_smollm2_bf16_log_probs_match_float32(smollm2, kernels, monkeypatch):
     assert not [f for f in flips if f[1] >= BF16_SURE_MARGIN], flips
 
 
-def test_packed_linear_matches_f_linear_and_is_picked_for_bf16_only(monkeypatch):
+def test_packed_linear_matches_f_linear_for_bf16_and_float32(monkeypatch):
     from llmctl.serve.quant_linear import DenseLinear, PackedLinear, dense_linear, packing_available
 
     cpu = torch.device("cpu")
@@ -342,36 +342,48 @@ def test_packed_linear_matches_f_linear_and_is_picked_for_bf16_only(monkeypatch)
         x = torch.randn((rows, 64), generator=gen).bfloat16()
         torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x, w, b).float(),
                                    atol=0.05, rtol=0.02)
-    assert isinstance(dense_linear(w.float(), None), DenseLinear)  # float32 gains nothing
+    # float32: oneDNN's blocked GEMM sums in another order than F.linear's: float32
+    # rounding of a 64-term sum of O(1) products (~1e-5 relative), far below 1e-4
+    layer32 = dense_linear(w.float(), b.float())
+    assert isinstance(layer32, PackedLinear) and layer32.nbytes == w.numel() * 4 + b.numel() * 4
+    for rows in (1, 5, 128):
+        x = torch.randn((rows, 64), generator=gen)
+        torch.testing.assert_close(layer32(x), torch.nn.functional.linear(x, w.float(), b.float()),
+                                   atol=1e-4, rtol=1e-4)
+    assert isinstance(dense_linear(w.half(), None), DenseLinear)  # float16: not packed
     monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
     assert isinstance(dense_linear(w, None), DenseLinear)
 
 
 @needs_kernels
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_decode_copy_is_the_float32_product_rounded_once(with_bias):
-    """One to four rows on csrc/gemv_bf16.cpp: exact bf16 products summed in float32 and
-    rounded once, so each output is the float64 product rounded to bf16 up to one step
-    (the sum's float32 rounding may cross a bf16 boundary); more rows stay on oneDNN,
-    bit for bit the layer without the copy."""
+def test_bf16_own_kernel_is_the_float32_product_rounded_once(with_bias):
+    """csrc/gemm_bf16.cpp at any number of rows (one row block, several, uneven splits):
+    exact bf16 products summed in float32 and rounded once, so each output is the
+    float64 product rounded to bf16 up to one step (the sum's float32 rounding may cross
+    a bf16 boundary). "both" keeps the own kernel to SMALL_ROWS rows and gives larger
+    batches to oneDNN, bit for bit the oneDNN-only layer."""
     from llmctl.serve.quant_linear import PackedLinear, packing_available
 
     if not packing_available(torch.bfloat16, torch.device("cpu")):
         pytest.skip("torch here has no oneDNN weight packing")
-    if cpu_kernels.gemv_bf16_kernel() is None:
+    if cpu_kernels.gemm_bf16_kernel() is None:
         assert "avx512_bf16" not in cpu_flags()  # only a CPU without it may lack the kernel
         pytest.skip("this CPU has no AVX512-BF16")
     gen = torch.Generator().manual_seed(5)
     w = torch.randn((40, 96), generator=gen).bfloat16()  # 40: pads to a pair of blocks
     b = torch.randn(40, generator=gen).bfloat16() if with_bias else None
-    fast, plain = PackedLinear(w, b, decode_copy=True), PackedLinear(w, b)
+    own, both, plain = (PackedLinear(w, b, gemm=g) for g in ("own", "both", "onednn"))
+    assert own.weight is None and both.weight is not None and both.own_rows == 4
     def ulp(v: torch.Tensor) -> torch.Tensor:  # one bf16 step at v's magnitude
         return 2.0 ** (torch.floor(torch.log2(v.abs().clamp_min(1e-30))) - 7)
 
-    for rows in (1, 2, 3, 4):
+    for rows in (1, 2, 3, 4, 5, 8, 9, 13, 40):
         x = torch.randn((rows, 96), generator=gen).bfloat16()
         exact = x.double() @ w.double().T
-        got = fast(x)
+        got = own(x)
+        if rows <= 4:
+            assert torch.equal(both(x), got)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
         want = exact.float().bfloat16().double()
         bound = ulp(exact)
@@ -380,12 +392,14 @@ def test_bf16_decode_copy_is_the_float32_product_rounded_once(with_bias):
             bound = bound + ulp(want)
         assert ((got.double() - want).abs() <= bound).all()
     x = torch.randn((5, 96), generator=gen).bfloat16()
-    assert torch.equal(fast(x), plain(x))
+    assert torch.equal(both(x), plain(x))
+    x3 = torch.randn((2, 3, 96), generator=gen).bfloat16()  # 3-D: flattened to 6 rows
+    assert torch.equal(own(x3), own(x3.reshape(6, 96)).view(2, 3, 40))
 
 
-def test_the_bf16_decode_copy_follows_the_setting_and_memory(monkeypatch):
+def test_the_bf16_gemm_plan_follows_the_setting_the_cpu_and_memory(monkeypatch):
     from llmctl.serve.model import ModelSpec
-    from llmctl.serve.weights import dense_parameters, wants_decode_copy
+    from llmctl.serve.weights import bf16_gemm_plan, dense_parameters
 
     spec = ModelSpec.from_config({
         "model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
@@ -394,13 +408,18 @@ def test_the_bf16_decode_copy_follows_the_setting_and_memory(monkeypatch):
     # 2 layers x (q, k, v, o: 64 x (2 x 4 + 2 x 2) x 16 + mlp 3 x 64 x 128) + head 1000 x 64
     assert dense_parameters(spec) == 2 * (64 * 12 * 16 + 3 * 64 * 128) + 1000 * 64
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    assert wants_decode_copy("on", spec, bf16, cpu)
-    assert not wants_decode_copy("off", spec, bf16, cpu)
-    assert not wants_decode_copy("on", spec, torch.float32, cpu)  # bf16 weights only
-    assert wants_decode_copy("auto", spec, bf16, cpu)  # a few hundred KB
+    assert bf16_gemm_plan("own", spec, bf16, cpu) == "own"
+    assert bf16_gemm_plan("onednn", spec, bf16, cpu) == "onednn"
+    assert bf16_gemm_plan("own", spec, torch.float32, cpu) == "onednn"  # bf16 weights only
+    flags = {"avx512_bf16"}
+    monkeypatch.setattr("llmctl.serve.weights.cpu_flags", lambda: frozenset(flags))
+    assert bf16_gemm_plan("auto", spec, bf16, cpu) == "own"  # no AMX: one copy, own kernel
+    flags.add("amx_bf16")
+    assert bf16_gemm_plan("auto", spec, bf16, cpu) == "both"  # AMX: oneDNN + a small copy
     pages = 2 * dense_parameters(spec) * 8 // 4096 - 1  # memory just too small for it
     monkeypatch.setattr("os.sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else pages)
-    assert not wants_decode_copy("auto", spec, bf16, cpu)
+    assert bf16_gemm_plan("auto", spec, bf16, cpu) == "onednn"
+    assert bf16_gemm_plan("own", spec, bf16, cpu) == "own"  # one copy: no memory question
 
 
 @needs_kernels
@@ -409,8 +428,8 @@ def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_p
         tiny_llama, tmp_path, scheme, monkeypatch):
     """Small decode steps through csrc/decode_layer.cpp give the very logits of the
     Python layer loop (same kernels, same order): greedy tokens and log-probs of
-    concurrent requests compared exactly, bf16 dense (up to 4 rows) and int4/int8 codes
-    (up to 8: six requests, so the kernels' second pass over rows 5-8 runs too)."""
+    concurrent requests compared exactly, bf16 dense and int4/int8 codes, up to 8 rows
+    (six requests: the VNNI kernel's second pass over rows 5-8 runs too)."""
     from llmctl.serve import decode_layers
     from llmctl.serve.llm import LLM
     from llmctl.serve.sampling_params import SamplingParams
@@ -421,7 +440,7 @@ def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_p
         pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VNNI")
     model = tiny_llama if scheme is None else write_quantized(tiny_llama, tmp_path / "q", scheme)[0]
     llm = LLM(str(model), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="16MiB",
-              decode_gemv="on")
+              bf16_gemm="own")
     net = llm.engine.target.model
     assert net.decode_layers is not None
     calls = []
@@ -430,9 +449,8 @@ def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_p
                         lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
     prompts = ["the quick brown", "a b c d e f", "hello", "x y", "one two three", "z"]
-    prompts = prompts[:3] if scheme is None else prompts
     fused = llm.generate(prompts, params)
-    assert net.decode_layers.max_rows == (4 if scheme is None else 8)
+    assert net.decode_layers.max_rows == 8
     assert calls and max(calls) == len(prompts)
     net.decode_layers = None
     plain = llm.generate(prompts, params)

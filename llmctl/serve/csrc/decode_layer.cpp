@@ -1,5 +1,5 @@
-// One Llama decoder layer for a small decode step (1-4 tokens on bf16 weights, 1-8 on
-// int4/int8 codes), bfloat16 activations, in one call.
+// One Llama decoder layer for a small decode step (1-8 tokens on bf16 weights or int4/int8
+// codes), bfloat16 activations, in one call.
 //
 // At batch 1 a SmolLM2 layer is ten kernel calls of a few microseconds of work each;
 // from Python each cost 5-10 us more in dispatch (ctypes, torch.empty, views), about
@@ -11,7 +11,7 @@
 //   x += W_o a;  h = RMSNorm(x) w_post;  x += W_down silu_mul(W_gate_up h);
 //   h = RMSNorm(x) w_next
 //
-// Each matrix is a bf16 weight in gemv_bf16.cpp's layout or int4/int8 codes in
+// Each matrix is a bf16 weight in gemm_bf16.cpp's layout or int4/int8 codes in
 // lowbit_vnni.cpp's; a layer with a bias or a q/k norm stays on the Python path.
 
 #include <cstdint>
@@ -22,7 +22,7 @@ using namespace llmctl_simd;
 
 extern "C" {
 
-void gemv_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t m, int64_t blocks,
+void gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t m, int64_t blocks,
                int64_t k, uint16_t* out, int64_t ldo, int64_t n_valid, int num_threads);
 void lowbit_gemv_vnni(const uint16_t* x, int64_t ldx, const uint8_t* w, int bits, const float* s,
                       const float* z, int64_t m, int64_t blocks, int64_t k, int64_t group,
@@ -43,7 +43,7 @@ void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t
 
 // A matrix as llmctl/serve/model.py's DecodeLayers describes it (ctypes Structure).
 struct Matrix {
-  int64_t kind;  // 0: bf16 (gemv_bf16), 1: int4/int8 codes (lowbit_vnni)
+  int64_t kind;  // 0: bf16 (gemm_bf16), 1: int4/int8 codes (lowbit_vnni)
   const void* w;
   const float* s;
   const float* z;
@@ -73,7 +73,7 @@ struct Step {  // what every layer of one step shares
 
 static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Step& st) {
   if (mat.kind == 0)
-    gemv_bf16(x, mat.k, static_cast<const uint16_t*>(mat.w), st.m, mat.blocks, mat.k, out, mat.n,
+    gemm_bf16(x, mat.k, static_cast<const uint16_t*>(mat.w), st.m, mat.blocks, mat.k, out, mat.n,
               mat.n, st.num_threads);
   else
     lowbit_gemv_vnni(x, mat.k, static_cast<const uint8_t*>(mat.w), static_cast<int>(mat.bits),

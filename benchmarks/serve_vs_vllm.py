@@ -296,6 +296,8 @@ def render_markdown(report: dict) -> str:
                "CPUs, none reserved). A fresh server for every round x workload x server; "
                "the client runs on the same CPUs."),
               f"Server and client logs, and vLLM's full result JSONs: `{cfg['log_dir']}`.", ""]
+    for name, path in cfg.get("variants", {}).items():
+        lines[-1:-1] = [f"Server llmctl-{name}: llmctl on `{path}`, the same limits.", ""]
     summary = report["results"]["medians"]
     for name, w in cfg["workloads"].items():
         rate = ("all at once" if w["request_rate"] == "inf"

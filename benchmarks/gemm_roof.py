@@ -1,0 +1,157 @@
+"""bf16 matrix products of a decode step against this machine's roofs: llmctl's own
+kernel (``csrc/gemm_bf16.cpp``) and oneDNN's packed GEMM on SmolLM2's layer shapes.
+
+For each row count (1 .. 2048: batch-1 decode to a prefill chunk) the 30 decoder layers'
+four products (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) run back to back
+on 30 distinct random weights per shape, as a decode step meets them: every weight cold
+(212 MB of bf16, far beyond the caches). Reported per side: milliseconds for all of them,
+the achieved GFLOP/s (2 x rows x parameters) and GB/s of weights (212 MB / time), against
+
+- the compute roof: a warm 2048^3 bf16 ``torch.matmul`` (oneDNN), the best this CPU's
+  bf16 units reach here;
+- the bandwidth roof: a ``torch.sum`` over 512 MiB of bf16 (read bandwidth).
+
+Sides alternate (own first in odd rounds); per row count the median over rounds, and
+every round in the JSON. Threads: ``--threads`` for both (torch's pool; the kernel
+uses the same OpenMP runtime).
+
+    python benchmarks/gemm_roof.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2-135M, q/k/v fused
+LAYERS = 30
+ROWS = (1, 4, 8, 16, 32, 64, 128, 512, 2048)
+REPEATS = 5  # timed passes per side and round; the median is kept
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def roofs() -> dict:
+    import torch
+
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    peak = 2 * 2048 ** 3 / _median_time(lambda: a @ b, 7) / 1e9
+    big = torch.ones(256 * 1024 * 1024, dtype=torch.bfloat16)  # 512 MiB
+    bandwidth = big.numel() * 2 / _median_time(lambda: big.sum(), 7) / 1e9
+    return {"bf16_matmul_gflops": round(peak, 1), "read_gbps": round(bandwidth, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    common.add_run_arguments(ap)
+    args = ap.parse_args(argv)
+    import torch
+
+    from llmctl.serve.quant_linear import PackedLinear, bf16_gemm_layer
+
+    torch.set_num_threads(args.threads)
+    out_dir = Path(args.out_dir)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    report = common.start_run("gemm-roof", {"rounds": args.rounds, "shapes": SHAPES,
+                                            "layers": LAYERS, "rows": rows_list},
+                              allow_dirty=args.allow_dirty, threads=args.threads, out=out_dir)
+    if bf16_gemm_layer(torch.zeros(32, 32, dtype=torch.bfloat16)) is None:
+        raise SystemExit("this CPU has no AVX512-BF16: llmctl's own bf16 kernel is not built")
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=gen).bfloat16() * 0.02 for n, k in SHAPES]
+               for _ in range(LAYERS)]
+    sides = {"own": [[PackedLinear(w, None, gemm="own") for w in layer] for layer in weights],
+             "onednn": [[PackedLinear(w, None, gemm="onednn") for w in layer]
+                        for layer in weights]}
+    del weights
+    params = LAYERS * sum(n * k for n, k in SHAPES)
+    report["roofs_before"] = roofs()
+    records = []
+    for rnd in range(1, args.rounds + 1):
+        order = ("own", "onednn") if rnd % 2 else ("onednn", "own")
+        for rows in rows_list:
+            xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in SHAPES}
+            for side in order:
+                layers = sides[side]
+
+                def step(layers=layers, xs=xs) -> None:
+                    for layer in layers:
+                        for lin, (_, k) in zip(layer, SHAPES):
+                            lin(xs[k])
+
+                record = {"name": f"{side} {rows} rows round {rnd}", "side": side,
+                          "rows": rows, "round": rnd}
+                with common.measured_round(record, args.threads):
+                    seconds = _median_time(step, REPEATS if rows < 512 else 3)
+                record.update(ms=round(seconds * 1e3, 2),
+                              gflops=round(2 * rows * params / seconds / 1e9, 1),
+                              weight_gbps=round(2 * params / seconds / 1e9, 1))
+                records.append(record)
+                print(f"{record['name']}: {record['ms']} ms, {record['gflops']} GFLOP/s",
+                      file=sys.stderr, flush=True)
+    report["roofs_after"] = roofs()
+    report["rounds"] = records
+    summary = []
+    for rows in rows_list:
+        med = {side: common.median([r["ms"] for r in records
+                                    if r["rows"] == rows and r["side"] == side])
+               for side in sides}
+        summary.append({"rows": rows, **{f"{s}_ms": m for s, m in med.items()},
+                        **{f"{s}_gflops": round(2 * rows * params / (m / 1e3) / 1e9, 1)
+                           for s, m in med.items()},
+                        "own_over_onednn_time": round(med["own"] / med["onednn"], 3)})
+    report["summary"] = summary
+    common.finish_run(report, records)
+    path = common.write_report(out_dir, "gemm-roof-smollm2", report, markdown(report, params))
+    print(path)
+    return 0
+
+
+def markdown(report: dict, params: int) -> str:
+    lines = common.header_markdown(report, "bf16 matrix products of SmolLM2's decoder layers: "
+                                           "own kernel vs oneDNN, against the roofs")
+    before, after = report["roofs_before"], report["roofs_after"]
+    peak = max(before["bf16_matmul_gflops"], after["bf16_matmul_gflops"])
+    bw = max(before["read_gbps"], after["read_gbps"])
+    lines += [f"{LAYERS} layers x 4 products ({', '.join(f'{n}x{k}' for n, k in SHAPES)}), "
+              f"{params * 2 / 1e6:.0f} MB of bf16 weights, all cold; median of "
+              f"{len({r['round'] for r in report['rounds']})} alternating rounds.",
+              f"Roofs (before / after the rounds): bf16 matmul 2048^3 "
+              f"{before['bf16_matmul_gflops']} / {after['bf16_matmul_gflops']} GFLOP/s, read "
+              f"bandwidth {before['read_gbps']} / {after['read_gbps']} GB/s; the fractions "
+              f"below use the higher ({peak} GFLOP/s, {bw} GB/s).", "",
+              "| rows | own ms | oneDNN ms | own / oneDNN time | own GFLOP/s (of roof) | "
+              "oneDNN GFLOP/s (of roof) | own weight GB/s (of read bandwidth) |",
+              "|---|---|---|---|---|---|---|"]
+    for s in report["summary"]:
+        own_gbps = 2 * params / (s["own_ms"] / 1e3) / 1e9
+        lines.append(f"| {s['rows']} | {s['own_ms']} | {s['onednn_ms']} | "
+                     f"{s['own_over_onednn_time']:.2f} | {s['own_gflops']} "
+                     f"({s['own_gflops'] / peak:.0%}) | {s['onednn_gflops']} "
+                     f"({s['onednn_gflops'] / peak:.0%}) | {own_gbps:.1f} ({own_gbps / bw:.0%}) |")
+    lines += ["", "Every round: the JSON file next to this one.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -124,7 +124,7 @@ def server_env(server: str, lim: Limits) -> dict[str, str]:
 
 
 def full_command(server: str, args, model: str, port: int, lim: Limits) -> list[str]:
-    variants = dict(args.variants)
+    variants = dict(getattr(args, "variants", ()))  # serve_breakdown, serve_env_ab: none
     if server == "vllm":
         base = vllm_command(args.vllm_python, model, port, lim)
     else:  # llmctl on the model, or a variant on its own checkpoint

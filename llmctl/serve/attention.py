@@ -5,7 +5,8 @@ one call:
 
 - ``fresh``: sequences whose whole context is computed in this step (prompts with no
   cached prefix), all of the same length. Their K/V are the ones just computed: causal
-  SDPA on them directly, ``[B, heads, L, d]``.
+  SDPA on them directly, ``[B, heads, L, d]``; with bf16 on a CPU with AVX512-BF16,
+  :file:`csrc/prefill_attention.cpp` instead (``AttnMetadata.prefill``).
 - ``paged``: sequences that all compute ``q_len`` tokens on top of cached context
   (decodes: ``q_len = 1``; draft verification: ``1 + k``; later prompt chunks). Their
   K/V are gathered through the block tables into ``[B, S]`` (S = the group's longest
@@ -53,6 +54,8 @@ class AttnMetadata:
     groups: list[AttnGroup]
     # cpu_kernels.paged_attention_kernel's callable, for groups with context_lens
     kernel: Callable | None = None
+    # cpu_kernels.prefill_attention_kernel's callable, for fresh groups (bf16)
+    prefill: Callable | None = None
 
 
 def block_table_tensor(block_tables: list[list[int]]) -> torch.Tensor:
@@ -111,6 +114,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for grp in meta.groups:
         qs = q[grp.start:grp.end]
         b, lq = grp.num_seqs, grp.q_len
+        if grp.fresh and meta.prefill is not None:
+            o = meta.prefill(qs, k[grp.start:grp.end], v[grp.start:grp.end], b, lq, scale)
+            if o is not None:
+                outs.append(o)
+                continue
         if grp.fresh:
             o = F.scaled_dot_product_attention(
                 qs.view(b, lq, num_heads, head_dim).transpose(1, 2),

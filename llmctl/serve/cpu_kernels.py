@@ -14,6 +14,8 @@
   (:class:`llmctl.serve.quant_linear.PackedLinear`'s own kernel).
 - :file:`csrc/decode_layer.cpp`: a whole decoder layer for a small decode step in one
   call, from the kernels above (:mod:`llmctl.serve.decode_layers`).
+- :file:`csrc/prefill_attention.cpp`: causal attention of fresh prompts (bf16), both
+  products as small GEMMs on vdpbf16ps (torch's SDPA flash kernel took twice as long).
 - :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
   pass for bfloat16 (nine torch ops per layer before).
 - :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use.
@@ -54,7 +56,7 @@ log = logging.getLogger("llmctl.serve")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
                              "lowbit_vnni.cpp", "gemm_bf16.cpp", "rope_kv.cpp",
-                             "decode_layer.cpp", "simd_math.h"))
+                             "decode_layer.cpp", "prefill_attention.cpp", "simd_math.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
 # torch dtype -> exported symbol
@@ -76,11 +78,15 @@ ARGTYPES = {
     "gemm_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
     "gemm_bf16_available": [],
     "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
+    "prefill_attention_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+                               _F32, _PTR, _I64, _INT],
+    "prefill_attention_available": [],
     "rope_kv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                      _PTR, _INT],
 }
 RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int,
-            "gemm_bf16_available": ctypes.c_int}
+            "gemm_bf16_available": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
+            "prefill_attention_available": ctypes.c_int}
 
 
 def _compiler() -> str | None:
@@ -167,6 +173,43 @@ def paged_attention_kernel(device: torch.device, dtype: torch.dtype):
            block_tables.shape[0], q_len, q.stride(0), heads, kv_heads, d, block_size,
            scale, out.data_ptr(), torch.get_num_threads())
         return out
+
+    return run
+
+
+def prefill_attention_kernel(device: torch.device, dtype: torch.dtype):
+    """:file:`csrc/prefill_attention.cpp` for a bf16 CPU step, or None.
+
+    The callable takes ``(q, k, v, num_seqs, q_len, scale)``: ``q [B * q_len, heads,
+    d]``, ``k, v [B * q_len, kv_heads, d]`` (token rows may be strided apart, each
+    token's heads contiguous), the causal attention of B fresh sequences of ``q_len``
+    tokens; it returns bf16 ``[B * q_len, heads * d]``, or None for a shape it does not
+    take (head_dim other than 64/128), which the caller runs on its other path.
+    """
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return None
+    lib = _library()
+    if lib is None or not lib.prefill_attention_available():
+        return None
+    fn = lib.prefill_attention_bf16
+
+    def packed(t: torch.Tensor) -> torch.Tensor:
+        heads, d = t.shape[1], t.shape[2]
+        return t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous()
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, q_len: int,
+            scale: float) -> torch.Tensor | None:
+        q, k, v = packed(q), packed(k), packed(v)
+        if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+            return None
+        if k.stride(0) != v.stride(0):  # one stride for both (views of one qkv tensor)
+            k, v = k.contiguous(), v.contiguous()
+        tokens, heads, d = q.shape
+        out = torch.empty((tokens, heads * d), dtype=torch.bfloat16)
+        status = fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
+                    num_seqs, q_len, heads, k.shape[1], d, scale, out.data_ptr(), heads * d,
+                    torch.get_num_threads())
+        return out if status == 0 else None
 
     return run
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmctl.serve.attention import AttnGroup, AttnMetadata, build_kernel_group, build_paged_group
-from llmctl.serve.cpu_kernels import paged_attention_kernel
+from llmctl.serve.cpu_kernels import paged_attention_kernel, prefill_attention_kernel
 from llmctl.serve.model import LlamaModel
 from llmctl.serve.scheduler import ScheduledSeq
 
@@ -84,6 +84,8 @@ class ModelRunner:
         self.device = model.device
         self.group_heads = model.spec.num_heads // model.spec.num_kv_heads
         self.kernel = paged_attention_kernel(self.device, kv_cache.dtype)
+        self.prefill = (prefill_attention_kernel(self.device, kv_cache.dtype)
+                        if model.dtype == torch.bfloat16 else None)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -165,7 +167,7 @@ class ModelRunner:
 
         dev = self.device
         meta = AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                            groups=groups, kernel=self.kernel)
+                            groups=groups, kernel=self.kernel, prefill=self.prefill)
         hidden = self.model.forward(torch.tensor(tokens, dtype=torch.long, device=dev),
                                     torch.tensor(positions, dtype=torch.long, device=dev),
                                     meta, self.kv_cache)

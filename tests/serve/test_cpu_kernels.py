@@ -457,3 +457,45 @@ def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_p
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@needs_kernels
+@pytest.mark.parametrize("seqs,length,heads,kv_heads,d", [
+    (2, 5, 4, 2, 64),      # shorter than a 16-key tile
+    (3, 37, 9, 3, 64),     # SmolLM2's heads, ragged last tile
+    (2, 130, 8, 2, 128),   # head_dim 128, two query blocks of 128
+    (1, 17, 6, 6, 64),     # no GQA
+])
+def test_prefill_attention_is_causal_attention_within_bf16_rounding(seqs, length, heads,
+                                                                    kv_heads, d):
+    """csrc/prefill_attention.cpp against float64 causal attention on the same bf16 q/k/v
+    (views of one qkv row, as the model passes them): the probabilities are rounded to
+    bf16 for the second product and the output to bf16, each half a step (2^-9 relative);
+    the bound allows four such steps of the largest output."""
+    import math
+
+    fn = cpu_kernels.prefill_attention_kernel(torch.device("cpu"), torch.bfloat16)
+    if fn is None:
+        assert "avx512_bf16" not in cpu_flags()  # only a CPU without it may lack the kernel
+        pytest.skip("this CPU has no AVX512-BF16")
+    gen = torch.Generator().manual_seed(length)
+    tokens = seqs * length
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d + 16, generator=gen).bfloat16()
+    q = qkv[:, :heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:(heads + 2 * kv_heads) * d].view(tokens, kv_heads, d)
+    scale = 1 / math.sqrt(d)
+    got = fn(q, k, v, seqs, length, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, heads * d)
+
+    def per_seq(t: torch.Tensor) -> torch.Tensor:
+        out = t.double().view(seqs, length, t.shape[1], d).transpose(1, 2)
+        return out.repeat_interleave(heads // t.shape[1], 1)
+
+    want = torch.nn.functional.scaled_dot_product_attention(
+        per_seq(q), per_seq(k), per_seq(v), is_causal=True, scale=scale)
+    want = want.transpose(1, 2).reshape(tokens, heads * d)
+    assert (got.double() - want).abs().max() <= 4 * 2.0 ** -9 * want.abs().max()
+    # a head_dim the kernel does not take: None, the caller keeps SDPA
+    q32 = torch.zeros(4, 2, 32).bfloat16()
+    assert fn(q32, q32, q32, 1, 4, 1.0) is None

@@ -193,9 +193,8 @@ def prefill_attention_kernel(device: torch.device, dtype: torch.dtype):
         return None
     fn = lib.prefill_attention_bf16
 
-    def packed(t: torch.Tensor) -> torch.Tensor:
-        heads, d = t.shape[1], t.shape[2]
-        return t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous()
+    def packed(t: torch.Tensor) -> torch.Tensor:  # each token's heads contiguous
+        return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, q_len: int,
             scale: float) -> torch.Tensor | None:

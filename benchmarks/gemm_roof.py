@@ -152,16 +152,17 @@ def markdown(report: dict, params: int) -> str:
                                            "own kernel vs oneDNN, against the roofs")
     peak, bw = report["roof_bf16_gflops"], report["roof_read_gbps"]
     measured = report["roofs"]
-    lines += [f"{LAYERS} layers x 4 products ({', '.join(f'{n}x{k}' for n, k in SHAPES)}), "
-              f"{params * 2 / 1e6:.0f} MB of bf16 weights, all cold; median of "
-              f"{len({r['round'] for r in report['rounds']})} alternating rounds.",
-              "Roofs, measured before, between and after the rounds: bf16 compute (the "
-              "faster of oneDNN's warm 2048^3 matmul and the own kernel on a warm weight) "
-              + " / ".join(str(r["bf16_gflops"]) for r in measured) + " GFLOP/s; read "
-              "bandwidth (torch.sum, 512 MiB) " + " / ".join(str(r["read_gbps"]) for r in measured)
-              + f" GB/s. The fractions below use the medians ({peak} GFLOP/s, {bw} GB/s).", "",
-              "| rows | own ms | oneDNN ms | own / oneDNN time | own GFLOP/s (of roof) | "
-              "oneDNN GFLOP/s (of roof) | own weight GB/s (of read bandwidth) |",
+    compute = " / ".join(str(r["bf16_gflops"]) for r in measured)
+    read = " / ".join(str(r["read_gbps"]) for r in measured)
+    lines += [(f"{LAYERS} layers x 4 products ({', '.join(f'{n}x{k}' for n, k in SHAPES)}), "
+               f"{params * 2 / 1e6:.0f} MB of bf16 weights, all cold; median of "
+               f"{len({r['round'] for r in report['rounds']})} alternating rounds."),
+              ("Roofs, measured before, between and after the rounds: bf16 compute (the "
+               "faster of oneDNN's warm 2048^3 matmul and the own kernel on a warm weight) "
+               f"{compute} GFLOP/s; read bandwidth (torch.sum, 512 MiB) {read} GB/s. The "
+               f"fractions below use the medians ({peak} GFLOP/s, {bw} GB/s)."), "",
+              ("| rows | own ms | oneDNN ms | own / oneDNN time | own GFLOP/s (of roof) | "
+               "oneDNN GFLOP/s (of roof) | own weight GB/s (of read bandwidth) |"),
               "|---|---|---|---|---|---|---|"]
     for s in report["summary"]:
         own_gbps = 2 * params / (s["own_ms"] / 1e3) / 1e9

@@ -145,21 +145,21 @@ def _diverge(d: dict) -> str:
 def markdown(report: dict) -> str:
     lines = common.header_markdown(report, "Uniform batch: llmctl engine vs transformers "
                                            "generate (SmolLM2, offline)")
-    lines += [f"{PROMPTS} prompts of {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens, "
-              f"{NEW_TOKENS} new tokens each (greedy), all at once; transformers as one "
-              "left-padded batch, the engine as 32 requests (prefix caching off); both "
-              f"{report['threads']} torch threads, in one process, alternating.", "",
-              "| dtype | engine tok/s (median) | transformers tok/s (median) | "
-              f"engine / transformers (median of rounds; min) | target | identical greedy "
-              "sequences |", "|---|---|---|---|---|---|"]
+    lines += [(f"{PROMPTS} prompts of {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens, "
+               f"{NEW_TOKENS} new tokens each (greedy), all at once; transformers as one "
+               "left-padded batch, the engine as 32 requests (prefix caching off); both "
+               f"{report['threads']} torch threads, in one process, alternating."), "",
+              ("| dtype | engine tok/s (median) | transformers tok/s (median) | "
+               "engine / transformers (median of rounds; min) | target | identical greedy "
+               "sequences |"), "|---|---|---|---|---|---|"]
     for d in report["dtypes"]:
         lines.append(f"| {d['dtype']} | {d['engine_tok_s_median']:.1f} | "
                      f"{d['transformers_tok_s_median']:.1f} | {d['ratio_median']:.2f}x; "
                      f"{d['ratio_min']:.2f}x | >= {TARGET}x | {d['identical_sequences']}/"
                      f"{d['sequences']}{_diverge(d)} |")
     lines += ["", "Every round:", "",
-              "| dtype | round | side | output tok/s | wall s | engine / transformers | "
-              "load before / after | other procs (cores) |", "|---|---|---|---|---|---|---|---|"]
+              ("| dtype | round | side | output tok/s | wall s | engine / transformers | "
+               "load before / after | other procs (cores) |"), "|---|---|---|---|---|---|---|---|"]
     for d in report["dtypes"]:
         for r in d["rounds"]:
             ratio = f"{r['ratio']:.2f}x" if "ratio" in r else ""

@@ -8,9 +8,10 @@ Python, so the hidden states are bit for bit the same; what goes is ~10 Python-t
 transitions and tensor allocations per layer (about 1 ms of a SmolLM2 batch-1 token).
 
 It applies when every matrix of every layer has a small-batch form (a bf16 weight in
-:file:`csrc/gemm_bf16.cpp`'s layout, or int4/int8 codes in the VNNI layout), no bias, no q/k norm, bfloat16
-activations and cache, and the step is one attention group of single-token sequences
-on the native kernel; :meth:`DecodeLayers.build` returns None otherwise.
+:file:`csrc/gemm_bf16.cpp`'s layout, or int4/int8 codes in the VNNI layout), no bias,
+no q/k norm, bfloat16 activations and cache, and the step is one attention group of
+single-token sequences on the native kernel; :meth:`DecodeLayers.build` returns None
+otherwise.
 """
 
 from __future__ import annotations

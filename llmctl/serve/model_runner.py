@@ -84,8 +84,7 @@ class ModelRunner:
         self.device = model.device
         self.group_heads = model.spec.num_heads // model.spec.num_kv_heads
         self.kernel = paged_attention_kernel(self.device, kv_cache.dtype)
-        self.prefill = (prefill_attention_kernel(self.device, kv_cache.dtype)
-                        if model.dtype == torch.bfloat16 else None)
+        self.prefill = prefill_attention_kernel(self.device, kv_cache.dtype)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

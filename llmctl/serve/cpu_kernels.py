@@ -12,7 +12,7 @@
   one to eight rows with AVX512-VNNI byte products on 15-bit activations.
 - :file:`csrc/gemm_bf16.cpp`: dense bfloat16 weights times any number of rows
   (:class:`llmctl.serve.quant_linear.PackedLinear`'s own kernel).
-- :file:`csrc/decode_layer.cpp`: a whole decoder layer for a small decode step in one
+- :file:`csrc/decode_layer.cpp`: a whole decoder layer for a decode step in one
   call, from the kernels above (:mod:`llmctl.serve.decode_layers`).
 - :file:`csrc/prefill_attention.cpp`: causal attention of fresh prompts (bf16), both
   products as small GEMMs on vdpbf16ps (torch's SDPA flash kernel took twice as long).

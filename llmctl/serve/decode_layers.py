@@ -1,11 +1,14 @@
-"""Small decode steps (1-8 tokens: MAX_ROWS; 1-4 where bf16 layers keep their own-kernel
-form for small batches only) as one native call per decoder layer.
+"""Decode steps as one native call per decoder layer: up to MAX_ROWS tokens on bf16
+weights in the own-kernel form (1-4 where bf16 layers keep it for small batches only),
+up to 8 on int4/int8 codes (the VNNI kernel's rows).
 
 :file:`csrc/decode_layer.cpp` runs a layer's ten kernels (the small-batch matrix products,
 RoPE + cache write, paged attention, the fused norms and SwiGLU) from C, on the same
 data in the same order as :meth:`llmctl.serve.model.LlamaModel.forward` does from
 Python, so the hidden states are bit for bit the same; what goes is ~10 Python-to-C
-transitions and tensor allocations per layer (about 1 ms of a SmolLM2 batch-1 token).
+transitions and tensor allocations per layer (about 1 ms of a SmolLM2 batch-1 token, and
+3-4 ms of a 64-row step: development A/B in one process, 6 rounds alternating, step
+median 62.5 vs 65.9 ms, same tokens).
 
 It applies when every matrix of every layer has a small-batch form (a bf16 weight in
 :file:`csrc/gemm_bf16.cpp`'s layout, or int4/int8 codes in the VNNI layout), no bias,
@@ -26,9 +29,10 @@ from llmctl.serve.lowbit import LowBitLinear
 from llmctl.serve.quant_linear import PackedLinear
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-# The most tokens a step runs here: the VNNI kernel's rows. Beyond a few rows the layer's
-# ten Python calls are a small share of the step, and the scratch buffers stay small.
-MAX_ROWS = 8
+# The most tokens a step runs here on bf16 weights: the scratch buffers are sized for it
+# (4 MB for SmolLM2, ~30 MB for an 8B Llama); larger steps take the Python path, where
+# ten calls per layer are a small share of the step.
+MAX_ROWS = 256
 
 
 class Matrix(ctypes.Structure):

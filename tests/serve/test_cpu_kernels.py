@@ -428,8 +428,9 @@ def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_p
         tiny_llama, tmp_path, scheme, monkeypatch):
     """Small decode steps through csrc/decode_layer.cpp give the very logits of the
     Python layer loop (same kernels, same order): greedy tokens and log-probs of
-    concurrent requests compared exactly, bf16 dense and int4/int8 codes, up to 8 rows
-    (six requests: the VNNI kernel's second pass over rows 5-8 runs too)."""
+    concurrent requests compared exactly, bf16 dense (ten requests: two of the GEMM's
+    8-row blocks) and int4/int8 codes (six: the VNNI kernel takes up to 8 rows, and its
+    second pass over rows 5-8 runs too)."""
     from llmctl.serve import decode_layers
     from llmctl.serve.llm import LLM
     from llmctl.serve.sampling_params import SamplingParams
@@ -439,7 +440,7 @@ def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_p
         assert not {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
         pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VNNI")
     model = tiny_llama if scheme is None else write_quantized(tiny_llama, tmp_path / "q", scheme)[0]
-    llm = LLM(str(model), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="16MiB",
+    llm = LLM(str(model), dtype="bfloat16", max_num_seqs=10, kv_cache_memory="16MiB",
               bf16_gemm="own")
     net = llm.engine.target.model
     assert net.decode_layers is not None
@@ -448,9 +449,10 @@ def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_p
     monkeypatch.setattr(decode_layers.DecodeLayers, "__call__",
                         lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
-    prompts = ["the quick brown", "a b c d e f", "hello", "x y", "one two three", "z"]
+    prompts = ["the quick brown", "a b c d e f", "hello", "x y", "one two three", "z",
+               "red green", "up down left", "seven", "last one"][:10 if scheme is None else 6]
     fused = llm.generate(prompts, params)
-    assert net.decode_layers.max_rows == 8
+    assert net.decode_layers.max_rows == (decode_layers.MAX_ROWS if scheme is None else 8)
     assert calls and max(calls) == len(prompts)
     net.decode_layers = None
     plain = llm.generate(prompts, params)

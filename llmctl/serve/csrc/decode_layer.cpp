@@ -1,5 +1,5 @@
-// One Llama decoder layer for a small decode step (1-8 tokens on bf16 weights or int4/int8
-// codes), bfloat16 activations, in one call.
+// One Llama decoder layer for a decode step (up to 256 tokens on bf16 weights, 8 on
+// int4/int8 codes: llmctl/serve/decode_layers.py), bfloat16 activations, in one call.
 //
 // At batch 1 a SmolLM2 layer is ten kernel calls of a few microseconds of work each;
 // from Python each cost 5-10 us more in dispatch (ctypes, torch.empty, views), about

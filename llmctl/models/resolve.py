@@ -54,6 +54,11 @@ def check_hf_dir(path: Path) -> str:
     return model_type
 
 
+def is_hub_id(reference: str) -> bool:
+    """Whether ``reference`` reads as a Hugging Face Hub id (``org/name``)."""
+    return bool(_HUB_ID.match(reference)) and not reference.endswith(".gguf")
+
+
 def _cached_import(gguf_path: Path, name: str, progress: Progress | None) -> Path:
     dest = models_dir() / f"{name}-{quick_hash(gguf_path)[:12]}"
     problem = manifest_problem(dest) if dest.exists() else "not converted yet"
@@ -106,7 +111,7 @@ def resolve_model(reference: str, progress: Progress | None = None) -> ResolvedM
             )
         dest = _cached_import(path.resolve(), path.stem.lower(), progress)
         return ResolvedModel(reference, dest, "gguf", path.resolve())
-    if _HUB_ID.match(reference) and not reference.endswith(".gguf"):
+    if is_hub_id(reference):
         return ResolvedModel(reference, _from_hub(reference), "hub")
     raise ModelNotFoundError(
         f"no model at {reference!r}",

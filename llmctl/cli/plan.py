@@ -171,7 +171,7 @@ def _render(console, model: str, source: str, p, extra_notes: list[str]) -> None
     console.print(f"hardware: {p.peaks.source}; {p.compute_dtype} {flops / 1e12:.3g} TFLOP/s, "
                   f"{p.peaks.bandwidth / 1e9:.4g} GB/s")
 
-    mem = Table(title="Memory per GPU", show_header=False)
+    mem = Table(title="Memory per device", show_header=False)
     mem.add_column("what")
     mem.add_column("value", justify="right")
     mem.add_row("device memory", _fmt_bytes(m.device_bytes))

@@ -134,9 +134,6 @@ class WeightFormat:
             return self.bits_per_weight(in_features, out_features)
         return float(self.base_bits)
 
-    def with_base_bits(self, bits: int) -> WeightFormat:
-        return replace(self, base_bits=bits, bits=self.bits if self.quantized else bits)
-
     def describe(self) -> str:
         if not self.quantized:
             return f"{self.name} ({self.base_bits}-bit)"

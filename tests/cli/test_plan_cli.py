@@ -72,7 +72,7 @@ def test_human_output_and_exit_1_when_it_does_not_fit(tmp_path):
     result = run(tmp_path / "config.json", "-H", "h100-sxm", "--slo", "p95_tpot_ms<=50")
     assert result.exit_code == 1, result.output
     out = result.output
-    assert "does not fit" in out and "Memory per GPU" in out
+    assert "does not fit" in out and "Memory per device" in out
     assert "--tp 2: weights 141.1 GB -> 70.6 GB per GPU" in out
     assert "--weights w4a16" in out
     fits = run(tmp_path, "-H", "h100-sxm", "--tp", "4")

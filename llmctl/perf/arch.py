@@ -84,9 +84,8 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
 # Config keys whose presence means an architecture these counts do not describe.
 UNSUPPORTED_KEYS: dict[str, str] = {
     "kv_lora_rank": "multi-head latent attention (DeepSeek-V2/V3)",
-    "layer_types_moe": "per-layer MoE layouts",
-    "ssm_cfg": "state-space layers",
 }
+_EXPERT_KEYS = ("num_local_experts", "num_experts")
 
 
 @dataclass(frozen=True)
@@ -230,6 +229,11 @@ class ArchSpec:
                     "config fields decoder_sparse_step/mlp_only_layers: dense and MoE blocks "
                     "mixed in one model are not modelled", "use a model whose every block is MoE")
         else:
+            for key in _EXPERT_KEYS:
+                if (cfg.get(key) or 0) > 1:
+                    raise ConfigError(f"config field {key!r} on a {model_type} model: experts "
+                                      "in a dense family's config are not modelled",
+                                      "MoE families: " + ", ".join(MOE_FAMILIES))
             dense_width = int(need("intermediate_size"))
         notes = list(fam.notes)
         window = cfg.get("sliding_window")

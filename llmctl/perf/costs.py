@@ -45,6 +45,14 @@ class ModelCost:
         self.kv_bytes = float(kv_bytes)
         self._tally()
 
+    @classmethod
+    def from_config(cls, cfg: dict, weights: WeightFormat | None = None,
+                    kv_bytes: float = 2.0) -> ModelCost:
+        """From a config.json dict; ``weights`` defaults to what the config describes (its
+        quantization_config, else 16-bit)."""
+        return cls(ArchSpec.from_config(cfg),
+                   weights if weights is not None else WeightFormat.from_config(cfg), kv_bytes)
+
     def _tally(self) -> None:
         """Parameters and stored bytes, layer by layer (an ``ignore`` list may name one
         layer's module: ``model.layers.0.mlp.down_proj``)."""

@@ -83,12 +83,12 @@ DEVICES: tuple[Device, ...] = (
             "fp8": 733 * T, "int8": 733 * T},
            864e9, 48, "https://www.nvidia.com/en-us/data-center/l40s/", (r"NVIDIA L40S",)),
     Device("a10g", "NVIDIA A10G 24GB (AWS G5)",
-           {"fp32": 31.2 * T, "tf32": 35 * T, "bf16": 70 * T, "fp16": 70 * T,
-            "int8": 140 * T},
+           {"tf32": 35 * T, "bf16": 70 * T, "fp16": 70 * T, "int8": 140 * T},
            600e9, 24, "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/",
            (r"NVIDIA A10G",),
-           note="NVIDIA publishes no A10G datasheet; tensor peaks as compiled by Baseten "
-                "(the A10's datasheet lists 125 dense BF16 TFLOPS; the A10G has fewer)"),
+           note="NVIDIA publishes no A10G datasheet: tensor peaks as Baseten compiled them, "
+                "not checked against an NVIDIA document (the A10's datasheet lists 125 dense "
+                "BF16 TFLOPS; the A10G has fewer tensor cores' worth)"),
     Device("mi300x", "AMD Instinct MI300X 192GB",
            {"fp32": 163.4 * T, "tf32": 653.7 * T, "bf16": 1307.4 * T, "fp16": 1307.4 * T,
             "fp8": 2614.9 * T, "int8": 2614.9 * T},

@@ -345,7 +345,8 @@ def activation_bytes(arch: ArchSpec, tp: int, tokens: int, max_num_seqs: int,
     live set inside a block at ``tokens`` tokens (the residual and normed input,
     ``2 * hidden``; the q/k/v outputs; the MLP's gate and up outputs and their product,
     ``3 * width``, all split ``tp`` ways except the residual), plus float32 logits over the
-    full vocabulary for ``max_num_seqs`` rows. Not measured: a ±50 % figure."""
+    full vocabulary for ``max_num_seqs`` rows. An estimate, not a measurement: vLLM's
+    profiling run also sees allocator fragmentation and CUDA graph pools, left out here."""
     width = (arch.intermediate_size if not arch.is_moe else
              arch.experts_per_token * arch.expert_intermediate_size
              + arch.shared_expert_intermediate_size)

@@ -194,6 +194,10 @@ def _compressed_tensors(qc: dict[str, Any], base_bits: int) -> WeightFormat:
             raise ConfigError(f"quantization_config group {gname!r} quantizes no weights",
                               "activation-only schemes are not modelled; pass --weights")
         acts = scheme.get("input_activations") or None
+        if acts is not None and int(acts.get("num_bits", 8)) != 8:
+            raise ConfigError(f"quantization_config group {gname!r} has "
+                              f"{acts.get('num_bits')}-bit activations",
+                              "only 8-bit (fp8/int8) or 16-bit activations are modelled")
         key = (int(weights["num_bits"]), str(weights.get("type", "int")),
                str(weights.get("strategy") or "tensor"), weights.get("group_size"),
                bool(weights.get("symmetric", True)),

@@ -103,6 +103,9 @@ SMOL_W4 = {  # what `llmctl quantize` wrote for SmolLM2 (llmctl-quant.json's con
 
 
 def test_compressed_tensors_config():
+    smol = {**tiny(), "quantization_config": SMOL_W4}
+    assert ModelCost.from_config(smol).weights.name == "w4a16-g64"
+    assert ModelCost.from_config(tiny()).weights.name == "bf16"
     fmt = WeightFormat.from_quant_config(SMOL_W4)
     assert fmt.name == "w4a16-g64" and fmt.compute_dtype == "bf16"
     assert fmt.bits_per_weight() == 4.25
@@ -143,6 +146,11 @@ def test_format_errors_name_the_problem():
         "b": {"targets": ["re:.*attn.*"], "weights": {"num_bits": 8, "strategy": "channel"}}}}
     with pytest.raises(ConfigError, match="mixes schemes"):
         WeightFormat.from_quant_config(mixed)
+    nvfp4 = {"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+        "input_activations": {"num_bits": 4, "type": "float"}}}}
+    with pytest.raises(ConfigError, match="4-bit activations"):
+        WeightFormat.from_quant_config(nvfp4)
 
 
 def test_mixture_of_experts_by_hand():
@@ -175,6 +183,8 @@ def test_config_errors_name_the_field():
         ArchSpec.from_config({k: v for k, v in tiny().items() if k != "model_type"})
     with pytest.raises(ConfigError, match="kv_lora_rank"):
         ArchSpec.from_config(tiny(kv_lora_rank=512))
+    with pytest.raises(ConfigError, match="'num_local_experts' on a llama model"):
+        ArchSpec.from_config(tiny(num_local_experts=8))
     with pytest.raises(ConfigError, match="mixed in one model"):
         ArchSpec.from_config(tiny(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
                                   moe_intermediate_size=32, mlp_only_layers=[0]))

@@ -128,6 +128,10 @@ class EngineDirLLMEngine(LLMEngine):
                  "caches", engine.manifest.target)
         self.target = _EngineTarget(spec, plan, engine.runner())
 
+    def _perf_cost(self) -> None:
+        """Not metered: the runtime holds its own weights and caches."""
+        return None
+
     def _fallback_eos_ids(self) -> list[int]:
         return list(self.engine_dir.eos_token_ids or ()) or super()._fallback_eos_ids()
 

@@ -67,12 +67,14 @@ import gc
 import logging
 import threading
 import time
+from pathlib import Path
 from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
 
 from llmctl.errors import ConfigError, ResourceError, UsageError
+from llmctl.perf.meter import StepMeter, step_load
 from llmctl.serve.block_manager import BlockManager
 from llmctl.serve.config import EngineConfig, make_engine_config
 from llmctl.serve.detokenizer import IncrementalDetokenizer
@@ -152,6 +154,9 @@ class _PromptAwareBlockManager(BlockManager):
 # tokens with detokenization, stop checks and block commits (update), and building the
 # RequestOutputs (output).
 STEP_PHASES = ("schedule", "forward", "sample", "update", "output")
+# The dtype the matrix products run in -> the peak MFU is measured against (int4/int8
+# weights are widened to the activation dtype, so their products run in it too).
+_PERF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 class LLMEngine:
@@ -189,6 +194,10 @@ class LLMEngine:
         # Wall seconds spent in each phase of step(), summed (STEP_PHASES): where a
         # step's time goes, offline and behind the server alike (/metrics).
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
+        # FLOPs, bytes and seconds of every step by phase (llmctl.perf.meter): the MFU/MBU
+        # counters and gauges of /metrics
+        self.meter = StepMeter()
+        self._step_cost = self._perf_cost()
         # The model, tokenizer and libraries are tens of thousands of long-lived objects:
         # freezing them keeps the cyclic GC from rescanning them every time a step's
         # small objects trigger a collection (vLLM's engine does the same).
@@ -209,6 +218,24 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer).path
                                         if config.tokenizer else self.model_path)
         self.target = _Built(resolved, config, self.device, self.max_model_len)
+
+    def _perf_cost(self) -> tuple | None:
+        """The cost model steps are metered with: FLOPs from the architecture in
+        config.json, bytes from the weights as loaded (:attr:`LlamaModel.
+        bytes_read_per_step`) and the KV cache's dtype. None for an architecture the cost
+        model does not describe (the server then exports no utilization)."""
+        import json
+
+        from llmctl.perf.costs import ArchSpec, ModelCost
+
+        try:
+            config = json.loads((Path(self.model_path) / "config.json").read_text())
+            cost = ModelCost(ArchSpec.from_config(config),
+                             kv_bytes=self.target.kv_cache.element_size())
+        except (OSError, ValueError, ConfigError) as exc:
+            log.info("no FLOP/byte accounting for this model: %s", exc)
+            return None
+        return cost, float(self.target.model.bytes_read_per_step)
 
     @staticmethod
     def _check_max_len(config: EngineConfig, limit: int) -> int:
@@ -403,7 +430,14 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.phase_seconds["schedule"] += time.perf_counter() - start
         if not sched.empty:
+            work = [(s.seq.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+            prefill = any(s.seq.num_computed_tokens < s.seq.num_prompt_tokens
+                          for s in sched.scheduled)
             outputs.extend(self._run(sched.scheduled, sched.copies))
+            if self._step_cost is not None:
+                cost, weights = self._step_cost
+                self.meter.record("prefill" if prefill else "decode",
+                                  step_load(cost, weights, work, time.perf_counter() - start))
         outputs.extend(self._end_failed())
         return outputs
 
@@ -758,6 +792,10 @@ class LLMEngine:
                                             if c["spec_verify_steps"] else 0.0),
             **c,
             "step_phase_seconds": dict(self.phase_seconds),
+            "perf_totals": {p: load for p, load in self.meter.totals.items()},
+            "perf_recent": self.meter.recent(),
+            "perf_dtype": _PERF_DTYPES.get(getattr(getattr(self.target, "model", None),
+                                                   "dtype", None), "unknown"),
         }
 
     def _kv_slots(self) -> tuple[int, int]:

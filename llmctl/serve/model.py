@@ -229,6 +229,16 @@ class LlamaModel:
         return self.lm_head(hidden).float()
 
     @property
+    def bytes_read_per_step(self) -> int:
+        """Weight bytes a forward step reads (what MBU counts): everything held, except the
+        embedding table when the head multiplies a copy of it (packed, int8) or its own
+        weight: the lookup reads only a step's rows."""
+        total = self.nbytes
+        if getattr(self.lm_head, "weight", None) is not self.embed:
+            total -= self.embed.numel() * self.embed.element_size()
+        return total
+
+    @property
     def nbytes(self) -> int:
         total = self.embed.numel() * self.embed.element_size()
         total += self.norm.numel() * self.norm.element_size()

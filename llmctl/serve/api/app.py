@@ -60,6 +60,7 @@ class ServerConfig:
     request_timeout: float | None = None
     extra_model_names: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
+    peaks: Any = None  # llmctl.perf.peaks.Peaks for /metrics' MFU/MBU gauges; None: unknown
 
 
 @dataclass
@@ -106,7 +107,7 @@ class Server:
         self.tokenizer = tokenizer
         self.config = config
         self.grammars = grammar_factory
-        self.metrics = ServerMetrics(config.model_name, engine.stats)
+        self.metrics = ServerMetrics(config.model_name, engine.stats, config.peaks)
 
     # --- parsing -------------------------------------------------------------------
     async def parse(self, request: Request, model_cls):

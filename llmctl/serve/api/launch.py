@@ -56,9 +56,23 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
         log.warning("response_format disabled: %s", exc)
     config = ServerConfig(model_name=name, max_model_len=engine.max_model_len,
                           vocab_size=vocab_size, api_key=opts.api_key,
-                          request_timeout=opts.request_timeout, extra_model_names=aliases)
+                          request_timeout=opts.request_timeout, extra_model_names=aliases,
+                          peaks=_peaks())
     async_engine = AsyncEngine(engine, max_queue=opts.max_queue)
     return Server(async_engine, tokenizer, config, grammars), async_engine
+
+
+def _peaks():
+    """The peaks /metrics' MFU/MBU gauges divide by: this GPU from the datasheet table,
+    else this CPU's cached ``llmctl hw probe`` (never probed implicitly: it takes time)."""
+    from llmctl.perf.hardware import resolve_peaks
+
+    peaks = resolve_peaks()
+    if peaks is None:
+        log.info("no MFU/MBU gauges: hardware peaks unknown (run `llmctl hw probe`)")
+    else:
+        log.info("MFU/MBU gauges against %s", peaks.source)
+    return peaks
 
 
 def run_server(opts: ServeOptions, ready=None) -> int:

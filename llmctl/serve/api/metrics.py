@@ -13,12 +13,16 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+_LOAD_FIELD = {"flops": "flops", "bytes": "bytes", "busy_seconds": "seconds"}
+
+
 class _EngineGauges:
     """Reads the engine's last stats snapshot at scrape time (no polling thread)."""
 
-    def __init__(self, snapshot: Callable[[], dict], model: str) -> None:
+    def __init__(self, snapshot: Callable[[], dict], model: str, peaks=None) -> None:
         self._snapshot = snapshot
         self._model = model
+        self._peaks = peaks  # llmctl.perf.peaks.Peaks, or None: hardware unknown
 
     def collect(self):
         stats = self._snapshot()
@@ -57,10 +61,50 @@ class _EngineGauges:
         for phase, seconds in (stats.get("step_phase_seconds") or {}).items():
             phases.add_metric([self._model, phase], float(seconds))
         yield phases
+        yield from self._utilization(stats)
+
+    def _utilization(self, stats: dict):
+        """FLOPs, bytes and busy seconds by phase since start (counters: ``llmctl bench``
+        takes their deltas over a run), and MFU/MBU over the meter's sliding window
+        (gauges, labelled with where the peaks came from; absent when unknown)."""
+        from prometheus_client.core import CounterMetricFamily
+
+        from llmctl.perf.meter import WINDOW_SECONDS
+        from llmctl.perf.utilization import COUNTER_FIELDS, use
+
+        totals = stats.get("perf_totals")
+        if not totals:
+            return
+        # one series per phase by name, not by label: a scraper summing label sets (as
+        # llmctl bench's does) keeps the phases apart
+        for phase, load in totals.items():
+            for field, what in COUNTER_FIELDS.items():
+                counter = CounterMetricFamily(PREFIX + f"{phase}_{field}",
+                                              f"{what} of {phase} engine steps "
+                                              "(llmctl.perf.meter).", labels=["model_name"])
+                counter.add_metric([self._model], float(getattr(load, _LOAD_FIELD[field])))
+                yield counter
+        if self._peaks is None:
+            return
+        dtype = stats.get("perf_dtype", "unknown")
+        labels = ["model_name", "phase", "peak_source"]
+        mfu = GaugeMetricFamily(PREFIX + "mfu", f"Achieved FLOP/s over the {dtype} peak, "
+                                f"engine steps of the last {WINDOW_SECONDS:g} s.", labels=labels)
+        mbu = GaugeMetricFamily(PREFIX + "mbu", "Achieved read bytes/s over the peak "
+                                f"bandwidth, engine steps of the last {WINDOW_SECONDS:g} s.",
+                                labels=labels)
+        for phase, load in (stats.get("perf_recent") or {}).items():
+            u = use(phase, load, self._peaks, dtype)
+            if u.mfu is not None:
+                mfu.add_metric([self._model, phase, self._peaks.source], u.mfu)
+            if u.mbu is not None:
+                mbu.add_metric([self._model, phase, self._peaks.source], u.mbu)
+        yield mfu
+        yield mbu
 
 
 class ServerMetrics:
-    def __init__(self, model: str, snapshot: Callable[[], dict]) -> None:
+    def __init__(self, model: str, snapshot: Callable[[], dict], peaks=None) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         labels = ["model_name"]
@@ -79,7 +123,7 @@ class ServerMetrics:
                                        labels + ["finished_reason"], registry=self.registry)
         self.http_errors = Counter(PREFIX + "http_errors", "Requests answered with an error.",
                                    labels + ["status"], registry=self.registry)
-        self.registry.register(_EngineGauges(snapshot, model))
+        self.registry.register(_EngineGauges(snapshot, model, peaks))
 
     def observe_finished(self, *, reason: str, prompt_tokens: int, output_tokens: int,
                          ttft: float | None, e2e: float) -> None:

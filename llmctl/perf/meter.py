@@ -1,0 +1,66 @@
+"""The engine's per-step FLOPs, bytes and seconds, by phase: running totals (Prometheus
+counters) and a sliding window (the MFU/MBU gauges).
+
+One step computes ``new`` tokens of each scheduled sequence on top of ``context`` tokens
+already in its KV cache. With :class:`llmctl.perf.costs.ModelCost`'s formulas:
+
+- FLOPs = sum over sequences of ``prefill_flops(context + new, cached=context)`` (the new
+  tokens' products, attention over context + position, and the head for the last) --
+  a one-token decode row is the same formula with ``new = 1``;
+- bytes = the weights read once per step + each sequence's (context + new) x KV bytes
+  per token (every step re-reads each sequence's keys and values).
+
+A step with any prompt token is a prefill step, one with generated tokens only a decode
+step: a mixed step's time cannot be split, so it goes wholly to prefill (as in vLLM's
+step-level accounting).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterable
+
+from llmctl.perf.utilization import PHASES, PhaseLoad
+
+WINDOW_SECONDS = 30.0
+
+
+def step_load(cost, weights_read: float, items: Iterable[tuple[int, int]],
+              seconds: float) -> PhaseLoad:
+    """FLOPs and bytes of one step of ``items`` = (context, new tokens) per sequence."""
+    flops = kv_tokens = 0.0
+    for context, new in items:
+        flops += cost.prefill_flops(context + new, cached=context)
+        kv_tokens += context + new
+    return PhaseLoad(flops, weights_read + kv_tokens * cost.kv_bytes_per_token, seconds)
+
+
+class StepMeter:
+    """Totals since start and the last :data:`WINDOW_SECONDS` of steps, per phase."""
+
+    def __init__(self, window: float = WINDOW_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = window
+        self._clock = clock
+        self.totals = {p: PhaseLoad(0.0, 0.0, 0.0) for p in PHASES}
+        self._recent: collections.deque[tuple[float, str, PhaseLoad]] = collections.deque()
+
+    def record(self, phase: str, load: PhaseLoad) -> None:
+        self.totals[phase] = self.totals[phase] + load
+        now = self._clock()
+        self._recent.append((now, phase, load))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - self.window:
+            self._recent.popleft()
+
+    def recent(self) -> dict[str, PhaseLoad]:
+        """The window's loads per phase (busy seconds only: idle time is not counted, so
+        a gauge reads the utilization while the engine ran, not averaged with idling)."""
+        self._trim(self._clock())
+        out = {p: PhaseLoad(0.0, 0.0, 0.0) for p in PHASES}
+        for _, phase, load in self._recent:
+            out[phase] = out[phase] + load
+        return out

@@ -1,0 +1,79 @@
+"""The engine meters every step's FLOPs, bytes and seconds by phase (llmctl.perf.meter),
+and /metrics exports them as counters plus MFU/MBU gauges against the hardware's peaks."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from llmctl.perf.costs import ArchSpec, ModelCost
+from llmctl.perf.peaks import Peaks
+from llmctl.serve.api.metrics import ServerMetrics
+from llmctl.serve.llm import LLM
+from llmctl.serve.sampling_params import SamplingParams
+from tests.serve.api.test_load import _metric
+
+
+def test_the_engine_counts_each_token_in_its_phase_with_the_cost_models_formulas(tiny_llama):
+    """Two prompts prefilled in one step, then max_tokens - 1 decode steps of both: the
+    meter's totals are the cost model's sums over exactly those tokens and contexts."""
+    llm = LLM(str(tiny_llama), kv_cache_memory="32MiB", enable_prefix_caching=False)
+    prompts, new = [[5, 17, 33, 99, 4], [8, 9, 10]], 6
+    llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+    engine = llm.engine
+    cost = ModelCost(ArchSpec.from_config(json.loads((tiny_llama / "config.json").read_text())),
+                     kv_bytes=engine.target.kv_cache.element_size())
+    weights = engine.target.model.bytes_read_per_step
+    totals = engine.stats()["perf_totals"]
+    pre, dec = totals["prefill"], totals["decode"]
+    assert pre.flops == pytest.approx(sum(cost.prefill_flops(len(p)) for p in prompts))
+    assert pre.bytes == pytest.approx(weights + cost.kv_bytes_per_token * sum(map(len, prompts)))
+    contexts = [len(p) + j for p in prompts for j in range(1, new)]
+    assert dec.flops == pytest.approx(cost.decode_step_flops(contexts))
+    assert dec.bytes == pytest.approx((new - 1) * weights
+                                      + cost.kv_bytes_per_token * sum(contexts))
+    assert 0 < pre.seconds and 0 < dec.seconds
+    # the tied head's table is read by the head; nothing else is left out
+    model = engine.target.model
+    assert weights <= model.nbytes
+
+
+def test_metrics_render_the_counters_and_gauges_with_the_peak_source(tiny_llama):
+    llm = LLM(str(tiny_llama), kv_cache_memory="32MiB")
+    llm.generate([[5, 17, 33]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    stats = llm.engine.stats()
+    peaks = Peaks({"fp32": 1e9}, 1e9, "test peaks")
+    text = ServerMetrics("tiny", lambda: stats, peaks).render().decode()
+    totals = stats["perf_totals"]
+    assert _metric(text, "llmctl:decode_flops_total") == pytest.approx(totals["decode"].flops)
+    assert _metric(text, "llmctl:prefill_busy_seconds_total") == pytest.approx(
+        totals["prefill"].seconds)
+    recent = stats["perf_recent"]["decode"]
+    assert stats["perf_dtype"] == "fp32"  # the tiny model loads in float32
+    line = next(x for x in text.splitlines() if x.startswith("llmctl:mbu{")
+                and 'phase="decode"' in x)
+    assert 'peak_source="test peaks"' in line
+    assert float(line.rsplit(" ", 1)[1]) == pytest.approx(recent.bytes / recent.seconds / 1e9)
+    # unknown hardware: the counters stay, the gauges go (never a guessed peak)
+    text = ServerMetrics("tiny", lambda: stats, None).render().decode()
+    assert "llmctl:decode_flops_total" in text and "llmctl:mfu{" not in text
+
+
+def test_the_server_exports_the_counters(served):
+    before = httpx.get(served.url + "/metrics").text
+    resp = httpx.post(served.url + "/v1/completions",
+                      json={"prompt": "hello", "max_tokens": 6, "ignore_eos": True}, timeout=60)
+    assert resp.status_code == 200
+    name = "llmctl:{}_flops_total"
+    deadline = time.monotonic() + 10  # the engine thread snapshots its stats when idle
+    while True:
+        after = httpx.get(served.url + "/metrics").text
+        if _metric(after, name.format("decode")) > _metric(before, name.format("decode")) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for phase in ("prefill", "decode"):
+        assert _metric(after, name.format(phase)) > _metric(before, name.format(phase))

@@ -12,7 +12,8 @@ from typer._click.exceptions import UsageError as ClickUsageError
 from typer.core import TyperGroup
 
 # Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ("info", "generate", "quantize", "build_engine", "serve", "bench", "eval", "check")
+COMMANDS = ("info", "generate", "quantize", "build_engine", "serve", "bench", "eval", "check",
+            "hw")
 
 
 class LlmctlGroup(TyperGroup):

@@ -171,7 +171,9 @@ def test_a_quick_probe_measures_plausible_numbers():
     import torch
 
     from llmctl.perf.probe import measure
+    from llmctl.serve.cpu_kernels import gemm_bf16_kernel
 
+    gemm_bf16_kernel()  # the one-time build of llmctl's kernels (seconds) is not the probe's
     threads = torch.get_num_threads()
     start = time.perf_counter()
     record = measure(1, quick=True)
@@ -188,4 +190,4 @@ def test_a_quick_probe_measures_plausible_numbers():
     kinds = {m.kind for m in record.measurements}
     assert {"read", "copy", "fp32", "bf16"} <= kinds
     assert all(len(m.seconds) == PLANS[True][3] for m in record.measurements)
-    assert elapsed < 10, f"a quick probe took {elapsed:.1f} s"
+    assert elapsed < 5, f"a quick probe took {elapsed:.1f} s"

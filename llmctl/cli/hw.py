@@ -63,6 +63,13 @@ def _data(record, cached: bool, path) -> dict:
             "measurements": [m.to_dict() for m in record.measurements]}
 
 
+def _print(out, record, cached: bool, path) -> None:
+    busy = record.contention_note()
+    if busy:
+        out.warn(busy)
+    out.result(_data(record, cached, path), _render(record, cached, path))
+
+
 def _lookup(threads: int | None, out):
     from llmctl.perf.probe import current_key
     from llmctl.perf.probe_record import load
@@ -87,7 +94,7 @@ def probe(threads: Threads = None, quick: Quick = False, force: Force = False,
     key, lookup = _lookup(threads, out)
     record = lookup.record
     if record is not None and not force and (quick or not record.quick):
-        out.result(_data(record, True, lookup.path), _render(record, True, lookup.path))
+        _print(out, record, True, lookup.path)
         return
     from llmctl.perf.probe import measure
     from llmctl.perf.probe_record import save
@@ -95,8 +102,7 @@ def probe(threads: Threads = None, quick: Quick = False, force: Force = False,
     out.status(f"probing {key.describe()}{' (quick)' if quick else ''}: this takes "
                f"{'a few' if quick else 'about ten'} seconds; keep the machine otherwise idle")
     record = measure(key.threads, quick=quick)
-    path = save(record)
-    out.result(_data(record, False, path), _render(record, False, path))
+    _print(out, record, False, save(record))
 
 
 def show(threads: Threads = None, json_: JsonOpt = False) -> None:
@@ -113,8 +119,7 @@ def show(threads: Threads = None, json_: JsonOpt = False) -> None:
         hint = "run `llmctl hw probe`" + (f" (cached for --threads {', '.join(map(str, others))})"
                                           if others else "")
         raise LlmctlError(f"no cached probe for {key.describe()}", hint)
-    out.result(_data(lookup.record, True, lookup.path),
-               _render(lookup.record, True, lookup.path))
+    _print(out, lookup.record, True, lookup.path)
 
 
 def register(app: typer.Typer) -> None:

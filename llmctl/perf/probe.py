@@ -11,7 +11,8 @@
    ``torch._int_mm`` when torch has it on the CPU. A dtype's peak is its fastest path.
 3. Every quantity runs once untimed, then ``repeats`` timed runs; the peak is the best
    run, the notes keep best / median / worst (this VM's bandwidth moves by a third from
-   minute to minute, so the spread matters).
+   minute to minute, so the spread matters), and the CPU time other processes used
+   meanwhile (:mod:`llmctl.utils.cpu_load`): a disturbed probe says so in its source.
 
 The record, the cache and the :class:`~llmctl.perf.peaks.Peaks` built from it live in
 :mod:`llmctl.perf.probe_record` (no timing there). ``benchmarks/gemm_roof.py`` takes its
@@ -20,6 +21,7 @@ roofs from :func:`read_bandwidth`, :func:`torch_matmul` and :func:`own_gemm_bf16
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 import statistics
@@ -37,6 +39,7 @@ from llmctl.utils.cpu import (
     ram_bytes,
     usable_cpus,
 )
+from llmctl.utils.cpu_load import foreign_since, sample
 
 log = logging.getLogger("llmctl.perf")
 
@@ -99,6 +102,13 @@ def timed(fn: Callable[[], object], repeats: int) -> tuple[float, ...]:
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(timed(fn, repeats))
+
+
+def watched(run: Callable[[], Measurement]) -> Measurement:
+    """``run()``'s measurement with the other processes' CPU use meanwhile."""
+    start = sample()
+    found = run()
+    return dataclasses.replace(found, foreign_cores=foreign_since(start))
 
 
 def _buffer(nbytes: int):
@@ -216,6 +226,13 @@ PATHS: tuple[tuple[str, str, Callable[[ProbePlan], Measurement]], ...] = (
 )
 
 
+def _memory(plan: ProbePlan) -> list[Measurement]:
+    """Read, then copy, on one buffer (freed on return)."""
+    buffer = _buffer(plan.buffer_bytes)
+    return [watched(lambda: read_bandwidth(plan.buffer_bytes, plan.repeats, buffer)),
+            watched(lambda: copy_bandwidth(plan.buffer_bytes, plan.repeats, buffer))]
+
+
 def check_threads(threads: int) -> int:
     cpus = usable_cpus()
     if not 1 <= threads <= cpus:
@@ -245,13 +262,10 @@ def measure(threads: int | None = None, *, quick: bool = False) -> ProbeRecord:
     start = time.perf_counter()
     notes = list(plan.notes)
     try:
-        buffer = _buffer(plan.buffer_bytes)
-        found = [read_bandwidth(plan.buffer_bytes, plan.repeats, buffer),
-                 copy_bandwidth(plan.buffer_bytes, plan.repeats, buffer)]
-        del buffer
+        found = _memory(plan)
         for dtype, path, run in PATHS:
             try:
-                found.append(run(plan))
+                found.append(watched(lambda run=run: run(plan)))
             except Unavailable as exc:
                 notes.append(f"{dtype}: {path} not measured: {exc}")
     finally:

@@ -22,6 +22,7 @@ from pathlib import Path
 from llmctl.home import llmctl_home
 from llmctl.perf.peaks import Peaks
 from llmctl.utils.atomic import write_text
+from llmctl.utils.cpu_load import FOREIGN_CORES_LIMIT
 
 FORMAT = 1  # bump when a field changes meaning: older files then read as missing
 
@@ -97,6 +98,7 @@ class Measurement:
     what: str  # the size: "512 MiB of bf16 (16x the 32 MiB L3)", "2048 x 2048 x 2048"
     work: float
     seconds: tuple[float, ...]
+    foreign_cores: float | None = None  # other processes' CPU use meanwhile (cpu_load)
 
     def __post_init__(self) -> None:
         if self.kind not in UNITS:
@@ -118,22 +120,30 @@ class Measurement:
     def worst(self) -> float:
         return self.work / max(self.seconds)
 
+    @property
+    def contended(self) -> bool:
+        return self.foreign_cores is not None and self.foreign_cores > FOREIGN_CORES_LIMIT
+
     def note(self) -> str:
         """``bf16 torch.matmul 2048 x 2048 x 2048, 7 runs: best 431.2, median 425.0, worst
         398.1 GFLOP/s``: what ``llmctl hw probe`` says it measured."""
         _, scale, unit = UNITS[self.kind]
+        busy = (f" (contended: {self.foreign_cores:.2f} cores of other work)"
+                if self.contended else "")
         return (f"{self.kind}: {self.path} {self.what}, {len(self.seconds)} runs: best "
                 f"{self.best / scale:.1f}, median {self.median / scale:.1f}, worst "
-                f"{self.worst / scale:.1f} {unit}")
+                f"{self.worst / scale:.1f} {unit}{busy}")
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "path": self.path, "what": self.what, "work": self.work,
-                "seconds": list(self.seconds)}
+                "seconds": list(self.seconds), "foreign_cores": self.foreign_cores}
 
     @classmethod
     def from_dict(cls, data: dict) -> Measurement:
+        foreign = data.get("foreign_cores")
         return cls(str(data["kind"]), str(data["path"]), str(data["what"]), float(data["work"]),
-                   tuple(float(s) for s in data["seconds"]))
+                   tuple(float(s) for s in data["seconds"]),
+                   None if foreign is None else float(foreign))
 
 
 @dataclass(frozen=True)
@@ -152,12 +162,27 @@ class ProbeRecord:
         found = [m for m in self.measurements if m.kind == kind]
         return max(found, key=lambda m: m.best) if found else None
 
+    def contended(self) -> tuple[Measurement, ...]:
+        """The measurements other processes disturbed (their peaks read low)."""
+        return tuple(m for m in self.measurements if m.contended)
+
     def source(self) -> str:
-        """``probe: AMD EPYC 9B14 (avx512_bf16, no amx), 2 threads, 2026-11-24``."""
+        """``probe: AMD EPYC 9B14 (avx512_bf16, no amx), 2 threads, 2026-11-24``, plus
+        ", quick" and ", contended" when they apply (shown beside every utilization)."""
         threads = f"{self.key.threads} thread{'s' if self.key.threads != 1 else ''}"
-        quick = ", quick" if self.quick else ""
+        flags = (", quick" if self.quick else "") + (", contended" if self.contended() else "")
         return (f"probe: {self.key.cpu} ({self.key.isa_summary()}), {threads}, "
-                f"{self.measured_at[:10]}{quick}")
+                f"{self.measured_at[:10]}{flags}")
+
+    def contention_note(self) -> str | None:
+        """What to say about a disturbed probe, None for a quiet one."""
+        busy = self.contended()
+        if not busy:
+            return None
+        worst = max(m.foreign_cores for m in busy)
+        return (f"contended: other processes used up to {worst:.2f} cores during "
+                + ", ".join(f"{m.kind} {m.path}" for m in busy)
+                + "; those peaks read low (run `llmctl hw probe --force` on an idle machine)")
 
     def summary(self) -> list[dict]:
         """One row per peak: ``{"peak", "value", "unit", "path", "what"}`` in display
@@ -176,7 +201,8 @@ class ProbeRecord:
         flops = {kind: m.best for kind in ("fp32", "bf16", "int8")
                  if (m := self.best(kind)) is not None}
         read = self.best("read")
-        notes = [m.note() for m in self.measurements]
+        busy = self.contention_note()
+        notes = ([busy] if busy else []) + [m.note() for m in self.measurements]
         for kind in flops:
             paths = [m for m in self.measurements if m.kind == kind]
             if len(paths) > 1:

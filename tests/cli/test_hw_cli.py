@@ -116,3 +116,14 @@ def test_bad_thread_counts_exit_2_with_one_line(home, command, threads, expected
     assert len(lines) == 2 and lines[0].startswith("error: ") and "--threads" in lines[0]
     assert expected in lines[0] and lines[1].strip().startswith("hint:")
     assert not (home / "hw").exists()  # nothing measured, nothing written
+
+
+def test_a_contended_probe_is_shown_with_a_warning(home):
+    quiet = record(quick=False)
+    busy = pr.Measurement("read", "torch.sum", "over 512 MiB of bf16", 60e9, (1.0,),
+                          foreign_cores=0.9)
+    pr.save(pr.ProbeRecord(quiet.key, quiet.measured_at, (busy, *quiet.measurements[1:])))
+    result = run("show", "--threads", 1)
+    assert result.exit_code == 0, result.output
+    assert "warning: contended: other processes used up to 0.90 cores" in result.output
+    assert "2026-11-24, contended" in result.output

@@ -1,6 +1,7 @@
 """The CPU probe: the pure parts (key, measurements -> Peaks, cache) against hand-computed
 values, and one real --quick probe against plausibility bounds."""
 
+import dataclasses
 import json
 import time
 
@@ -84,6 +85,23 @@ def test_peaks_from_fake_measurements():
     assert "bf16 peak: the fastest of torch.matmul 400.0, own kernel 440.0 GFLOP/s" in peaks.notes
     assert peaks.notes[-1] == "int8: no peak"
     assert fake_record(threads=1, quick=True).peaks().source.endswith("1 thread, 2026-11-24, quick")
+
+
+def test_a_contended_measurement_is_said_in_the_source_and_notes():
+    quiet = fake_record()
+    busy = dataclasses.replace(quiet, measurements=(
+        dataclasses.replace(quiet.measurements[0], foreign_cores=0.91),
+        dataclasses.replace(quiet.measurements[1], foreign_cores=0.05),  # below the limit
+        *quiet.measurements[2:]))
+    assert quiet.contention_note() is None and not quiet.peaks().source.endswith("contended")
+    peaks = busy.peaks()
+    assert peaks.source.endswith("2026-11-24, contended")
+    assert peaks.notes[0] == ("contended: other processes used up to 0.91 cores during read "
+                              "torch.sum; those peaks read low (run `llmctl hw probe --force` "
+                              "on an idle machine)")
+    assert peaks.notes[1].endswith("40.0 GB/s (contended: 0.91 cores of other work)")
+    assert peaks.notes[2].endswith("20.0 GB/s")  # the copy, 0.05 cores: quiet
+    assert pr.ProbeRecord.from_dict(busy.to_dict()) == busy
 
 
 def test_summary_rows_carry_display_units():
@@ -187,6 +205,8 @@ def test_a_quick_probe_measures_plausible_numbers():
         assert peaks.flops["int8"] > 1e9
     assert record.key.threads == 1 and record.quick
     assert peaks.source.startswith("probe: ") and "1 thread, " in peaks.source
+    assert all(m.foreign_cores is not None and m.foreign_cores >= 0
+               for m in record.measurements)  # Linux: /proc is there
     kinds = {m.kind for m in record.measurements}
     assert {"read", "copy", "fp32", "bf16"} <= kinds
     assert all(len(m.seconds) == PLANS[True][3] for m in record.measurements)

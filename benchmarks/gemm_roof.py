@@ -12,9 +12,10 @@ the achieved GFLOP/s (2 x rows x parameters) and GB/s of weights (212 MB / time)
   bf16 dot-product units reach here with the weights in cache;
 - the bandwidth roof: a ``torch.sum`` over 512 MiB of bf16 (read bandwidth).
 
-Both roofs are measured before the rounds, between rounds and after them (this VM's
-memory bandwidth moves by a third from minute to minute); the fractions use their
-medians, and every measurement is in the JSON.
+Both roofs are measured by :mod:`llmctl.perf.probe` (the code of ``llmctl hw probe``,
+whose peaks are the best run where these are medians) before the rounds, between rounds
+and after them (this VM's memory bandwidth moves by a third from minute to minute); the
+fractions use their medians, and every measurement is in the JSON.
 
 Sides alternate (own first in odd rounds); per row count the median over rounds, and
 every round in the JSON. Threads: ``--threads`` for both (torch's pool; the kernel

@@ -14,8 +14,9 @@ from llmctl.cli.options import JsonOpt
 Threads = Annotated[int | None, typer.Option(
     "--threads", min=1, help="torch threads to measure with (default: torch's current count, "
                              "as llmctl runs).")]
-Quick = Annotated[bool, typer.Option("--quick", help="Smaller products, fewer runs: seconds "
-                                                     "instead of tens of seconds, a lower peak.")]
+Quick = Annotated[bool, typer.Option("--quick", help="Smaller products, fewer runs: about a "
+                                                     "second instead of a few, peaks a little "
+                                                     "lower.")]
 Force = Annotated[bool, typer.Option("--force", help="Measure again even if a probe is "
                                                      "cached.")]
 
@@ -85,22 +86,23 @@ def probe(threads: Threads = None, quick: Quick = False, force: Force = False,
           json_: JsonOpt = False) -> None:
     """Measure this machine's peaks and cache them.
 
-    With a probe cached for these threads, print it instead (--force measures again; a
-    cached --quick probe is measured again unless this run is --quick too)."""
+    With a probe cached for these threads, print it instead; --force measures again, and
+    so does a cached probe that was contended, or --quick when this run is not."""
     from llmctl.cli.output import Output
 
     out = Output(json_mode=json_)
     threads = _threads(threads)
     key, lookup = _lookup(threads, out)
     record = lookup.record
-    if record is not None and not force and (quick or not record.quick):
+    if record is not None and not force and (quick or not record.quick) \
+            and not record.contended():
         _print(out, record, True, lookup.path)
         return
     from llmctl.perf.probe import measure
     from llmctl.perf.probe_record import save
 
     out.status(f"probing {key.describe()}{' (quick)' if quick else ''}: this takes "
-               f"{'a few' if quick else 'about ten'} seconds; keep the machine otherwise idle")
+               f"{'about a second' if quick else 'a few seconds'}; keep the machine otherwise idle")
     record = measure(key.threads, quick=quick)
     _print(out, record, False, save(record))
 

@@ -118,7 +118,7 @@ def test_bad_thread_counts_exit_2_with_one_line(home, command, threads, expected
     assert not (home / "hw").exists()  # nothing measured, nothing written
 
 
-def test_a_contended_probe_is_shown_with_a_warning(home):
+def test_a_contended_probe_is_shown_with_a_warning_and_measured_again(home, monkeypatch):
     quiet = record(quick=False)
     busy = pr.Measurement("read", "torch.sum", "over 512 MiB of bf16", 60e9, (1.0,),
                           foreign_cores=0.9)
@@ -127,3 +127,8 @@ def test_a_contended_probe_is_shown_with_a_warning(home):
     assert result.exit_code == 0, result.output
     assert "warning: contended: other processes used up to 0.90 cores" in result.output
     assert "2026-11-24, contended" in result.output
+    calls = []
+    monkeypatch.setattr(probe_module, "measure",
+                        lambda threads, *, quick: calls.append(quick) or quiet)
+    assert run("probe", "--threads", 1, "--quick").exit_code == 0 and calls == [True]
+    assert "contended" not in run("show", "--threads", 1).output  # the new probe replaced it

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +32,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "results"
 
-# A quarter of a core of other work, averaged over a round, is enough to move a
-# memory-bound 2-thread benchmark by several percent (and an OpenMP pool that busy-waits
-# by far more); a quiet VM shows ~0.01-0.05 (sshd, the kernel's own threads).
-FOREIGN_CORES_LIMIT = 0.25
+from llmctl.utils.cpu_load import FOREIGN_CORES_LIMIT, foreign_cores, sample
+
 THREAD_ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "OMP_PROC_BIND",
                    "OMP_PLACES", "KMP_AFFINITY", "TOKENIZERS_PARALLELISM")
 
@@ -127,27 +124,7 @@ def python_versions(python: str, packages: Sequence[str]) -> dict[str, str | Non
         return {"error": f"could not query {python}"}
 
 
-# --- contention ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CpuSample:
-    """Clock ticks of the whole machine and of this benchmark's process tree, at one time."""
-
-    wall: float
-    busy: int  # all CPUs: user + nice + system + irq + softirq (guest is inside user)
-    steal: int  # time the hypervisor gave this VM's CPUs to someone else
-    ours: int  # this process and its descendants: utime + stime + cutime + cstime
-    load: tuple[float, float, float]
-
-
-def foreign_cores(start: CpuSample, end: CpuSample, ticks_per_second: float) -> float | None:
-    """Cores' worth of work outside our process tree between two samples."""
-    wall = end.wall - start.wall
-    if wall <= 0:
-        return None
-    foreign = (end.busy - start.busy) + (end.steal - start.steal) - (end.ours - start.ours)
-    return max(foreign, 0) / ticks_per_second / wall
-
-
+# --- contention (the sampling lives in llmctl.utils.cpu_load, shared with hw probe) ------
 def is_contended(foreign: float | None, load_before: float, threads: int) -> bool:
     """The verdict on one round (see the module docstring for why not the load average)."""
     if foreign is not None:
@@ -155,46 +132,6 @@ def is_contended(foreign: float | None, load_before: float, threads: int) -> boo
     # fallback without /proc: before the round our own threads are idle, so a load above
     # the thread count means someone else's work (this still lags by a minute)
     return load_before > threads
-
-
-def _machine_ticks() -> tuple[int, int]:
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return user + nice + system + irq + softirq, steal
-
-
-def _tree_ticks(root: int) -> int:
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:  # exited while we walked
-            continue
-        # fields after "(comm)": state ppid ... utime(14) stime(15) cutime(16) cstime(17)
-        rest = text[text.rindex(")") + 2:].split()
-        pid = int(entry.name)
-        parents[pid] = int(rest[1])
-        ticks[pid] = sum(int(x) for x in rest[11:15])
-    total = 0
-    for pid, own in ticks.items():
-        node = pid
-        while node and node != root and node in parents:
-            node = parents[node]
-        if node == root:
-            total += own
-    return total
-
-
-def sample() -> CpuSample | None:
-    try:
-        busy, steal = _machine_ticks()
-        ours = _tree_ticks(os.getpid())
-    except (OSError, ValueError):
-        return None
-    return CpuSample(time.perf_counter(), busy, steal, ours, os.getloadavg())
 
 
 @contextlib.contextmanager

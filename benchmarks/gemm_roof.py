@@ -12,9 +12,10 @@ the achieved GFLOP/s (2 x rows x parameters) and GB/s of weights (212 MB / time)
   bf16 dot-product units reach here with the weights in cache;
 - the bandwidth roof: a ``torch.sum`` over 512 MiB of bf16 (read bandwidth).
 
-Both roofs are measured before the rounds, between rounds and after them (this VM's
-memory bandwidth moves by a third from minute to minute); the fractions use their
-medians, and every measurement is in the JSON.
+Both roofs are measured by :mod:`llmctl.perf.probe` (the code of ``llmctl hw probe``,
+whose peaks are the best run where these are medians) before the rounds, between rounds
+and after them (this VM's memory bandwidth moves by a third from minute to minute); the
+fractions use their medians, and every measurement is in the JSON.
 
 Sides alternate (own first in odd rounds); per row count the median over rounds, and
 every round in the JSON. Threads: ``--threads`` for both (torch's pool; the kernel
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,34 +42,14 @@ ROWS = (1, 4, 8, 16, 32, 64, 128, 512, 2048)
 REPEATS = 5  # timed passes per side and round; the median is kept
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def roofs() -> dict:
-    import torch
+    """The compute and bandwidth roofs, measured by llmctl's probe (``llmctl hw probe``):
+    medians of 7 runs after a warm-up."""
+    from llmctl.perf.probe import own_gemm_bf16, read_bandwidth, torch_matmul
 
-    from llmctl.serve.quant_linear import PackedLinear
-
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    onednn = 2 * 2048 ** 3 / _median_time(lambda: a @ b, 7) / 1e9
-    own = PackedLinear(torch.randn(576, 576).bfloat16(), None, gemm="own")
-    x = torch.randn(512, 576).bfloat16()
-
-    def warm() -> None:
-        for _ in range(20):
-            own(x)
-
-    own_peak = 20 * 2 * 512 * 576 * 576 / _median_time(warm, 7) / 1e9
-    big = torch.ones(256 * 1024 * 1024, dtype=torch.bfloat16)  # 512 MiB
-    bandwidth = big.numel() * 2 / _median_time(lambda: big.sum(), 7) / 1e9
+    onednn = torch_matmul("bf16", 2048, 7).median / 1e9
+    own_peak = own_gemm_bf16(20, 7).median / 1e9
+    bandwidth = read_bandwidth(512 * 1024 * 1024, 7).median / 1e9  # 512 MiB of bf16
     return {"onednn_matmul_gflops": round(onednn, 1), "own_warm_gflops": round(own_peak, 1),
             "bf16_gflops": round(max(onednn, own_peak), 1), "read_gbps": round(bandwidth, 1)}
 
@@ -83,6 +63,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    from llmctl.perf.probe import median_seconds
     from llmctl.serve.quant_linear import PackedLinear, bf16_gemm_layer
 
     torch.set_num_threads(args.threads)
@@ -120,7 +101,7 @@ def main(argv=None) -> int:
                 record = {"name": f"{side} {rows} rows round {rnd}", "side": side,
                           "rows": rows, "round": rnd}
                 with common.measured_round(record, args.threads):
-                    seconds = _median_time(step, REPEATS if rows < 512 else 3)
+                    seconds = median_seconds(step, REPEATS if rows < 512 else 3)
                 record.update(ms=round(seconds * 1e3, 2),
                               gflops=round(2 * rows * params / seconds / 1e9, 1),
                               weight_gbps=round(2 * params / seconds / 1e9, 1))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llmctl import __version__
+from llmctl.utils.cpu import cpu_model, ram_bytes
 
 
 def _git_commit() -> str | None:
@@ -27,23 +28,6 @@ def _git_commit() -> str | None:
         return None
     commit = out.stdout.strip() or None
     return f"{commit}-dirty" if commit and dirty else commit
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _ram_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 REPORTED_PACKAGES = ("torch", "transformers", "safetensors", "compressed-tensors", "gguf",
@@ -72,7 +56,7 @@ def machine() -> dict[str, Any]:
         "hostname": platform.node(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        "ram_bytes": _ram_bytes(),
+        "ram_bytes": ram_bytes(),
         "os": platform.platform(),
         "gpu": None,
     }

@@ -13,7 +13,7 @@ from typer.core import TyperGroup
 
 # Subcommand modules, in the order ``--help`` lists them.
 COMMANDS = ("info", "generate", "quantize", "build_engine", "serve", "bench", "eval", "check",
-            "plan")
+            "plan", "hw")
 
 
 class LlmctlGroup(TyperGroup):

@@ -15,8 +15,7 @@ import subprocess
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
-from llmctl.report import cpu_model
-from llmctl.utils.cpu import cpu_flags
+from llmctl.utils.cpu import cpu_flags, cpu_model
 
 
 def package_version(name: str) -> str | None:

@@ -12,7 +12,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import common
-from common import CpuSample, foreign_cores, is_contended, refuse_dirty
+from common import foreign_cores, is_contended, refuse_dirty
+
+from llmctl.utils.cpu_load import CpuSample
 
 
 def _sample(wall, busy, steal, ours):

@@ -12,7 +12,7 @@ the achieved GFLOP/s (2 x rows x parameters) and GB/s of weights (212 MB / time)
   bf16 dot-product units reach here with the weights in cache;
 - the bandwidth roof: a ``torch.sum`` over 512 MiB of bf16 (read bandwidth).
 
-Both roofs are measured by :mod:`llmctl.perf.probe` (the code of ``llmctl hw probe``,
+Both roofs are measured by :mod:`llmctl.hw.probe` (the code of ``llmctl hw probe``,
 whose peaks are the best run where these are medians) before the rounds, between rounds
 and after them (this VM's memory bandwidth moves by a third from minute to minute); the
 fractions use their medians, and every measurement is in the JSON.
@@ -45,7 +45,7 @@ REPEATS = 5  # timed passes per side and round; the median is kept
 def roofs() -> dict:
     """The compute and bandwidth roofs, measured by llmctl's probe (``llmctl hw probe``):
     medians of 7 runs after a warm-up."""
-    from llmctl.perf.probe import own_gemm_bf16, read_bandwidth, torch_matmul
+    from llmctl.hw.probe import own_gemm_bf16, read_bandwidth, torch_matmul
 
     onednn = torch_matmul("bf16", 2048, 7).median / 1e9
     own_peak = own_gemm_bf16(20, 7).median / 1e9
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from llmctl.perf.probe import median_seconds
+    from llmctl.hw.probe import median_seconds
     from llmctl.serve.quant_linear import PackedLinear, bf16_gemm_layer
 
     torch.set_num_threads(args.threads)

@@ -12,7 +12,7 @@ steps, in which every sequence adds one token, are timed one by one; TPOT is the
 (the context grows from 33 to 32 + decode tokens over them).
 
 Estimated: :func:`llmctl.perf.plan.make_plan` on the model's config, with this machine's
-probed peaks (``llmctl.perf.probe.cached_peaks()``; ``llmctl hw probe`` is run when none
+probed peaks (``llmctl.perf.probe_record.cached_peaks()``; ``llmctl hw probe`` is run when none
 are cached, or ``--peaks-json`` names a ``Peaks.to_dict()`` file), the CPU efficiency
 model :data:`llmctl.perf.plan.CPU_PROBED` (compute + memory time + a fixed cost per
 layer, its parameters printed in the report) and every sequence at the mean context of
@@ -99,11 +99,8 @@ def probed_peaks(peaks_json: str | None):
 
     if peaks_json:
         return Peaks.from_dict(json.loads(Path(peaks_json).read_text()))
-    try:
-        from llmctl.perf.probe import cached_peaks
-    except ImportError:
-        raise SystemExit("error: llmctl.perf.probe is missing (issue 17's `llmctl hw probe`); "
-                         "pass --peaks-json") from None
+    from llmctl.perf.probe_record import cached_peaks
+
     peaks = cached_peaks()
     if peaks is None:
         print("[plan-vs-measured] no cached peaks: running `llmctl hw probe`", file=sys.stderr)

@@ -1,6 +1,6 @@
 """``llmctl hw probe``: measure this CPU's peaks (read and copy bandwidth, matmul per
 dtype) for the threads used and cache them per machine; ``llmctl hw show``: the cached
-probe. The work is in :mod:`llmctl.perf.probe` and :mod:`llmctl.perf.probe_record`."""
+probe. The work is in :mod:`llmctl.hw.probe` and :mod:`llmctl.perf.probe_record`."""
 
 from __future__ import annotations
 
@@ -72,8 +72,7 @@ def _print(out, record, cached: bool, path) -> None:
 
 
 def _lookup(threads: int | None, out):
-    from llmctl.perf.probe import current_key
-    from llmctl.perf.probe_record import load
+    from llmctl.perf.probe_record import current_key, load
 
     key = current_key(threads)
     lookup = load(key)
@@ -98,7 +97,7 @@ def probe(threads: Threads = None, quick: Quick = False, force: Force = False,
             and not record.contended():
         _print(out, record, True, lookup.path)
         return
-    from llmctl.perf.probe import measure
+    from llmctl.hw.probe import measure
     from llmctl.perf.probe_record import save
 
     out.status(f"probing {key.describe()}{' (quick)' if quick else ''}: this takes "

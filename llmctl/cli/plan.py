@@ -130,17 +130,10 @@ def _hardware(name: str):
         from llmctl.perf.devices import device_peaks
 
         return device_peaks(name), planning.DATASHEET
-    import importlib
-
     from llmctl.errors import UsageError
+    from llmctl.perf.probe_record import cached_peaks
 
-    try:
-        probe = importlib.import_module("llmctl.perf.probe")
-    except ModuleNotFoundError as exc:
-        if exc.name != "llmctl.perf.probe":
-            raise
-        probe = None
-    peaks = probe.cached_peaks() if probe is not None else None
+    peaks = cached_peaks()
     if peaks is None:
         raise UsageError("no measured peaks for this machine",
                          "run `llmctl hw probe` first")

@@ -15,14 +15,15 @@ from llmctl.perf.peaks import Peaks
 def resolve_peaks(hardware: str | None = None, *, peak_flops: float | None = None,
                   dtype: str = "bf16", peak_bandwidth: float | None = None) -> Peaks | None:
     """The peaks for ``hardware`` with the overrides applied; None when unknown."""
-    from llmctl.perf import devices, probe
+    from llmctl.perf import devices
+    from llmctl.perf.probe_record import cached_peaks
 
     if hardware not in (None, "this"):
         base = devices.device_peaks(hardware)  # an unknown name raises, listing the known
     elif hardware == "this":
-        base = probe.cached_peaks()
+        base = cached_peaks()
     else:
-        base = devices.detect_gpu_peaks() or probe.cached_peaks()
+        base = devices.detect_gpu_peaks() or cached_peaks()
     if base is None:
         if peak_flops is None and peak_bandwidth is None:
             return None

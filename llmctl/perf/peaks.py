@@ -3,7 +3,7 @@
 MFU is achieved FLOP/s over :attr:`Peaks.flops` for the dtype the matrix products run
 in; MBU is achieved bytes/s over :attr:`Peaks.bandwidth` (memory reads). A peak always
 carries its ``source``, shown beside every utilization: a CPU's comes from
-``llmctl hw probe`` (:mod:`llmctl.perf.probe`, measured and cached per machine), a GPU's
+``llmctl hw probe`` (:mod:`llmctl.hw.probe`, measured and cached per machine), a GPU's
 from the datasheet table (:mod:`llmctl.perf.devices`), or from the user's overrides.
 """
 

@@ -1,7 +1,8 @@
 """What ``llmctl hw probe`` measured, the :class:`~llmctl.perf.peaks.Peaks` it makes, and
 the cache that keeps it per machine under ``$LLMCTL_HOME/hw/``.
 
-No timing and no torch here (:mod:`llmctl.perf.probe` measures): a record is a
+No timing here (:mod:`llmctl.hw.probe` measures; torch is imported only for its version
+and thread count in :func:`current_key`): a record is a
 :class:`MachineKey` (what the peaks depend on), the time, and the raw
 :class:`Measurement` s (work per run and every run's seconds), so the peak (best run),
 median and spread are all derived, never stored twice.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,10 @@ from pathlib import Path
 from llmctl.home import llmctl_home
 from llmctl.perf.peaks import Peaks
 from llmctl.utils.atomic import write_text
+from llmctl.utils.cpu import cpu_flags, cpu_model, usable_cpus
 from llmctl.utils.cpu_load import FOREIGN_CORES_LIMIT
+
+log = logging.getLogger("llmctl.perf")
 
 FORMAT = 1  # bump when a field changes meaning: older files then read as missing
 
@@ -291,3 +296,29 @@ def cached_keys() -> list[MachineKey]:
         except (OSError, ValueError):
             continue
     return keys
+
+
+def check_threads(threads: int) -> int:
+    cpus = usable_cpus()
+    if not 1 <= threads <= cpus:
+        raise ValueError(f"threads must be between 1 and the {cpus} CPUs this process may "
+                         f"run on, got {threads}")
+    return threads
+
+
+def current_key(threads: int | None = None) -> MachineKey:
+    """This machine's key for ``threads`` (default: torch's current thread count)."""
+    import torch
+
+    return machine_key(cpu_model(), cpu_flags(),
+                       torch.get_num_threads() if threads is None else threads,
+                       str(torch.__version__))
+
+
+def cached_peaks(threads: int | None = None) -> Peaks | None:
+    """The cached probe of this machine for ``threads`` (default: torch's current count),
+    None when there is none or it is unreadable. Never measures: a probe takes seconds."""
+    lookup = load(current_key(threads))
+    if lookup.problem:
+        log.warning("ignoring the cached probe %s: %s", lookup.path, lookup.problem)
+    return None if lookup.record is None else lookup.record.peaks()

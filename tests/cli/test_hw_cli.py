@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmctl.cli.app import build_app
-from llmctl.perf import probe as probe_module
+from llmctl.hw import probe as probe_module
 from llmctl.perf import probe_record as pr
 from llmctl.utils.cpu import usable_cpus
 
@@ -29,7 +29,7 @@ def run(*args):
 
 def record(quick: bool) -> pr.ProbeRecord:
     return pr.ProbeRecord(
-        probe_module.current_key(1), "2026-11-24T12:00:00+00:00",
+        pr.current_key(1), "2026-11-24T12:00:00+00:00",
         (pr.Measurement("read", "torch.sum", "over 512 MiB of bf16", 60e9, (1.0,)),
          pr.Measurement("bf16", "own kernel", "512 x 576 x 576", 440e9, (1.0,))),
         memory_bytes=10 ** 9, quick=quick)
@@ -56,7 +56,7 @@ def test_probe_quick_then_show(home):
     assert shown["peaks"] == data["peaks"]
 
     # cached: printed, not measured (unless contended: mark it quiet, neighbours vary)
-    saved = pr.load(probe_module.current_key(1)).record
+    saved = pr.load(pr.current_key(1)).record
     pr.save(dataclasses.replace(saved, measurements=tuple(
         dataclasses.replace(m, foreign_cores=0.0) for m in saved.measurements)))
     again = run("probe", "--quick", "--threads", 1)

@@ -1,8 +1,6 @@
 """``llmctl plan`` end to end: the embedded model, a config directory, JSON, exit codes."""
 
 import json
-import sys
-import types
 
 import pytest
 from typer.testing import CliRunner
@@ -98,10 +96,11 @@ def test_a_tp_that_does_not_divide_the_heads_exits_2(smol_w4_dir):
 
 
 def test_hardware_this_uses_the_probed_peaks(monkeypatch, smol_w4_dir):
-    probe = types.ModuleType("llmctl.perf.probe")
-    probe.cached_peaks = lambda: Peaks({"bf16": 4.4e11, "fp32": 2.2e11}, 3.5e10,
-                                       "probe: test cpu, 2 threads", 8 * 2**30)
-    monkeypatch.setitem(sys.modules, "llmctl.perf.probe", probe)
+    from llmctl.perf import probe_record
+
+    monkeypatch.setattr(probe_record, "cached_peaks",
+                        lambda: Peaks({"bf16": 4.4e11, "fp32": 2.2e11}, 3.5e10,
+                                      "probe: test cpu, 2 threads", 8 * 2**30))
     result = run(smol_w4_dir, "-H", "this", "--context", "96", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -116,12 +115,8 @@ def test_hardware_this_uses_the_probed_peaks(monkeypatch, smol_w4_dir):
     assert over["decode"][0]["overhead_ms"] == 0
 
 
-def test_hardware_this_without_a_probe_exits_2(monkeypatch):
-    probe = types.ModuleType("llmctl.perf.probe")
-    probe.cached_peaks = lambda: None
-    monkeypatch.setitem(sys.modules, "llmctl.perf.probe", probe)
-    one_line_usage_error(run("smollm2-135m", "-H", "this"), "run `llmctl hw probe` first")
-    monkeypatch.setitem(sys.modules, "llmctl.perf.probe", None)  # the module is missing
+def test_hardware_this_without_a_probe_exits_2(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMCTL_HOME", str(tmp_path))  # an empty cache: nothing probed
     one_line_usage_error(run("smollm2-135m", "-H", "this"), "run `llmctl hw probe` first")
 
 

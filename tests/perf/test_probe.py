@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from llmctl.hw.probe import PLANS, plan_for
 from llmctl.perf import probe_record as pr
-from llmctl.perf.probe import PLANS, check_threads, plan_for
+from llmctl.perf.probe_record import check_threads
 from llmctl.utils.cpu import usable_cpus
 
 MiB = 1024 ** 2
@@ -151,7 +152,7 @@ def test_a_file_holding_another_key_is_not_used(home):
 
 
 def test_cached_peaks_is_none_without_or_with_a_corrupt_cache(home):
-    from llmctl.perf.probe import cached_peaks, current_key
+    from llmctl.perf.probe_record import cached_peaks, current_key
 
     assert cached_peaks(1) is None
     path = pr.cache_path(current_key(1))
@@ -188,7 +189,7 @@ def test_thread_counts_outside_the_usable_cpus_are_refused():
 def test_a_quick_probe_measures_plausible_numbers():
     import torch
 
-    from llmctl.perf.probe import measure
+    from llmctl.hw.probe import measure
     from llmctl.serve.cpu_kernels import gemm_bf16_kernel
 
     gemm_bf16_kernel()  # the one-time build of llmctl's kernels (seconds) is not the probe's

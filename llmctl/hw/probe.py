@@ -14,8 +14,10 @@
    minute to minute, so the spread matters), and the CPU time other processes used
    meanwhile (:mod:`llmctl.utils.cpu_load`): a disturbed probe says so in its source.
 
-The record, the cache and the :class:`~llmctl.perf.peaks.Peaks` built from it live in
-:mod:`llmctl.perf.probe_record` (no timing there). ``benchmarks/gemm_roof.py`` takes its
+The record, the cache (and :func:`~llmctl.perf.probe_record.cached_peaks`, which never
+measures) and the :class:`~llmctl.perf.peaks.Peaks` built from it live in
+:mod:`llmctl.perf.probe_record` (no timing there), below :mod:`llmctl.serve`, whose
+engine reads the cache; this module runs the engine's kernels, so it sits above it. ``benchmarks/gemm_roof.py`` takes its
 roofs from :func:`read_bandwidth`, :func:`torch_matmul` and :func:`own_gemm_bf16`.
 """
 
@@ -30,14 +32,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmctl.perf.peaks import Peaks
-from llmctl.perf.probe_record import MachineKey, Measurement, ProbeRecord, load, machine_key
+from llmctl.perf.probe_record import (
+    Measurement,
+    ProbeRecord,
+    check_threads,
+    current_key,
+)
 from llmctl.utils.cpu import (
     available_ram_bytes,
-    cpu_flags,
-    cpu_model,
     last_level_cache,
     ram_bytes,
-    usable_cpus,
 )
 from llmctl.utils.cpu_load import foreign_since, sample
 
@@ -233,23 +237,6 @@ def _memory(plan: ProbePlan) -> list[Measurement]:
             watched(lambda: copy_bandwidth(plan.buffer_bytes, plan.repeats, buffer))]
 
 
-def check_threads(threads: int) -> int:
-    cpus = usable_cpus()
-    if not 1 <= threads <= cpus:
-        raise ValueError(f"threads must be between 1 and the {cpus} CPUs this process may "
-                         f"run on, got {threads}")
-    return threads
-
-
-def current_key(threads: int | None = None) -> MachineKey:
-    """This machine's key for ``threads`` (default: torch's current thread count)."""
-    import torch
-
-    return machine_key(cpu_model(), cpu_flags(),
-                       torch.get_num_threads() if threads is None else threads,
-                       str(torch.__version__))
-
-
 def measure(threads: int | None = None, *, quick: bool = False) -> ProbeRecord:
     """Run the probe with ``threads`` torch threads (restored afterwards); ``quick``:
     smaller products and fewer runs (on a 2-core Zen 4: 0.4 s instead of 3 s, plus a
@@ -283,12 +270,3 @@ def probe(threads: int | None = None, *, quick: bool = False) -> Peaks:
     """Measure this machine's peaks with ``threads`` (default: torch's current thread
     count). Does not cache: ``llmctl hw probe`` (or :func:`probe_record.save`) does."""
     return measure(threads, quick=quick).peaks()
-
-
-def cached_peaks(threads: int | None = None) -> Peaks | None:
-    """The cached probe of this machine for ``threads`` (default: torch's current count),
-    None when there is none or it is unreadable. Never measures: a probe takes seconds."""
-    lookup = load(current_key(threads))
-    if lookup.problem:
-        log.warning("ignoring the cached probe %s: %s", lookup.path, lookup.problem)
-    return None if lookup.record is None else lookup.record.peaks()

@@ -263,8 +263,9 @@ def capacity_summary(section: dict) -> str:
 def capacity_table(section: dict) -> tuple[list[str], list[list[str]]]:
     """One row per run: the level (a repeat is the phase ``confirm``), its throughput,
     goodput, each bound's statistic in ms with the share of requests meeting it."""
-    header = [LEVEL_HEADERS[section["by"]], "phase", "req/s", "out tok/s", "goodput",
-              *section["slo"], "result"]
+    keys = [text.partition("<=")[0] for text in section["slo"]]  # the limits are in the title
+    header = [LEVEL_HEADERS[section["by"]], "phase", "req/s", "out tok/s", "goodput", *keys,
+              "result"]
     rows = []
     for row in section["levels"]:
         cells = [f"{row['level']:g}", row["phase"], _fmt(row["request_throughput"]),
@@ -277,9 +278,13 @@ def capacity_table(section: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def capacity_title(section: dict) -> str:
+    return f"Capacity search by {section['by']}, SLO {', '.join(section['slo'])}"
+
+
 def capacity_markdown(section: dict) -> str:
     header, rows = capacity_table(section)
-    lines = ["", f"## Capacity search by {section['by']}", "", capacity_summary(section), "",
+    lines = ["", f"## {capacity_title(section)}", "", capacity_summary(section), "",
              "| " + " | ".join(header) + " |",
              "|---:|---|" + "---:|" * (len(header) - 3) + "---|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -300,9 +305,10 @@ def render_capacity(console, section: dict) -> None:
     from rich.table import Table
 
     header, rows = capacity_table(section)
-    table = Table(title=f"Capacity search by {section['by']}", title_justify="left")
+    table = Table(title=capacity_title(section), title_justify="left")
     for i, h in enumerate(header):
-        table.add_column(h, justify="left" if i in (1, len(header) - 1) else "right")
+        last = i == len(header) - 1
+        table.add_column(h, justify="left" if i == 1 or last else "right", no_wrap=last)
     styles = {"pass": "green", "FAIL": "bold red", "over-saturated": "bold red"}
     for row in rows:
         table.add_row(*row[:-1], f"[{styles[row[-1]]}]{row[-1]}[/{styles[row[-1]]}]")

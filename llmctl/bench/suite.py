@@ -355,6 +355,10 @@ def _ttft_scale(bounds) -> float:
     return 1.0
 
 
+CAPACITY_ROW_KEYS = ("duration", "num_requests", "completed", "failed", "request_throughput",
+                     "output_throughput", "request_goodput")
+
+
 def _capacity_row(probe, bounds) -> dict:
     lr: _LevelRun = probe.outcome
     finding = getattr(getattr(lr.watcher, "detector", None), "finding", None)
@@ -367,10 +371,6 @@ def _capacity_row(probe, bounds) -> dict:
             **{k: m.get(k) for k in CAPACITY_ROW_KEYS},
             **{b.key: m.get(b.key) for b in bounds},
             "slo_checks": [c.to_dict() for c in lr.checks]}
-
-
-CAPACITY_ROW_KEYS = ("duration", "num_requests", "completed", "failed", "request_throughput",
-                     "output_throughput", "request_goodput")
 
 
 def _find_capacity(opts: BenchOptions, out, command: str, when: str, result: SuiteResult,

@@ -162,3 +162,118 @@ def test_resolution_and_space_checks():
         SearchSpace("rate", 10, 5)
     with pytest.raises(UsageError, match="load dimension"):
         SearchSpace("tokens", 1, 5)
+
+
+# --- end to end: llmctl bench --find-capacity against a server of known capacity --------
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = json.loads((REPO / "results" / "bench-schema.json").read_text())
+runner = CliRunner()
+app = build_app()
+# 3 slots, each request 20 ms to its first token + 3 x 20 ms: 80 ms a request, so the
+# server completes at most 3 / 0.080 = 37.5 requests/s; above that its queue grows.
+FAKE = ("--ttft-ms", "20", "--itl-ms", "20", "--max-running", "3")
+SLOTS, CAPACITY = 3, 37.5
+
+
+def find_capacity(url, model, tmp_path, *extra, slo="p95_ttft_ms<=60"):
+    args = ["bench", "--target", url, "--model", model, "-n", 8, "--input-len", 8,
+            "--output-len", 4, "--ignore-eos", "--burstiness", "inf", "--find-capacity",
+            "--slo", slo, "--result-dir", tmp_path, "--metrics-interval", 0.2, "--json",
+            *extra]
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_rate_search_finds_the_servers_capacity_and_stops_overload_early(tiny_llama,
+                                                                          tmp_path):
+    """Fixed-interval arrivals (D/D/3): below 37.5 req/s no request waits (TTFT 20 ms),
+    above it every request waits longer than the one before. The knee must lie within one
+    resolution step (10 %) of 37.5, and 72 req/s (1.9x) must stop well before its end."""
+    import jsonschema
+
+    with fake_server(*FAKE) as (url, _):
+        result = find_capacity(url, tiny_llama, tmp_path, "--duration", 1.2,
+                               "--capacity-start", 18, "--gate", "capacity_knee>=30")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["gates"][0]["passed"]  # a CI gate on the capacity itself
+    capacity = data["capacity"]
+    assert capacity["stop"] == "resolved" and capacity["confirmed"]
+    assert abs(capacity["knee"] - CAPACITY) <= 0.1 * CAPACITY, capacity["levels"]
+    rows = capacity["levels"]
+    assert [(r["level"], r["passed"]) for r in rows[:3]] == [(18, True), (36, True), (72, False)]
+    overload = rows[2]
+    assert overload["over_saturated"] and overload["saturation"]["ttft_slope_ms_per_s"] > 0
+    # A full level sends 72 req/s x 1.2 s = 86 requests; the detector stops it early.
+    assert overload["num_requests"] < 0.6 * 86 and overload["duration"] < 0.6 * 1.2
+    knee_runs = [r for r in rows if r["level"] == capacity["knee"]]
+    assert len(knee_runs) == 2 and all(r["passed"] for r in knee_runs)
+    assert knee_runs[-1]["phase"] == "confirm" and knee_runs[0]["seed"] != knee_runs[1]["seed"]
+    assert capacity["goodput_at_knee"] == min(r["request_goodput"] for r in knee_runs)
+    assert capacity["verdict_at_knee"] is None  # filled by the bottleneck verdict later
+
+    [path] = tmp_path.glob("*-capacity-rate-fake-model-*.json")
+    report = json.loads(path.read_text())
+    jsonschema.validate(report, SCHEMA)
+    assert report["capacity"] == capacity and report["capacity_knee"] == capacity["knee"]
+    assert report["request_rate"] == capacity["knee"] and report["repeat"]["n"] == 2
+    assert report["slos"] == {"ttft_ms": 60.0} and 95.0 in report["percentiles"]
+    markdown = path.with_suffix(".md").read_text()
+    assert "## Capacity search by rate, SLO p95_ttft_ms<=60" in markdown and "over-saturated at" in markdown
+    curve = path.with_name(path.stem + "-capacity.png")
+    assert capacity["curve"] == curve.name and curve.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_concurrency_search_finds_the_servers_slots(tiny_llama, tmp_path):
+    """A closed loop of C clients on 3 slots: C <= 3 never waits; at C = 4 a third of the
+    requests wait a whole 80 ms request (TTFT 100 ms > 60). So the knee is 3, found by
+    1, 2, 4 (fails), 3 and 3 again; a closed loop never over-saturates."""
+    with fake_server(*FAKE) as (url, _):
+        result = find_capacity(url, tiny_llama, tmp_path, "--by", "concurrency",
+                               "--duration", 0.6, "--no-plots")
+    assert result.exit_code == 0, result.output
+    capacity = json.loads(result.stdout)["capacity"]
+    assert [(r["level"], r["passed"]) for r in capacity["levels"]] == [
+        (1, True), (2, True), (4, False), (3, True), (3, True)]
+    assert capacity["knee"] == SLOTS and capacity["bracket"] == [3, 4]
+    assert not any(r["over_saturated"] for r in capacity["levels"])
+    assert [r["max_concurrency"] for r in capacity["levels"]] == [1, 2, 4, 3, 3]
+
+
+def test_no_level_meeting_the_slo_exits_1_with_the_report(tiny_llama, tmp_path):
+    with fake_server(*FAKE) as (url, _):
+        result = find_capacity(url, tiny_llama, tmp_path, "--by", "concurrency",
+                               "--duration", 0.3, "--no-plots", slo="p95_ttft_ms<=5")
+    assert result.exit_code == 1 and "no load level met p95_ttft_ms<=5" in result.output
+    [path] = tmp_path.glob("*.json")
+    capacity = json.loads(path.read_text())["capacity"]
+    # 1 is the lowest concurrency: nothing to halve down to.
+    assert capacity["knee"] is None and capacity["stop"] == "none passed"
+    assert [r["level"] for r in capacity["levels"]] == [1]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--find-capacity"], "needs an SLO with percentile bounds"),
+    (["--find-capacity", "--slo", "ttft_ms=500"], "needs an SLO with percentile bounds"),
+    (["--slo", "p95_ttft_ms<=500"], "pass rule of --find-capacity"),
+    (["--find-capacity", "--slo", "p95_ttft_ms<=500", "--sweep", "rate=1,2"], "--sweep"),
+    (["--find-capacity", "--slo", "p95_ttft_ms<=500", "--repeat", "2"], "repeats the knee"),
+    (["--find-capacity", "--slo", "p95_ttft_ms<=500", "--request-rate", "4"],
+     "chooses the request rate"),
+    (["--find-capacity", "--slo", "p95_ttft_ms<=500", "--by", "concurrency",
+      "--max-concurrency", "4"], "chooses the concurrency"),
+    (["--find-capacity", "--slo", "p95_ttft_ms<=500", "--by", "tokens"], "load dimension"),
+    (["--find-capacity", "--slo", "p95_ttft_ms<=500", "--capacity-resolution", "0"],
+     "--capacity-resolution"),
+    (["--find-capacity", "--slo", "p95_ttft_ms<=500", "--capacity-start", "64",
+      "--capacity-max", "8"], "--capacity-start"),
+    (["--by", "rate"], "--by is an option of --find-capacity"),
+    (["--find-capacity", "--slo", "p95_ttft_ms=500"], "cannot read SLO"),
+    (["--find-capacity", "--slo", "ttft_ms=500", "--slo", "p95_tpot_ms<=50"], "mixes"),
+])
+def test_conflicting_or_malformed_options_exit_2(args, says, tmp_path):
+    result = runner.invoke(app, ["bench", "--target", "http://127.0.0.1:9", "--result-dir",
+                                 str(tmp_path), *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Traceback" not in result.output
+    assert not list(tmp_path.iterdir())

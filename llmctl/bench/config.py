@@ -75,27 +75,23 @@ class CapacitySpec(BaseModel):
         return tuple(parse_bound(text) for text in self.slo)
 
 
+# options of --find-capacity: keyword -> flag
+CAPACITY_FLAGS = {"by": "--by", "capacity_start": "--capacity-start",
+                  "capacity_max": "--capacity-max",
+                  "capacity_resolution": "--capacity-resolution",
+                  "capacity_confirm": "--capacity-confirm"}
+
+
 def capacity_from_flags(flags: dict[str, Any], bounds: tuple, *, request_rate: float,
                         sweep: Sweep | None) -> CapacitySpec | None:
     """Pop the capacity flags; None without ``--find-capacity``. Options the search would
     override or that mean another kind of run are usage errors, one line each."""
-    from llmctl.bench.capacity import (
-        BY,
-        DEFAULT_MAXIMUM,
-        DEFAULT_START,
-        SearchSpace,
-        parse_resolution,
-    )
+    from llmctl.bench.capacity import BY, DEFAULT_MAXIMUM, DEFAULT_START
     from llmctl.bench.slo import EXAMPLE
 
     find = flags.pop("find_capacity", False)
-    given = {flag: flags.pop(key) for key, flag in (
-        ("by", "--by"), ("capacity_start", "--capacity-start"),
-        ("capacity_max", "--capacity-max"), ("capacity_resolution", "--capacity-resolution"),
-        ("capacity_confirm", "--capacity-confirm")) if flags.get(key) is not None}
-    for key in ("by", "capacity_start", "capacity_max", "capacity_resolution",
-                "capacity_confirm"):
-        flags.pop(key, None)
+    raw = {flag: flags.pop(key, None) for key, flag in CAPACITY_FLAGS.items()}
+    given = {flag: value for flag, value in raw.items() if value is not None}
     early_stop = not flags.pop("no_early_stop", False)
     if not find:
         if given or not early_stop:
@@ -125,13 +121,13 @@ def capacity_from_flags(flags: dict[str, Any], bounds: tuple, *, request_rate: f
     if by == "concurrency" and flags.get("max_concurrency") is not None:
         raise UsageError("--find-capacity --by concurrency chooses the concurrency",
                          "drop --max-concurrency (or search --by rate under that cap)")
-    spec = CapacitySpec(by=by, start=given.get("--capacity-start", DEFAULT_START[by]),
-                        maximum=given.get("--capacity-max", DEFAULT_MAXIMUM[by]),
+    start = given.get("--capacity-start", DEFAULT_START[by])
+    spec = CapacitySpec(by=by, start=start,
+                        maximum=given.get("--capacity-max", max(DEFAULT_MAXIMUM[by], start)),
                         resolution=str(given.get("--capacity-resolution", "10%")),
                         confirm=given.get("--capacity-confirm", 1), early_stop=early_stop,
                         slo=[b.text for b in bounds])
-    SearchSpace(spec.by, spec.start, spec.maximum, parse_resolution(spec.resolution),
-                spec.confirm)  # every check of the space, before anything runs
+    spec.space()  # every check of the search space, before anything runs
     return spec
 
 

@@ -49,6 +49,88 @@ def parse_sweep(text: str | None) -> Sweep | None:
     return Sweep(param=param, levels=levels)
 
 
+class CapacitySpec(BaseModel):
+    """``--find-capacity``: the search space and the SLO a level must meet
+    (:mod:`llmctl.bench.capacity`, :mod:`llmctl.bench.slo`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    by: str = "rate"
+    start: float
+    maximum: float
+    resolution: str = "10%"
+    confirm: int = 1
+    early_stop: bool = True
+    slo: list[str]  # the bounds' texts, e.g. ["p95_ttft_ms<=500", "p95_tpot_ms<=100"]
+
+    def space(self):
+        from llmctl.bench.capacity import SearchSpace, parse_resolution
+
+        return SearchSpace(self.by, self.start, self.maximum,
+                           parse_resolution(self.resolution), self.confirm)
+
+    def bounds(self):
+        from llmctl.bench.slo import parse_bound
+
+        return tuple(parse_bound(text) for text in self.slo)
+
+
+# options of --find-capacity: keyword -> flag
+CAPACITY_FLAGS = {"by": "--by", "capacity_start": "--capacity-start",
+                  "capacity_max": "--capacity-max",
+                  "capacity_resolution": "--capacity-resolution",
+                  "capacity_confirm": "--capacity-confirm"}
+
+
+def capacity_from_flags(flags: dict[str, Any], bounds: tuple, *, request_rate: float,
+                        sweep: Sweep | None) -> CapacitySpec | None:
+    """Pop the capacity flags; None without ``--find-capacity``. Options the search would
+    override or that mean another kind of run are usage errors, one line each."""
+    from llmctl.bench.capacity import BY, DEFAULT_MAXIMUM, DEFAULT_START
+    from llmctl.bench.slo import EXAMPLE
+
+    find = flags.pop("find_capacity", False)
+    raw = {flag: flags.pop(key, None) for key, flag in CAPACITY_FLAGS.items()}
+    given = {flag: value for flag, value in raw.items() if value is not None}
+    early_stop = not flags.pop("no_early_stop", False)
+    if not find:
+        if given or not early_stop:
+            flag = next(iter(given), "--no-early-stop")
+            raise UsageError(f"{flag} is an option of --find-capacity", "add --find-capacity "
+                             f"and an SLO, e.g. {EXAMPLE}, or drop {flag}")
+        if bounds:
+            raise UsageError("percentile SLOs (p95_ttft_ms<=500) are the pass rule of "
+                             "--find-capacity", "add --find-capacity, or for one run use "
+                             "--slo ttft_ms=500 (goodput) or --gate 'p95_ttft_ms<=500'")
+        return None
+    if not bounds:
+        raise UsageError("--find-capacity needs an SLO with percentile bounds",
+                         f"e.g. {EXAMPLE}")
+    by = given.get("--by", "rate")
+    if by not in BY:
+        raise UsageError(f"--by {by!r} is not a load dimension", f"use one of: {', '.join(BY)}")
+    if sweep is not None:
+        raise UsageError("--find-capacity and --sweep both choose the load levels",
+                         "use one of them")
+    if flags.get("repeat", 1) > 1:
+        raise UsageError("--find-capacity repeats the knee itself", "drop --repeat; "
+                         "--capacity-confirm sets how often the knee is rerun")
+    if by == "rate" and not math.isinf(request_rate):
+        raise UsageError("--find-capacity --by rate chooses the request rate",
+                         "drop --request-rate (or search --by concurrency at that rate)")
+    if by == "concurrency" and flags.get("max_concurrency") is not None:
+        raise UsageError("--find-capacity --by concurrency chooses the concurrency",
+                         "drop --max-concurrency (or search --by rate under that cap)")
+    start = given.get("--capacity-start", DEFAULT_START[by])
+    spec = CapacitySpec(by=by, start=start,
+                        maximum=given.get("--capacity-max", max(DEFAULT_MAXIMUM[by], start)),
+                        resolution=str(given.get("--capacity-resolution", "10%")),
+                        confirm=given.get("--capacity-confirm", 1), early_stop=early_stop,
+                        slo=[b.text for b in bounds])
+    spec.space()  # every check of the search space, before anything runs
+    return spec
+
+
 class BenchOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -69,6 +151,7 @@ class BenchOptions(BaseModel):
     percentiles: list[float] = Field(default_factory=lambda: [50.0, 90.0, 95.0, 99.0])
     slos: dict[str, float] = Field(default_factory=dict)
     sweep: Sweep | None = None
+    capacity: CapacitySpec | None = None
     repeat: int = Field(1, ge=1)
     label: str | None = None
     result_dir: str = "."
@@ -109,22 +192,31 @@ def parse_percentiles(text: str) -> list[float]:
 def options_from_flags(**flags: Any) -> BenchOptions:
     """BenchOptions from the command line's flat, textual values: ``dataset`` and
     ``dataset_path`` plus the DatasetSpec fields, ``request_rate`` ("inf" or a number),
-    ``percentiles`` ("50,90,99"), ``slo`` (["ttft_ms=500"]), ``sweep``
-    ("concurrency=1,4"), ``no_plots``, ``metrics_interval`` (0 = off)."""
+    ``percentiles`` ("50,90,99"), ``slo`` (["ttft_ms=500"] or ["p95_ttft_ms<=500,..."]),
+    ``sweep`` ("concurrency=1,4"), ``no_plots``, ``metrics_interval`` (0 = off), and the
+    capacity search's ``find_capacity``, ``by``, ``capacity_*``, ``no_early_stop``.
+    The report's percentiles include those the SLO bounds name."""
     from llmctl.bench.backends import get_backend
-    from llmctl.bench.metrics import parse_slos
+    from llmctl.bench.slo import parse_slo_flags, percentiles_needed
 
     get_backend(flags.get("backend", "openai-completions"))  # unknown: fail before any work
     dataset = {"name": flags.pop("dataset", "random"), "path": flags.pop("dataset_path", None)}
     for key in set(DatasetSpec.model_fields) - {"name", "path"}:
         if key in flags:
             dataset[key] = flags.pop(key)
+    slo = parse_slo_flags(flags.pop("slo", None))
+    request_rate = parse_rate(flags.pop("request_rate", "inf"))
+    sweep = parse_sweep(flags.pop("sweep", None))
+    capacity = capacity_from_flags(flags, slo.bounds, request_rate=request_rate, sweep=sweep)
+    percentiles = parse_percentiles(flags.pop("percentiles", "50,90,95,99"))
     return BenchOptions(
         dataset=DatasetSpec(**dataset),
-        request_rate=parse_rate(flags.pop("request_rate", "inf")),
-        percentiles=parse_percentiles(flags.pop("percentiles", "50,90,95,99")),
-        slos=parse_slos(flags.pop("slo", None)),
-        sweep=parse_sweep(flags.pop("sweep", None)),
+        request_rate=request_rate,
+        percentiles=percentiles + [p for p in percentiles_needed(slo.bounds)
+                                   if p not in percentiles],
+        slos=slo.per_request,
+        sweep=sweep,
+        capacity=capacity,
         plots=not flags.pop("no_plots", False),
         metrics_interval=flags.pop("metrics_interval", 1.0) or None,
         **flags)

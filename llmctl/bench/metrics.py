@@ -74,10 +74,16 @@ def _tpot(r: RequestRecord) -> float | None:
     return (r.latency - r.ttft) / (r.output_tokens - 1)
 
 
+def slo_measures(r: RequestRecord) -> dict[str, float | None]:
+    """A completed request's latencies (seconds) as an SLO judges them: no token -> its
+    E2E latency stands in for TTFT; <= 1 token -> TPOT 0 (as vLLM's goodput)."""
+    return {"ttft": r.ttft if r.ttft is not None else r.latency,
+            "tpot": _tpot(r) or 0.0,
+            "e2el": r.latency}
+
+
 def _is_good(r: RequestRecord, slos: dict[str, float]) -> bool:
-    measured = {"ttft": r.ttft if r.ttft is not None else r.latency,
-                "tpot": _tpot(r) or 0.0,
-                "e2el": r.latency}
+    measured = slo_measures(r)
     return all(measured[SLO_KEYS[k]] is not None and measured[SLO_KEYS[k]] * 1000.0 <= limit
                for k, limit in slos.items())
 

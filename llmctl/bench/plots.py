@@ -1,5 +1,6 @@
 """PNG plots (matplotlib, the optional ``plots`` extra): latency CDFs of a run, and for
-a sweep, throughput against p99 latency with the SLO lines."""
+a sweep, throughput against p99 latency with the SLO lines; for a capacity search, the
+same trade-off over the levels it ran, with its SLO bounds and the knee."""
 
 from __future__ import annotations
 
@@ -87,6 +88,58 @@ def sweep_tradeoff(param: str, rows: Sequence[dict], slos: dict, path: Path) -> 
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
     fig.suptitle(f"sweep over {param}: throughput vs p99 latency")
+    try:
+        return save_png(fig, path)
+    finally:
+        plt.close(fig)
+
+
+# capacity level outcome -> (matplotlib marker, colour)
+CAPACITY_MARKS = {"pass": ("o", "tab:green"), "FAIL": ("o", "tab:red"),
+                  "over-saturated": ("x", "tab:red")}
+
+
+def capacity_curve(section: dict, bounds: Sequence, path: Path) -> Path:
+    """Request throughput (x) against each bounded statistic (y, one panel per SLO
+    bound), one point per run, the bound as a line and the knee's runs starred."""
+    from llmctl.bench.report import capacity_result, capacity_summary
+
+    plt = pyplot()
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fig, axes = plt.subplots(1, len(bounds), figsize=(4.6 * len(bounds), 3.8), squeeze=False)
+    rows = sorted(section["levels"], key=lambda r: (r["level"], r["attempt"]))
+    short = SHORT.get(section["by"], section["by"])
+    for ax, bound in zip(axes[0], bounds):
+        points = [(r["request_throughput"] or 0.0, r[bound.key], r) for r in rows
+                  if r.get(bound.key) is not None]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], color="0.6", lw=0.8)
+        labelled = set()
+        for x, y, row in points:
+            result = capacity_result(row)
+            marker, colour = CAPACITY_MARKS[result]
+            ax.scatter([x], [y], marker=marker, color=colour, zorder=3,
+                       label=None if result in labelled else result)
+            labelled.add(result)
+            if row["attempt"] == 0:
+                ax.annotate(f"{short}={row['level']:g}", (x, y), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7)
+            if row["level"] == section["knee"] and row["attempt"] == 0:
+                ax.scatter([x], [y], marker="*", s=260, color="gold", edgecolors="black",
+                           zorder=4, label="knee")
+        ax.axhline(bound.limit_ms, color="red", linestyle="--", label=f"SLO {bound.text}")
+        # Log scale: over-saturated levels sit far above the rest; plain numbers on it.
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(bound.key)
+        ax.set_xlabel("request throughput (req/s)")
+        ax.set_ylabel("ms")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+    fig.suptitle(capacity_summary(section), fontsize=9)
     try:
         return save_png(fig, path)
     finally:

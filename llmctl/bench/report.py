@@ -1,4 +1,5 @@
-"""The run report: JSON (flat vLLM keys + raw arrays + metadata), Rich tables, Markdown.
+"""The run report: JSON (flat vLLM keys + raw arrays + metadata), Rich tables, Markdown;
+and the capacity search's section of it (its levels as a table, the knee as a sentence).
 
 A report's file name carries its configuration, as vLLM's do:
 ``{label}-{rate}qps-c{concurrency}-{model}-{datetime}.json``. The JSON follows
@@ -182,14 +183,14 @@ def markdown(report: dict, command: str | None = None) -> str:
     if command:
         lines += ["```", command, "```", ""]
     lines += [
-        f"- date: {meta.get('date')}; llmctl {meta.get('versions', {}).get('llmctl')} "
-        f"({meta.get('llmctl_commit')})",
+        (f"- date: {meta.get('date')}; llmctl {meta.get('versions', {}).get('llmctl')} "
+         f"({meta.get('llmctl_commit')})"),
         f"- target: {report.get('target')} ({report.get('backend')}, {report.get('endpoint')})",
-        f"- workload: {report.get('dataset', {}).get('name')}, {report.get('num_prompts')} "
-        f"prompts, rate {rate_text_of(report)} req/s, burstiness {report.get('burstiness')}, "
-        f"max concurrency {report.get('max_concurrency') or 'inf'}, seed {report.get('seed')}",
-        f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores, load average "
-        f"{', '.join(f'{x:.2f}' for x in load) if load else 'n/a'}",
+        (f"- workload: {report.get('dataset', {}).get('name')}, {report.get('num_prompts')} "
+         f"prompts, rate {rate_text_of(report)} req/s, burstiness {report.get('burstiness')}, "
+         f"max concurrency {report.get('max_concurrency') or 'inf'}, seed {report.get('seed')}"),
+        (f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores, load average "
+         f"{', '.join(f'{x:.2f}' for x in load) if load else 'n/a'}"),
         "",
         "| metric | value |", "|---|---:|",
     ]
@@ -204,8 +205,8 @@ def markdown(report: dict, command: str | None = None) -> str:
         lines += ["", "Server-side (/metrics, after - before): " +
                   ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in keep.items())]
-    lines += ["", "TPOT = (E2E - TTFT) / (output tokens - 1), as vLLM; "
-              "guidellm's time_per_output_token includes the first token."]
+    lines += ["", ("TPOT = (E2E - TTFT) / (output tokens - 1), as vLLM; "
+                   "guidellm's time_per_output_token includes the first token.")]
     lines += [f"\n> {n}" for n in notes(report)]
     return "\n".join(lines) + "\n"
 
@@ -222,3 +223,94 @@ def sweep_markdown(param: str, rows: Sequence[dict], command: str | None = None)
                                        for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+LEVEL_HEADERS = {"rate": "rate", "concurrency": "concurrency"}
+
+
+def _level_text(level: float, by: str) -> str:
+    return f"{level:g} req/s" if by == "rate" else f"concurrency {level:g}"
+
+
+def capacity_result(row: dict) -> str:
+    if row["passed"]:
+        return "pass"
+    return "over-saturated" if row["over_saturated"] else "FAIL"
+
+
+def capacity_summary(section: dict) -> str:
+    """One sentence: the knee and its goodput, or why there is none."""
+    by, slo = section["by"], ", ".join(section["slo"])
+    knee, stop = section["knee"], section["stop"]
+    if knee is None:
+        tried = min((row["level"] for row in section["levels"]), default=None)
+        lowest = f" (lowest tried: {_level_text(tried, by)})" if tried is not None else ""
+        return f"no knee: {section['stop_reason']}{lowest}; SLO {slo}"
+    text = (f"knee: {_level_text(knee, by)} meets {slo}, goodput "
+            f"{_fmt(section['goodput_at_knee'])} req/s")
+    hi = section["bracket"][1]
+    if stop == "resolved":
+        text += f"; {_level_text(hi, by)} does not"
+    elif stop == "maximum":
+        text += " (the maximum level: the capacity is at least that)"
+    else:
+        text += f" (best so far: the search stopped, {section['stop_reason']})"
+    if not section["confirmed"]:
+        text += "; not confirmed by a repeat"
+    return text
+
+
+def capacity_table(section: dict) -> tuple[list[str], list[list[str]]]:
+    """One row per run: the level (a repeat is the phase ``confirm``), its throughput,
+    goodput, each bound's statistic in ms with the share of requests meeting it."""
+    keys = [text.partition("<=")[0] for text in section["slo"]]  # the limits are in the title
+    header = [LEVEL_HEADERS[section["by"]], "phase", "req/s", "out tok/s", "goodput", *keys,
+              "result"]
+    rows = []
+    for row in section["levels"]:
+        cells = [f"{row['level']:g}", row["phase"], _fmt(row["request_throughput"]),
+                 _fmt(row["output_throughput"]), _fmt(row["request_goodput"])]
+        for check in row["slo_checks"]:
+            met = check["attained"]
+            cells.append(_fmt(check["value_ms"], "{:.1f}")
+                         + (f" ({met * 100:.0f}%)" if met is not None else ""))
+        rows.append(cells + [capacity_result(row)])
+    return header, rows
+
+
+def capacity_title(section: dict) -> str:
+    return f"Capacity search by {section['by']}, SLO {', '.join(section['slo'])}"
+
+
+def capacity_markdown(section: dict) -> str:
+    header, rows = capacity_table(section)
+    lines = ["", f"## {capacity_title(section)}", "", capacity_summary(section), "",
+             "| " + " | ".join(header) + " |",
+             "|---:|---|" + "---:|" * (len(header) - 3) + "---|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", ("SLO columns: the statistic in ms (share of requests meeting the limit). A "
+                   "percentile bound holds when that share of the level's requests (failed ones "
+                   "count as misses) meets its limit; an over-saturated level was stopped early "
+                   "and fails.")]
+    for row in section["levels"]:
+        if row["stopped_early"]:
+            lines.append(f"- {_level_text(row['level'], section['by'])}: {row['stopped_early']}")
+    if section.get("curve"):
+        lines += ["", f"![throughput vs latency]({section['curve']})"]
+    return "\n".join(lines) + "\n"
+
+
+def render_capacity(console, section: dict) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    header, rows = capacity_table(section)
+    table = Table(title=capacity_title(section), title_justify="left")
+    for i, h in enumerate(header):
+        last = i == len(header) - 1
+        table.add_column(h, justify="left" if i == 1 or last else "right", no_wrap=last)
+    styles = {"pass": "green", "FAIL": "bold red", "over-saturated": "bold red"}
+    for row in rows:
+        table.add_row(*row[:-1], f"[{styles[row[-1]]}]{row[-1]}[/{styles[row[-1]]}]")
+    console.print(table)
+    console.print(f"[bold]{escape(capacity_summary(section))}[/bold]")

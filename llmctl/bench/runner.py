@@ -5,6 +5,11 @@ the target goes down (a launched server exits, or requests keep being refused) t
 schedule stops, in-flight requests finish or fail, and every request not yet sent is
 recorded as failed. Ctrl-C stops the schedule, cancels what is in flight (recorded as
 failed, "interrupted") and returns what was measured, marked ``interrupted``.
+
+A :class:`Watcher` sees the run as it goes (each send, each finished request, each
+/metrics sample) and may stop it early, as Ctrl-C does but marked ``stopped`` with its
+reason: the capacity search stops a level that is over-saturated this way
+(:mod:`llmctl.bench.saturation`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httpx
 import numpy as np
@@ -55,6 +61,7 @@ class RunResult:
     server_before: dict | None = None
     server_after: dict | None = None
     server_samples: list[dict] = field(default_factory=list)
+    stopped: str | None = None  # why a watcher stopped the run early
 
     @property
     def server_summary(self) -> dict:
@@ -62,17 +69,45 @@ class RunResult:
                                         self.server_samples)
 
 
+class Watcher(Protocol):
+    """Sees a run as it goes; times are seconds since the measurement started."""
+
+    def sent(self, t: float, in_flight: int) -> None: ...
+
+    def finished(self, t: float, record: RequestRecord, in_flight: int) -> None: ...
+
+    def scraped(self, t: float, values: dict[str, float]) -> None: ...
+
+    def stop_reason(self, t: float) -> str | None:
+        """Why the run should stop now, or None to go on."""
+
+
 class Halt:
-    """Why the schedule stops early: Ctrl-C or a dead target. Wakes any waiter."""
+    """Why the schedule stops early: Ctrl-C, a dead target or a watcher. Wakes any waiter."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
         self.interrupted = False
         self.target_down: str | None = None
+        self.stopped: str | None = None
 
     def interrupt(self) -> None:
         self.interrupted = True
         self.event.set()
+
+    def stop(self, reason: str) -> None:
+        if self.stopped is None:
+            self.stopped = reason
+        self.event.set()
+
+    @property
+    def cancels(self) -> bool:
+        """Requests in flight are cancelled (Ctrl-C, a watcher), not waited for."""
+        return self.interrupted or self.stopped is not None
+
+    @property
+    def cancel_note(self) -> str:
+        return "interrupted" if self.interrupted else f"stopped early: {self.stopped}"
 
     def down(self, reason: str) -> None:
         if self.target_down is None:
@@ -142,7 +177,8 @@ async def probe(base_url: str, api_key: str | None = None) -> dict:
 
 async def run(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
               halt: Halt | None = None, alive: Callable[[], bool] | None = None,
-              progress: Callable[[int, int], None] | None = None) -> RunResult:
+              progress: Callable[[int, int], None] | None = None,
+              watcher: Watcher | None = None) -> RunResult:
     halt = halt or Halt()
     limits = httpx.Limits(max_connections=plan.max_concurrency,
                           max_keepalive_connections=plan.max_concurrency)
@@ -161,15 +197,26 @@ async def run(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
         before = await server_metrics.scrape(client, settings.base_url)  # after the warm-up
         records: list[RequestRecord] = []
         refusals = 0
+        in_flight = 0
         origin = time.perf_counter()
 
+        def watch(event: Callable[[float], None]) -> None:
+            if watcher is None:
+                return
+            now = time.perf_counter() - origin
+            event(now)
+            if (reason := watcher.stop_reason(now)) is not None:
+                halt.stop(reason)
+
         async def one(index: int, sample: SampleRequest, offset: float) -> RequestRecord:
-            nonlocal refusals
+            nonlocal refusals, in_flight
             try:
                 record = await send_request(client, backend, settings, sample, index, origin)
             finally:
+                in_flight -= 1
                 if sem is not None:
                     sem.release()
+            watch(lambda now, n=in_flight: watcher.finished(now, record, n))
             record.scheduled = offset
             refusals = refusals + 1 if record.error_kind == "connect" else 0
             if refusals >= DOWN_AFTER_REFUSALS:
@@ -183,8 +230,9 @@ async def run(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
 
         sampler = None
         if before is not None and plan.metrics_interval:
-            sampler = asyncio.ensure_future(_sample_metrics(client, settings.base_url,
-                                                            plan.metrics_interval))
+            sampler = asyncio.ensure_future(_sample_metrics(
+                client, settings.base_url, plan.metrics_interval,
+                lambda values: watch(lambda now: watcher.scraped(now, values))))
         tasks: list[asyncio.Task] = []
         launched: list[tuple[int, SampleRequest]] = []
         pending: list[tuple[int, SampleRequest]] = []
@@ -192,7 +240,7 @@ async def run(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
             if plan.duration is not None and offset > plan.duration:
                 break
             if halt.event.is_set():
-                if plan.duration is not None or halt.interrupted:
+                if plan.duration is not None or halt.cancels:
                     break
                 pending.append((index, sample))  # the target is down: record, don't send
                 continue
@@ -207,8 +255,10 @@ async def run(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
                     sem.release()
                 break
             launched.append((index, sample))
+            in_flight += 1
             tasks.append(asyncio.ensure_future(one(index, sample, offset)))
-        if halt.interrupted:
+            watch(lambda now, n=in_flight: watcher.sent(now, n))
+        if halt.cancels:
             for task in tasks:
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -223,8 +273,11 @@ async def run(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
     for index, sample in launched:  # cancelled before its coroutine ever ran
         if index not in seen:
             records.append(RequestRecord(index, sample.prompt_len, sample.output_len,
-                                         error="cancelled before completion (interrupted)",
+                                         error="cancelled before completion",
                                          error_kind="cancelled"))
+    for r in records:
+        if r.error_kind == "cancelled":
+            r.error = f"cancelled before completion ({halt.cancel_note})"
     not_sent = 0
     if halt.target_down and not halt.interrupted and plan.duration is None:
         for index, sample in pending:
@@ -235,7 +288,7 @@ async def run(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
             not_sent += 1
     records.sort(key=lambda r: r.index)
     return RunResult(records, duration, halt.interrupted, halt.target_down, not_sent,
-                     warmup_failed, before, after, samples)
+                     warmup_failed, before, after, samples, halt.stopped)
 
 
 async def _warmup(client, plan: RunPlan, backend: Backend, settings: RequestSettings,
@@ -272,7 +325,8 @@ async def _warmup(client, plan: RunPlan, backend: Backend, settings: RequestSett
     return sum(not r.success for r in results)
 
 
-async def _sample_metrics(client, base_url: str, interval: float) -> list[dict]:
+async def _sample_metrics(client, base_url: str, interval: float,
+                         seen: Callable[[dict], None]) -> list[dict]:
     samples: list[dict] = []
     try:
         while True:
@@ -280,6 +334,7 @@ async def _sample_metrics(client, base_url: str, interval: float) -> list[dict]:
             values = await server_metrics.scrape(client, base_url)
             if values is not None:
                 samples.append(values)
+                seen(values)
     except asyncio.CancelledError:
         return samples
 
@@ -299,7 +354,8 @@ def fill_output_tokens(records: Iterable[RequestRecord],
 
 def run_sync(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
              alive: Callable[[], bool] | None = None,
-             progress: Callable[[int, int], None] | None = None) -> RunResult:
+             progress: Callable[[int, int], None] | None = None,
+             watcher: Watcher | None = None) -> RunResult:
     """``run`` on a fresh event loop, with Ctrl-C turned into a partial result."""
 
     async def main() -> RunResult:
@@ -312,7 +368,7 @@ def run_sync(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
             installed = False  # not the main thread: Ctrl-C stays a KeyboardInterrupt
         try:
             return await run(plan, backend, settings, halt=halt, alive=alive,
-                             progress=progress)
+                             progress=progress, watcher=watcher)
         finally:
             if installed:
                 loop.remove_signal_handler(signal.SIGINT)

@@ -4,6 +4,10 @@ for a sweep also a summary with the throughput/latency trade-off plot.
 
 A partial result is still a result: after Ctrl-C or a dead target the report of the
 level in progress is written and the remaining levels are skipped.
+
+``--find-capacity`` runs the levels the search (:mod:`llmctl.bench.capacity`) asks for
+instead, each watched for over-saturation (:mod:`llmctl.bench.saturation`), and writes
+one report: the knee's runs, with the whole search under its ``capacity`` key.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from llmctl.bench.records import SampleRequest
 from llmctl.bench.report import (
     DEFINITIONS,
     SCHEMA,
+    capacity_markdown,
     default_filename,
     markdown,
     rate_text,
@@ -59,6 +64,7 @@ class LevelResult:
 class SuiteResult:
     levels: list[LevelResult] = field(default_factory=list)
     sweep_path: Path | None = None
+    capacity: dict | None = None  # the report's ``capacity`` section
     interrupted: bool = False
     target_down: str | None = None
     warnings: list[str] = field(default_factory=list)
@@ -204,6 +210,22 @@ def _paths(opts: BenchOptions, rate: float, concurrency: int | None, model: str,
     return directory / default_filename(opts.run_label, rate, concurrency, model, when)
 
 
+def _measure(plan: RunPlan, backend, settings: RequestSettings, alive, count, out, what: str,
+             watcher=None) -> RunResult:
+    out.status(f"benchmarking {settings.base_url} ({what})")
+    with out.progress("requests") as update:
+        run = run_sync(plan, backend, settings, alive=alive, progress=update, watcher=watcher)
+    fill_output_tokens(run.records, count)
+    return run
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
 def _plot(fn, *args, warnings: list[str]) -> None:
     try:
         fn(*args)
@@ -234,6 +256,11 @@ def run_suite(opts: BenchOptions, out, *, command: str, api_key: str | None = No
         settings = RequestSettings(target.base_url, target.served_model, opts.endpoint, api_key,
                                    opts.ignore_eos, opts.temperature)
         alive = target.launched.alive if target.launched else None
+        if opts.capacity is not None:
+            return _find_capacity(opts, out, command, when, result, samples, info, target,
+                                  lambda plan, what, watcher: _measure(
+                                      plan, backend, settings, alive, count, out, what,
+                                      watcher))
         levels = opts.sweep.levels if opts.sweep else [None]
         for level in levels:
             rate, concurrency = _level_options(opts, level)
@@ -242,18 +269,12 @@ def run_suite(opts: BenchOptions, out, *, command: str, api_key: str | None = No
                            duration=opts.duration, seed=opts.dataset.seed,
                            request_timeout=opts.request_timeout,
                            metrics_interval=opts.metrics_interval)
-            try:
-                load_start = list(os.getloadavg())
-            except OSError:
-                load_start = None
+            load_start = _load_average()
             runs: list[RunResult] = []
             for repeat in range(opts.repeat):
                 what = f"rate {rate_text(rate)}, concurrency {concurrency or 'inf'}" + (
                     f", run {repeat + 1}/{opts.repeat}" if opts.repeat > 1 else "")
-                out.status(f"benchmarking {target.base_url} ({what})")
-                with out.progress("requests") as update:
-                    run = run_sync(plan, backend, settings, alive=alive, progress=update)
-                fill_output_tokens(run.records, count)
+                run = _measure(plan, backend, settings, alive, count, out, what)
                 runs.append(run)
                 if run.interrupted or run.target_down:
                     break
@@ -298,3 +319,149 @@ def _write_sweep(opts: BenchOptions, result: SuiteResult, command: str, when: st
               path.with_name(path.stem + ".png"), warnings=result.warnings)
     return path
 
+
+
+@dataclass
+class _LevelRun:
+    """One run of the capacity search (its ``Outcome``: ``passed``, ``aborted``)."""
+
+    level: float
+    attempt: int
+    seed: int
+    rate: float
+    concurrency: int | None
+    run: RunResult
+    metrics: dict
+    checks: list
+    watcher: object | None
+
+    @property
+    def aborted(self) -> bool:
+        return self.run.interrupted or bool(self.run.target_down)
+
+    @property
+    def passed(self) -> bool:
+        return (not self.aborted and self.run.stopped is None and self.metrics["completed"] > 0
+                and all(c.passed for c in self.checks))
+
+
+def _ttft_scale(bounds) -> float:
+    """Seconds of TTFT that count as "large" for the over-saturation detector: the
+    tightest TTFT bound, else the tightest E2E bound (TTFT is part of it), else 1 s."""
+    for metric in ("ttft", "e2el"):
+        limits = [b.limit_ms for b in bounds if b.metric == metric]
+        if limits:
+            return min(limits) / 1000.0
+    return 1.0
+
+
+CAPACITY_ROW_KEYS = ("duration", "num_requests", "completed", "failed", "request_throughput",
+                     "output_throughput", "request_goodput")
+
+
+def _capacity_row(probe, bounds) -> dict:
+    lr: _LevelRun = probe.outcome
+    finding = getattr(getattr(lr.watcher, "detector", None), "finding", None)
+    m = lr.metrics
+    return {"level": probe.level, "attempt": probe.attempt, "phase": probe.phase,
+            "seed": lr.seed, "request_rate": rate_text(lr.rate) if math.isinf(lr.rate)
+            else lr.rate, "max_concurrency": lr.concurrency, "passed": lr.passed,
+            "over_saturated": lr.run.stopped is not None, "stopped_early": lr.run.stopped,
+            "saturation": finding.to_dict() if finding else None,
+            **{k: m.get(k) for k in CAPACITY_ROW_KEYS},
+            **{b.key: m.get(b.key) for b in bounds},
+            "slo_checks": [c.to_dict() for c in lr.checks]}
+
+
+def _find_capacity(opts: BenchOptions, out, command: str, when: str, result: SuiteResult,
+                   samples: list[SampleRequest], info: ModelInfo, target: _Target,
+                   measure) -> SuiteResult:
+    """Run the search, then write the knee's report (its runs, as repeats) with the
+    search under ``capacity``; with no knee, the report of the last level run."""
+    from llmctl.bench.capacity import STOPS, level_seed, search
+    from llmctl.bench.saturation import SaturationDetector, SaturationWatch
+    from llmctl.bench.slo import check_level
+
+    spec = opts.capacity
+    space, bounds = spec.space(), spec.bounds()
+    scale = _ttft_scale(bounds)
+    load_start = _load_average()
+    out.status(f"searching the highest {spec.by} meeting {', '.join(spec.slo)} "
+               f"(from {spec.start:g}, at most {spec.maximum:g}, resolution {spec.resolution})")
+
+    def run_level(level: float, attempt: int) -> _LevelRun:
+        rate, concurrency = ((level, opts.max_concurrency) if spec.by == "rate"
+                             else (opts.request_rate, int(level)))
+        seed = level_seed(opts.dataset.seed, level, attempt)
+        plan = RunPlan(samples, request_rate=rate, burstiness=opts.burstiness,
+                       max_concurrency=concurrency, warmup=opts.warmup, duration=opts.duration,
+                       seed=seed, request_timeout=opts.request_timeout,
+                       metrics_interval=opts.metrics_interval)
+        planned = opts.duration or (len(samples) / rate if spec.by == "rate" else None)
+        watcher = SaturationWatch(SaturationDetector(scale, planned)) if spec.early_stop \
+            else None
+        what = (f"capacity search: rate {rate_text(rate)}, concurrency {concurrency or 'inf'}"
+                + (f", repeat {attempt}" if attempt else ""))
+        run = measure(plan, what, watcher)
+        metrics = compute_metrics(run.records, run.duration, opts.percentiles, opts.slos)
+        metrics.update(server_flat(run.server_summary))
+        lr = _LevelRun(level, attempt, seed, rate, concurrency, run, metrics,
+                       check_level(bounds, run.records, metrics), watcher)
+        verdict = "pass" if lr.passed else (run.stopped or "fail: " + ", ".join(
+            f"{c.bound.key} {_fmt_ms(c.value_ms)}" for c in lr.checks if not c.passed))
+        out.status(f"{spec.by} {level:g}: {verdict}")
+        return lr
+
+    found = search(space, run_level)
+    shown_level = found.knee if found.knee is not None else found.probes[-1].level
+    runs = [p.outcome.run for p in found.probes if p.level == shown_level]
+    last: _LevelRun = found.probes[-1].outcome
+    knee_runs = [p.outcome for p in found.probes if p.level == found.knee]
+    section = {
+        "by": spec.by, "slo": spec.slo, "start": spec.start, "maximum": spec.maximum,
+        "resolution": spec.resolution, "confirm": spec.confirm, "early_stop": spec.early_stop,
+        "knee": found.knee, "confirmed": found.confirmed, "stop": found.stop,
+        "stop_reason": STOPS[found.stop], "bracket": list(found.bracket),
+        # The lowest over the knee's runs: the goodput it held every time.
+        "goodput_at_knee": min((lr.metrics["request_goodput"] for lr in knee_runs),
+                               default=None),
+        "throughput_at_knee": min((lr.metrics["request_throughput"] for lr in knee_runs),
+                                  default=None),
+        # Filled by the bottleneck verdict (issue 17, written separately); None until then.
+        "verdict_at_knee": None,
+        "levels": [_capacity_row(p, bounds) for p in found.probes],
+        "curve": None,
+    }
+    shown: _LevelRun = next(p.outcome for p in found.probes if p.level == shown_level)
+    report = _report(opts, runs, rate=shown.rate, concurrency=shown.concurrency, target=target,
+                     info=info, samples=samples, load_start=load_start)
+    report.update({"capacity": section, "capacity_knee": found.knee,
+                   "capacity_goodput_at_knee": section["goodput_at_knee"]})
+    model = target.served_model or opts.model or "model"
+    path = _capacity_path(opts, model, when)
+    if opts.plots:
+        curve = path.with_name(path.stem + "-capacity.png")
+        _plot(plots.capacity_curve, section, bounds, curve, warnings=result.warnings)
+        section["curve"] = curve.name if curve.exists() else None
+        _plot(plots.latency_cdfs, report, path.with_name(path.stem + "-cdf.png"),
+              warnings=result.warnings)
+    write_json(path, report)
+    write_text(path.with_suffix(".md"), markdown(report, command) + capacity_markdown(section))
+    result.levels.append(LevelResult(shown_level, report, path))
+    result.capacity = section
+    result.interrupted = last.run.interrupted
+    result.target_down = last.run.target_down
+    return result
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def _capacity_path(opts: BenchOptions, model: str, when: str) -> Path:
+    directory = Path(opts.result_dir).expanduser()
+    if opts.result_filename:
+        name = Path(opts.result_filename)
+        return name if name.is_absolute() else directory / name
+    return directory / (f"{slug(opts.run_label)}-capacity-{opts.capacity.by}-{slug(model)}-"
+                        f"{when}.json")

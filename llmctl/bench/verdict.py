@@ -1,9 +1,9 @@
 """What a finished ``llmctl bench`` (or ``bench compare``) tells its caller: the summary
 as data, the gate results, how to show them, and the exit code.
 
-Exit codes: 0 every gate passed (or none given); 1 a gate failed, or the target went
-down during the run (its report is still written); 130 interrupted (the partial report
-is written). Gates are not judged on an interrupted or cut-short run: its numbers are
+Exit codes: 0 every gate passed (or none given); 1 a gate failed, the target went
+down during the run (its report is still written), or a capacity search found no level
+meeting the SLO; 130 interrupted (the partial report is written). Gates are not judged on an interrupted or cut-short run: its numbers are
 not the workload the gate was written for.
 """
 
@@ -17,6 +17,7 @@ from llmctl.bench.suite import SuiteResult
 EXIT_OK = 0
 EXIT_GATES_FAILED = 1
 EXIT_TARGET_DOWN = 1
+EXIT_NO_CAPACITY = 1
 EXIT_INTERRUPTED = 130
 
 
@@ -65,6 +66,8 @@ def run_verdict(result: SuiteResult, gates: list, junit: Path | None = None) -> 
             "interrupted": result.interrupted, "target_down": result.target_down,
             "results": [{k: v for k, v in r.items()
                          if isinstance(v, (int, float, str)) or v is None} for r in reports]}
+    if result.capacity is not None:
+        data["capacity"] = result.capacity
     if result.interrupted:
         return Verdict(data, exit_code=EXIT_INTERRUPTED,
                        error="interrupted: the partial report above was written")
@@ -73,6 +76,11 @@ def run_verdict(result: SuiteResult, gates: list, junit: Path | None = None) -> 
                        error=f"the target went down during the run ({result.target_down})",
                        remedy="the report with the failed requests was written; check the "
                               "server")
+    if result.capacity is not None and result.capacity["knee"] is None:
+        return Verdict(data, exit_code=EXIT_NO_CAPACITY,
+                       error=f"no load level met {', '.join(result.capacity['slo'])}",
+                       remedy="lower --capacity-start, relax --slo, or look at the failed "
+                              "levels in the report")
     if not gates:
         return Verdict(data)
     results = [r for report in reports for r in evaluate_gates(gates, report)]
@@ -88,11 +96,13 @@ def compare_verdict(data: dict, gates: list, baseline: dict, candidate: dict) ->
 
 
 def show_run(console, result: SuiteResult, verdict: Verdict) -> None:
-    from llmctl.bench.report import render
+    from llmctl.bench.report import render, render_capacity
 
     for lv in result.levels:
         render(console, lv.report)
         console.print(f"[dim]report: {lv.path}[/dim]")
+    if result.capacity is not None:
+        render_capacity(console, result.capacity)
     if result.sweep_path:
         console.print(f"[dim]sweep summary: {result.sweep_path}[/dim]")
     if verdict.gate_results:

@@ -59,8 +59,26 @@ Duration = Annotated[float | None, Opt("--duration", help="Stop sending after th
 Seed = Annotated[int, Opt("--seed", help="Seed of prompts and arrival times.")]
 Temperature = Annotated[float, Opt("--temperature", min=0.0)]
 Percentiles = Annotated[str, Opt("--percentiles")]
-Slo = Annotated[list[str] | None, Opt("--slo",
-                                      help="Goodput SLO, e.g. ttft_ms=500 (repeatable).")]
+Slo = Annotated[list[str] | None, Opt("--slo", help="Goodput SLO per request, e.g. "
+                                      "ttft_ms=500 (repeatable); with --find-capacity "
+                                      "percentile bounds: 'p95_ttft_ms<=500,p95_tpot_ms<=100'.")]
+FindCapacity = Annotated[bool, Opt("--find-capacity", help="Search the highest load whose "
+                                   "run meets --slo's percentile bounds (doubling, then "
+                                   "bisection; the knee is rerun); over-saturated levels "
+                                   "stop early.")]
+By = Annotated[str | None, Opt("--by", help="--find-capacity: the load searched, rate "
+                               "(default) | concurrency.")]
+CapacityStart = Annotated[float | None, Opt("--capacity-start", help="First level searched "
+                                            "(default 1).")]
+CapacityMax = Annotated[float | None, Opt("--capacity-max", help="Highest level searched "
+                                          "(default 1024).")]
+CapacityResolution = Annotated[str | None, Opt("--capacity-resolution", help="Stop bisecting "
+                                               "when the bracket is this narrow: 10% (default) "
+                                               "of the level, or an absolute step.")]
+CapacityConfirm = Annotated[int | None, Opt("--capacity-confirm", min=0, help="Reruns of the "
+                                            "knee it must also pass (default 1).")]
+NoEarlyStop = Annotated[bool, Opt("--no-early-stop", help="--find-capacity: run "
+                                  "over-saturated levels to the end.")]
 Sweep = Annotated[str | None, Opt("--sweep", help="One run per level: concurrency=1,4,16 or "
                                   "rate=1,2,inf.")]
 Repeat = Annotated[int, Opt("--repeat", min=1,
@@ -103,7 +121,11 @@ def bench(
     ignore_eos: IgnoreEos = False, request_rate: RequestRate = "inf",
     burstiness: Burstiness = 1.0, max_concurrency: MaxConcurrency = None, warmup: Warmup = 0,
     duration: Duration = None, seed: Seed = 0, temperature: Temperature = 0.0,
-    percentiles: Percentiles = "50,90,95,99", slo: Slo = None, gate: GateOpt = None,
+    percentiles: Percentiles = "50,90,95,99", slo: Slo = None,
+    find_capacity: FindCapacity = False, by: By = None, capacity_start: CapacityStart = None,
+    capacity_max: CapacityMax = None, capacity_resolution: CapacityResolution = None,
+    capacity_confirm: CapacityConfirm = None, no_early_stop: NoEarlyStop = False,
+    gate: GateOpt = None,
     gate_file: GateFileOpt = None, junit: JunitOpt = None, sweep: Sweep = None,
     repeat: Repeat = 1, label: Label = None, result_dir: ResultDir = ".",
     result_filename: ResultFilename = None, no_plots: NoPlots = False,
@@ -111,7 +133,8 @@ def bench(
     server_command: ServerCommand = None, serve_args: ServeArgs = None,
     server_timeout: ServerTimeout = 600.0, dtype: BenchDtype = "auto", json_: JsonOpt = False,
 ) -> None:
-    """Measure TTFT, TPOT, ITL, E2E latency and throughput of an endpoint."""
+    """Measure TTFT, TPOT, ITL, E2E latency and throughput of an endpoint, or with
+    --find-capacity the highest load that meets an SLO."""
     if ctx.invoked_subcommand is not None:
         return
     flags = {k: v for k, v in locals().items() if k not in _NOT_BENCH_OPTIONS}

@@ -7,6 +7,11 @@ on its first stdout line once it listens on 127.0.0.1. Timing per request:
     gap between tokens = itl_ms + itl_ms_per_running * (requests running - 1)
 
 so with ``--itl-ms-per-running`` it behaves like a server that slows down under load.
+With ``--max-running C`` at most C requests generate at once and the rest wait in a FIFO
+queue (``num_requests_waiting`` in /metrics; the wait is part of their TTFT): a server
+with a known capacity of C / (ttft_ms + (tokens - 1) * itl_ms) requests per second, whose
+TTFT grows without bound above it. Its token times are kept on absolute deadlines, so
+sleep overshoot does not add up over a request and the capacity stays the computed one.
 It can fail every K-th request (HTTP 500), send an error event mid-stream, or die
 (``os._exit``) while streaming the N-th request. ``/metrics`` speaks Prometheus text
 with vLLM's metric names under a chosen prefix (``llmctl:`` by default).
@@ -39,6 +44,8 @@ class State:
         self.prefix_hits = 0
         self.seen_prefixes: set[str] = set()
         self.max_running = 0
+        self.waiting = 0
+        self.slots = asyncio.Semaphore(args.max_running) if args.max_running else None
 
 
 def _prompt_of(kind: str, body: dict) -> tuple[str, str | None]:
@@ -68,16 +75,18 @@ def build_app(args: argparse.Namespace) -> Starlette:
         lines = [
             f"# TYPE {prefix}num_requests_running gauge",
             f'{prefix}num_requests_running{{model_name="{args.model}"}} {state.running}',
+            f"# TYPE {prefix}num_requests_waiting gauge",
+            f'{prefix}num_requests_waiting{{model_name="{args.model}"}} {state.waiting}',
             f"# TYPE {prefix}kv_cache_usage_perc gauge",
-            f'{prefix}kv_cache_usage_perc{{model_name="{args.model}"}} '
-            f"{min(1.0, state.running / args.kv_slots)}",
+            (f'{prefix}kv_cache_usage_perc{{model_name="{args.model}"}} '
+             f"{min(1.0, state.running / args.kv_slots)}"),
             f"# TYPE {prefix}num_preemptions counter",
             f'{prefix}num_preemptions_total{{model_name="{args.model}"}} 0.0',
             f'{prefix}prompt_tokens_total{{model_name="{args.model}"}} {state.prompt_tokens}',
-            f'{prefix}generation_tokens_total{{model_name="{args.model}"}} '
-            f"{state.generation_tokens}",
-            f'{prefix}prefix_cache_queries_total{{model_name="{args.model}"}} '
-            f"{state.prefix_queries}",
+            (f'{prefix}generation_tokens_total{{model_name="{args.model}"}} '
+             f"{state.generation_tokens}"),
+            (f'{prefix}prefix_cache_queries_total{{model_name="{args.model}"}} '
+             f"{state.prefix_queries}"),
             f'{prefix}prefix_cache_hits_total{{model_name="{args.model}"}} {state.prefix_hits}',
         ]
         return PlainTextResponse("\n".join(lines) + "\n")
@@ -131,8 +140,28 @@ def build_app(args: argparse.Namespace) -> Starlette:
                                  "model": args.model, "choices": [choice], "usage": usage})
 
         async def stream():
+            if state.slots is not None:
+                state.waiting += 1
+                try:
+                    await state.slots.acquire()
+                finally:
+                    state.waiting -= 1
+                try:
+                    async for part in generate_stream():
+                        yield part
+                finally:
+                    state.slots.release()
+            else:
+                async for part in generate_stream():
+                    yield part
+
+        async def sleep_until(deadline: float) -> None:
+            await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+
+        async def generate_stream():
             state.running += 1
             state.max_running = max(state.max_running, state.running)
+            begin = time.perf_counter()
             try:
                 if kind == "chat":  # role header first, as vLLM and OpenAI do
                     yield ("data: " + json.dumps({
@@ -140,12 +169,13 @@ def build_app(args: argparse.Namespace) -> Starlette:
                         "model": args.model, "choices": [{"index": 0, "delta": {
                             "role": "assistant", "content": ""}, "finish_reason": None}]})
                         + "\n\n")
-                await asyncio.sleep((args.ttft_ms + args.prefill_ms_per_token * prompt_words)
-                                    / 1000)
+                deadline = begin + (args.ttft_ms + args.prefill_ms_per_token * prompt_words) / 1000
+                await sleep_until(deadline)
                 for i in range(n_out):
                     if i:
                         gap = args.itl_ms + args.itl_ms_per_running * (state.running - 1)
-                        await asyncio.sleep(gap / 1000)
+                        deadline += gap / 1000
+                        await sleep_until(deadline)
                     state.generation_tokens += 1
                     yield chunk(f" tok{i}")
                     if die:
@@ -198,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="exit the process while streaming the N-th request")
     p.add_argument("--metrics-prefix", default="llmctl:", help="llmctl: | vllm: | none")
     p.add_argument("--kv-slots", type=int, default=16)
+    p.add_argument("--max-running", type=int, default=0,
+                   help="generate at most this many requests at once; the rest queue (FIFO)")
     return p.parse_args(argv)
 
 

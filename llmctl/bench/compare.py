@@ -21,6 +21,9 @@ COMPARED: dict[str, bool] = {
     "median_itl_ms": False, "p99_itl_ms": False,
     "median_e2el_ms": False, "p99_e2el_ms": False,
     "completed": True, "failed": False,
+    "prefill_mfu": True, "prefill_mbu": True, "decode_mfu": True, "decode_mbu": True,
+    "cost_usd_per_1m_input_tokens": False, "cost_usd_per_1m_output_tokens": False,
+    "cost_usd_per_request": False,
 }
 
 

@@ -163,6 +163,11 @@ class BenchOptions(BaseModel):
     server_timeout: float = Field(600.0, gt=0)
     # dtype of the llmctl serve that bench starts ("auto": see llmctl.utils.device)
     dtype: str = "auto"
+    # what MFU/MBU are measured against and what a machine-hour costs (llmctl.perf)
+    hardware: str | None = None
+    peak_flops: float | None = Field(None, gt=0)
+    peak_bandwidth: float | None = Field(None, gt=0)
+    cost_per_hour: float | None = Field(None, ge=0)
     plots: bool = True
 
     @field_serializer("request_rate", "burstiness")
@@ -200,6 +205,10 @@ def options_from_flags(**flags: Any) -> BenchOptions:
     from llmctl.bench.slo import parse_slo_flags, percentiles_needed
 
     get_backend(flags.get("backend", "openai-completions"))  # unknown: fail before any work
+    if flags.get("hardware") not in (None, "this"):
+        from llmctl.perf.devices import device_peaks
+
+        device_peaks(flags["hardware"])  # an unknown name: the known ones, before any work
     dataset = {"name": flags.pop("dataset", "random"), "path": flags.pop("dataset_path", None)}
     for key in set(DatasetSpec.model_fields) - {"name", "path"}:
         if key in flags:

@@ -133,6 +133,7 @@ def latency_rows(report: dict) -> tuple[list[str], list[list[str]]]:
 
 def render(console, report: dict) -> None:
     """vLLM-like result block as two Rich tables, plus the run's warnings."""
+    from rich.markup import escape
     from rich.table import Table
 
     title = (f"{report.get('label')} @ {rate_text_of(report)} req/s, concurrency "
@@ -150,8 +151,46 @@ def render(console, report: dict) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    for line in diagnosis_lines(report):
+        console.print(escape(line))
     for note in notes(report):
         console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def diagnosis_lines(report: dict) -> list[str]:
+    """The utilization per phase, each phase's bound with what to do next, and the cost,
+    as plain lines (Markdown bullets and the console alike)."""
+    util = report.get("utilization") or {}
+    if not util.get("available"):
+        return [f"utilization: n/a ({util['reason']})"] if util.get("reason") else []
+    lines = [(f"utilization ({util['dtype']} products; peaks: {util['peak_source']}; "
+              f"from {util['source']}):")]
+    for phase, u in util["phases"].items():
+        rate = u["achieved_flops_per_s"]
+        bw = u["achieved_bytes_per_s"]
+        lines.append(f"  {phase}: MFU {_pct(u['mfu'])}, MBU {_pct(u['mbu'])} "
+                     f"({'n/a' if rate is None else f'{rate / 1e9:.1f} GFLOP/s'}, "
+                     f"{'n/a' if bw is None else f'{bw / 1e9:.2f} GB/s'} over "
+                     f"{u['busy_seconds']:.2f} busy s)")
+    for v in report.get("verdicts") or []:
+        lines.append(f"  {v['phase']} is {v['bound']}-bound")
+        for step in v["next"]:
+            gain = step["expected_gain"]
+            lines.append(f"    next: {step['advice']}"
+                         + (f" (expected {gain:.2f}x: {step['gain_basis']})" if gain else ""))
+    cost = report.get("cost")
+    if cost:
+        parts = [f"${cost[k]:.4g} {label}" for k, label in (
+            ("usd_per_1m_input_tokens", "per 1M input tokens"),
+            ("usd_per_1m_output_tokens", "per 1M output tokens"),
+            ("usd_per_request", "per request")) if cost.get(k) is not None]
+        lines.append(f"cost at ${cost['usd_per_hour']:g}/h: " + ", ".join(parts)
+                     + f" (split {cost['split']})")
+    return lines
 
 
 def rate_text_of(report: dict) -> str:
@@ -205,6 +244,9 @@ def markdown(report: dict, command: str | None = None) -> str:
         lines += ["", "Server-side (/metrics, after - before): " +
                   ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in keep.items())]
+    diagnosis = diagnosis_lines(report)
+    if diagnosis:
+        lines += ["", "```", *diagnosis, "```"]
     lines += ["", ("TPOT = (E2E - TTFT) / (output tokens - 1), as vLLM; "
                    "guidellm's time_per_output_token includes the first token.")]
     lines += [f"\n> {n}" for n in notes(report)]

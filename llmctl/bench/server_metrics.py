@@ -21,6 +21,9 @@ COUNTERS = {
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
     "prompt_tokens": "prompt_tokens",
     "generation_tokens": "generation_tokens",
+    # llmctl serve's engine meter (llmctl.perf.meter): FLOPs, bytes, busy seconds by phase
+    **{f"{phase}_{field}": f"{phase}_{field}" for phase in ("prefill", "decode")
+       for field in ("flops", "bytes", "busy_seconds")},
 }
 # gauges: base names in order of preference (vLLM renamed gpu_cache_usage_perc in v1).
 GAUGES = {

@@ -195,7 +195,21 @@ def _report(opts: BenchOptions, runs: list[RunResult], *, rate: float,
     }
     if len(runs) > 1:
         report["repeat"] = {**aggregate_repeats(per_run), "runs": per_run}
+    report.update(_diagnosis(opts, last, flat, info))
     return report
+
+
+def _diagnosis(opts: BenchOptions, run: RunResult, flat: dict, info: ModelInfo) -> dict:
+    """MFU/MBU per phase, the verdicts and the cost (:mod:`llmctl.bench.diagnosis`) of the
+    last run of a level; their flat keys beside the latency metrics, for gates."""
+    from llmctl.bench.diagnosis import PerfSettings, diagnose
+
+    sections = diagnose(
+        PerfSettings(opts.hardware, opts.peak_flops, opts.peak_bandwidth, opts.cost_per_hour),
+        model_path=info.path, dtype=opts.dtype, records=run.records, duration=run.duration,
+        server_summary=run.server_summary, flat=flat, slos=opts.slos,
+        shared_prefix_tokens=opts.dataset.prefix_len if opts.dataset.name == "prefix" else 0)
+    return {**sections.pop("flat", {}), **sections}
 
 
 def _paths(opts: BenchOptions, rate: float, concurrency: int | None, model: str,
@@ -427,14 +441,15 @@ def _find_capacity(opts: BenchOptions, out, command: str, when: str, result: Sui
                                default=None),
         "throughput_at_knee": min((lr.metrics["request_throughput"] for lr in knee_runs),
                                   default=None),
-        # Filled by the bottleneck verdict (issue 17, written separately); None until then.
-        "verdict_at_knee": None,
+        "verdict_at_knee": None,  # the knee's report's verdicts, below
         "levels": [_capacity_row(p, bounds) for p in found.probes],
         "curve": None,
     }
     shown: _LevelRun = next(p.outcome for p in found.probes if p.level == shown_level)
     report = _report(opts, runs, rate=shown.rate, concurrency=shown.concurrency, target=target,
                      info=info, samples=samples, load_start=load_start)
+    if found.knee is not None:
+        section["verdict_at_knee"] = report.get("verdicts")
     report.update({"capacity": section, "capacity_knee": found.knee,
                    "capacity_goodput_at_knee": section["goodput_at_knee"]})
     model = target.served_model or opts.model or "model"

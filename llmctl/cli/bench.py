@@ -101,6 +101,17 @@ ServerTimeout = Annotated[float, Opt("--server-timeout",
 BenchDtype = Annotated[Dtype, Opt("--dtype", help="dtype of the llmctl serve that bench "
                                   "starts: auto (bfloat16 where the CPU computes it natively, "
                                   "else float32) | float32 | bfloat16 | float16.")]
+Hardware = Annotated[str | None, Opt("--hardware", help="What MFU/MBU are measured "
+                                     "against: a GPU of `llmctl plan`'s table (h100-80gb, "
+                                     "...) or this (the cached `llmctl hw probe`; the "
+                                     "default on a CPU).")]
+PeakFlops = Annotated[float | None, Opt("--peak-flops", help="Peak FLOP/s of the run's "
+                                        "dtype, replacing the table's or the probe's.")]
+PeakBandwidth = Annotated[float | None, Opt("--peak-bandwidth", help="Peak memory read "
+                                            "bytes/s, replacing the table's or the probe's.")]
+CostPerHour = Annotated[float | None, Opt("--cost-per-hour", help="USD per hour of the "
+                                          "machine: $ per 1M input/output tokens and per "
+                                          "request in the report (gate on cost_*).")]
 Reports = Annotated[list[Path], typer.Argument(help="Report JSON files; the first is the "
                                                      "baseline.")]
 Metric = Annotated[list[str] | None, Opt("--metric", help="Only these metrics.")]
@@ -131,7 +142,10 @@ def bench(
     result_filename: ResultFilename = None, no_plots: NoPlots = False,
     request_timeout: RequestTimeout = 600.0, metrics_interval: MetricsInterval = 1.0,
     server_command: ServerCommand = None, serve_args: ServeArgs = None,
-    server_timeout: ServerTimeout = 600.0, dtype: BenchDtype = "auto", json_: JsonOpt = False,
+    server_timeout: ServerTimeout = 600.0, dtype: BenchDtype = "auto",
+    hardware: Hardware = None, peak_flops: PeakFlops = None,
+    peak_bandwidth: PeakBandwidth = None, cost_per_hour: CostPerHour = None,
+    json_: JsonOpt = False,
 ) -> None:
     """Measure TTFT, TPOT, ITL, E2E latency and throughput of an endpoint, or with
     --find-capacity the highest load that meets an SLO."""

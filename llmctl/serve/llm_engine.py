@@ -281,7 +281,8 @@ class LLMEngine:
     # --- requests in ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, tenant: str | None = None,
+                    priority_class: str | None = None, deadline: float | None = None) -> None:
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -314,7 +315,8 @@ class LLMEngine:
                 "lower max_tokens or shorten the prompt")
         request = Request(request_id, ids, params, prompt=text, priority=priority,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
-                          eos_token_ids=self.eos_token_ids)
+                          eos_token_ids=self.eos_token_ids, tenant=tenant,
+                          priority_class=priority_class, deadline=deadline)
         with self._lock:
             if request_id in self._known_ids:
                 raise UsageError(f"request id {request_id!r} is already in use",

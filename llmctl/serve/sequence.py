@@ -178,11 +178,13 @@ class Request:
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "priority",
                  "arrival_time", "serial", "seqs", "first_scheduled_time", "finish_time",
-                 "eos_token_ids", "prompt_logprobs", "error")
+                 "eos_token_ids", "prompt_logprobs", "error", "tenant", "priority_class",
+                 "deadline")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, prompt: str | None, priority: int, arrival_time: float,
-                 eos_token_ids: frozenset[int]) -> None:
+                 eos_token_ids: frozenset[int], tenant: str | None = None,
+                 priority_class: str | None = None, deadline: float | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -199,6 +201,11 @@ class Request:
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None \
             else None
         self.error: str | None = None  # why its own work failed; it ends with "error"
+        # Who sent it (the API key's tenant), its class (e.g. "interactive", "batch") and
+        # the wall time (time.time()) by which it must finish; None: not given.
+        self.tenant = tenant
+        self.priority_class = priority_class
+        self.deadline = deadline
 
     @property
     def needs_prompt_logits(self) -> bool:

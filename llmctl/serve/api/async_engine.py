@@ -165,7 +165,7 @@ class AsyncEngine:
                                      f"{self.max_queue})")
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params,
-               priority: int = 0) -> _Stream:
+               priority: int = 0, **who) -> _Stream:
         """Queue one request; raises at once on a full queue or invalid input."""
         self.check_capacity()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -176,8 +176,9 @@ class AsyncEngine:
             self._added_since_snapshot += 1
         try:
             # Validates (context length, token ids) and raises here, in the caller.
+            # who: tenant, priority_class, deadline (LLMEngine.add_request)
             self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                    arrival_time=time.time())
+                                    arrival_time=time.time(), **who)
         except BaseException:
             with self._lock:
                 self._streams.pop(request_id, None)
@@ -210,8 +211,8 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
-                       priority: int = 0) -> AsyncIterator[Any]:
-        stream = self.submit(request_id, prompt_token_ids, params, priority)
+                       priority: int = 0, **who) -> AsyncIterator[Any]:
+        stream = self.submit(request_id, prompt_token_ids, params, priority, **who)
         async for item in self.outputs(request_id, stream):
             yield item
 

@@ -35,6 +35,10 @@ TensorParallel = Annotated[int, Opt("--tensor-parallel-size", min=1,
                                     help="Hand-off engines only.")]
 ApiKey = Annotated[str | None, Opt("--api-key", envvar="LLMCTL_API_KEY",
                                    help="Require 'Authorization: Bearer KEY' on /v1/*.")]
+AuthFile = Annotated[str | None, Opt(
+    "--auth-file", help="YAML of API keys (SHA-256 digests) -> tenants with a priority class "
+                        "and limits (requests/tokens per minute, tokens per day, max_tokens); "
+                        "reloaded on SIGHUP. Not with --api-key.", show_default=False)]
 MaxQueue = Annotated[int, Opt("--max-queue", min=1,
                               help="Waiting requests before 429 + Retry-After.")]
 RequestTimeout = Annotated[float | None, Opt("--request-timeout", min=0.001,
@@ -73,7 +77,7 @@ def serve(
     ctx: typer.Context, model: ServeModelArg, host: Host = "127.0.0.1", port: Port = 8000,
     served_model_name: ServedName = None, engine: Engine = "llmctl",
     engine_python: EnginePython = None, tensor_parallel_size: TensorParallel = 1,
-    api_key: ApiKey = None, max_queue: MaxQueue = 256, request_timeout: RequestTimeout = None,
+    api_key: ApiKey = None, auth_file: AuthFile = None, max_queue: MaxQueue = 256, request_timeout: RequestTimeout = None,
     grace_period: GracePeriod = 10.0, dtype: DtypeOpt = "auto",
     kv_cache_memory: KvCacheMemory = "2GiB", block_size: BlockSize = 16,
     max_model_len: MaxModelLen = None, max_num_seqs: MaxNumSeqs = 64,

@@ -1,7 +1,8 @@
 """From ``llmctl serve`` settings to a running server.
 
 1. Check the combination: a known engine; an engine directory (from ``llmctl
-   build-engine``) runs only on the built-in scheduler, without a draft model.
+   build-engine``) runs only on the built-in scheduler, without a draft model; one of
+   ``--api-key`` and ``--auth-file``, the latter readable and valid.
 2. Hand-off engines (vLLM, TensorRT-LLM) get their own command line, logged with
    secrets redacted; options they cannot honour are refused, never dropped.
 3. The built-in engine gets its configuration, with ``--dtype auto`` resolved once
@@ -33,6 +34,7 @@ class ServeSettings:
     port: int = 8000
     served_model_name: str | None = None
     api_key: str | None = None
+    auth_file: str | None = None
     engine_python: str | None = None
     tensor_parallel_size: int = 1
     max_queue: int = 256
@@ -65,6 +67,14 @@ def check(settings: ServeSettings) -> bool:
     engine, model = settings.engine, settings.model
     if engine not in ENGINES:
         raise UsageError(f"unknown engine {engine!r}", f"choose one of: {', '.join(ENGINES)}")
+    if settings.api_key and settings.auth_file:
+        raise UsageError("--api-key (or $LLMCTL_API_KEY) and --auth-file cannot be combined",
+                         "list that key in the auth file (key_sha256: printf %s KEY | "
+                         "sha256sum) and drop --api-key, or drop --auth-file")
+    if settings.auth_file and engine == "llmctl":  # hand-offs refuse the flag itself
+        from llmctl.serve.api.tenants import TenantTable
+
+        TenantTable.load(settings.auth_file)  # a bad file fails now, not after the load
     # a MODEL that a registered source other than plain checkpoints claims (an engine
     # directory from `llmctl build-engine`) runs only on the built-in engine
     engine_dir = not isinstance(source_for(model), CheckpointSource)
@@ -152,6 +162,7 @@ def serve(settings: ServeSettings, say: Callable[[str], None] = log.info) -> int
     EngineConfig(model=settings.model, **kwargs)
     opts = ServeOptions(model=settings.model, host=settings.host, port=settings.port,
                         served_model_name=settings.served_model_name, api_key=settings.api_key,
+                        auth_file=settings.auth_file,
                         max_queue=settings.max_queue, request_timeout=settings.request_timeout,
                         grace_period=settings.grace_period, log_level=settings.log_level,
                         engine_kwargs=kwargs)

@@ -47,6 +47,8 @@ from llmctl.serve.api.render import (
     usage_block,
     without_generation,
 )
+from llmctl.serve.api.tenancy import Grant, Tenancy
+from llmctl.serve.api.tenants import TenantTable
 
 log = logging.getLogger("llmctl.serve")
 
@@ -56,7 +58,9 @@ class ServerConfig:
     model_name: str
     max_model_len: int
     vocab_size: int
-    api_key: str | None = None
+    api_key: str | None = None  # the one-key shortcut; ``tenants`` wins when both are set
+    tenants: TenantTable | None = None  # from --auth-file
+    auth_file: str | None = None  # reloaded on SIGHUP
     request_timeout: float | None = None
     extra_model_names: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
@@ -108,6 +112,14 @@ class Server:
         self.config = config
         self.grammars = grammar_factory
         self.metrics = ServerMetrics(config.model_name, engine.stats, config.peaks)
+        table = config.tenants
+        if table is None and config.api_key:
+            table = TenantTable.single_key(config.api_key)
+        self.tenancy = Tenancy(table, self.metrics, self.served_names, config.auth_file)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.config.model_name, *self.config.extra_model_names)
 
     # --- parsing -------------------------------------------------------------------
     async def parse(self, request: Request, model_cls):
@@ -121,9 +133,9 @@ class Server:
         except ValidationError as exc:
             message, param = _first_error(exc, model_cls)
             raise errors.bad_request(message, param) from None
-        names = (self.config.model_name, *self.config.extra_model_names)
-        if parsed.model is not None and parsed.model not in names:
+        if parsed.model is not None and parsed.model not in self.served_names:
             raise errors.model_not_found(parsed.model, self.config.model_name)
+        self.tenancy.check_model(tenant_of(request), parsed.model or self.config.model_name)
         return parsed
 
     @staticmethod
@@ -197,7 +209,9 @@ class Server:
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def sampling_params(self, req, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None):
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        cap: int | None = None):
+        """``cap``: the tenant's max_tokens per request, bounding an unset max_tokens."""
         from llmctl.errors import UsageError
         from llmctl.serve.sampling_params import SamplingParams
 
@@ -207,7 +221,7 @@ class Server:
                 f"the prompt has {prompt_len} tokens; this model's context is {limit}",
                 "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
         if max_tokens is None:
-            max_tokens = limit - prompt_len
+            max_tokens = limit - prompt_len if cap is None else min(cap, limit - prompt_len)
         elif prompt_len + max_tokens > limit:
             raise errors.bad_request(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
@@ -254,18 +268,21 @@ class Server:
         return TokenIdNames() if req.return_tokens_as_token_ids else self.tokenizer
 
     # --- running -------------------------------------------------------------------
-    def _submit(self, jobs: list[_Job], params, priority: int) -> None:
-        """Queue every prompt before answering, so refusals are plain HTTP errors."""
+    def _submit(self, jobs: list[_Job], params, priority: int, grant: Grant) -> None:
+        """Queue every prompt before answering, so refusals are plain HTTP errors (and
+        cost the tenant nothing)."""
         from llmctl.errors import LlmctlError
 
         submitted = []
         try:
             for job in jobs:
-                job.stream = self.engine.submit(job.request_id, job.prompt_ids, params, priority)
+                job.stream = self.engine.submit(job.request_id, job.prompt_ids, params, priority,
+                                                **grant.who)
                 submitted.append(job)
         except BaseException as exc:
             for job in submitted:
                 self.engine.abort(job.request_id)
+            grant.refund()
             if isinstance(exc, QueueFullError):
                 raise errors.overloaded(retry_after=1) from None
             if isinstance(exc, EngineDeadError):
@@ -309,21 +326,25 @@ class Server:
 
     async def run(self, kind: str, req, jobs: list[_Job], params, http: Request,
                   include_usage: bool):
-        self._submit(jobs, params, req.priority)
+        # the worst case: every choice of every prompt runs to max_tokens
+        grant = self.tenancy.admit(tenant_of(http), sum(len(j.prompt_ids) for j in jobs),
+                                   params.max_tokens * params.n * len(jobs))
+        self._submit(jobs, params, req.priority, grant)
         rid = jobs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             return StreamingResponse(
-                self._stream(kind, rid, req, jobs, include_usage),
+                self._stream(kind, rid, req, jobs, include_usage, grant),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        task = asyncio.create_task(self._collect(kind, rid, req, jobs))
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                         **grant.headers})
+        task = asyncio.create_task(self._collect(kind, rid, req, jobs, grant))
         watcher = asyncio.create_task(_wait_disconnect(http))
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task not in done:  # the client left: cancelling aborts the engine requests
             task.cancel()
             return Response(status_code=499)
         watcher.cancel()
-        return JSONResponse(task.result())
+        return JSONResponse(task.result(), headers=grant.headers)
 
     def _deadline(self) -> float | None:
         timeout = self.config.request_timeout
@@ -343,17 +364,23 @@ class Server:
                 raise errors.timed_out(self.config.request_timeout) from None
             yield item
 
-    async def _updates(self, req, jobs: list[_Job]) -> AsyncIterator[tuple[int, Update]]:
+    async def _updates(self, req, jobs: list[_Job],
+                       grant: Grant) -> AsyncIterator[tuple[int, Update]]:
         """Every choice's updates, shaped (echo, prompt only), as (choice index, update),
-        until all jobs finish or the deadline passes; records each finished request.
+        until all jobs finish or the deadline passes; records each finished request and,
+        however it ends, settles the tenant's grant to the tokens generated (the prompt
+        counts whole once submitted: the engine may have prefilled it).
         Engine failures arrive as APIErrors: 503 when the engine is gone, 500 when this
         request's own work failed in it."""
         start = time.monotonic()
         first_token: dict[str, float] = {}
         started: set[int] = set()
+        generated: dict[str, int] = {}
         merged = self._merged(jobs)
         try:
             async for job, out in self._timed(merged, self._deadline()):
+                # token_ids are cumulative: the last output holds each choice's count
+                generated[job.request_id] = sum(len(c.token_ids) for c in out.outputs)
                 for upd in updates_from_output(out):
                     index = job.choice_offset + upd.index
                     upd = self._shape(req, job, out, upd, index not in started)
@@ -370,10 +397,11 @@ class Server:
         finally:
             await merged.aclose()
             self._abort_unfinished(jobs)
+            grant.settle(sum(len(j.prompt_ids) for j in jobs), sum(generated.values()))
 
-    async def _collect(self, kind, rid, req, jobs) -> dict:
+    async def _collect(self, kind, rid, req, jobs, grant: Grant) -> dict:
         choices: dict[int, Choice] = {}
-        updates = self._updates(req, jobs)
+        updates = self._updates(req, jobs, grant)
         try:
             async for index, upd in updates:
                 choices.setdefault(index, Choice(index)).add(upd)
@@ -388,13 +416,14 @@ class Server:
             return chat_response(rid, created, self.config.model_name, ordered, usage, names)
         return completion_response(rid, created, self.config.model_name, ordered, usage, names)
 
-    async def _stream(self, kind, rid, req, jobs, include_usage) -> AsyncIterator[str]:
+    async def _stream(self, kind, rid, req, jobs, include_usage,
+                      grant: Grant) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.config.model_name
         sent_role: set[int] = set()
         names = self._token_names(req)
         completion_tokens = 0
-        updates = self._updates(req, jobs)
+        updates = self._updates(req, jobs, grant)
         try:
             async for index, upd in updates:
                 completion_tokens += len(upd.token_ids)
@@ -436,6 +465,11 @@ class Server:
                 prompt_tokens=len(out.prompt_token_ids),
                 output_tokens=len(completion.token_ids),
                 ttft=None if first is None else first - start, e2e=now - start)
+
+
+def tenant_of(request: Request):
+    """The tenant the auth middleware found for this request (None: no keys)."""
+    return getattr(request.state, "tenant", None)
 
 
 def _sse(data: dict) -> str:
@@ -487,12 +521,12 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {config.api_key}":
-                exc = errors.unauthorized()
-                return JSONResponse(exc.body(), status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
+        if request.url.path.startswith("/v1/"):
+            try:
+                request.state.tenant = server.tenancy.authenticate(
+                    request.headers.get("authorization"))
+            except APIError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         return await call_next(request)
 
     @app.get("/health")
@@ -502,10 +536,10 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
         return JSONResponse({"status": "unhealthy"}, status_code=503)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
         data = [{"id": name, "object": "model", "created": config.created, "owned_by": "llmctl",
                  "max_model_len": config.max_model_len}
-                for name in (config.model_name, *config.extra_model_names)]
+                for name in server.tenancy.allowed_models(tenant_of(request))]
         return {"object": "list", "data": data}
 
     @app.get("/metrics")
@@ -523,9 +557,10 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
         # bounds an unset max_tokens for every prompt. Echo without generation still
         # samples one token (the engine needs a step to end on; vLLM does the same).
         longest = max(len(ids) for ids in prompts)
+        cap = server.tenancy.max_tokens_cap(tenant_of(request), req.max_tokens, "max_tokens")
         max_tokens = 1 if req.prompt_only else req.max_tokens
         params = server.sampling_params(req, longest, max_tokens, req.logprobs,
-                                        req.logprobs if req.echo else None)
+                                        req.logprobs if req.echo else None, cap)
         jobs = [_Job(f"{rid}-{i}", ids, i * req.n,
                      echo=server.echo_text(text) if req.echo else None)
                 for i, (text, ids) in enumerate(zip(req.prompts(), prompts))]
@@ -544,7 +579,10 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
     async def chat(request: Request):
         req = await server.parse(request, ChatCompletionRequest)
         ids = server.encode_chat(req)
-        params = server.sampling_params(req, len(ids), req.token_limit, req.num_logprobs)
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        cap = server.tenancy.max_tokens_cap(tenant_of(request), req.token_limit, param)
+        params = server.sampling_params(req, len(ids), req.token_limit, req.num_logprobs,
+                                        cap=cap)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await server.run("chat", req, [_Job(f"{rid}-0", ids, 0)], params, request,

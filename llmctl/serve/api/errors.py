@@ -30,7 +30,19 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def unauthorized() -> APIError:
     return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    "authentication_error", code="invalid_api_key")
+                    "authentication_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+def model_forbidden(name: str) -> APIError:
+    return APIError(403, f"this API key may not use the model {name!r}; use a key issued "
+                    "for it", "permission_error", "model", "model_not_allowed")
+
+
+def rate_limited(message: str, unit: str, headers: dict[str, str]) -> APIError:
+    """A tenant over one of its limits: OpenAI's shape (type ``requests`` or ``tokens``,
+    code ``rate_limit_exceeded``, as openai/codex#88 shows its API answering)."""
+    return APIError(429, message, unit, code="rate_limit_exceeded", headers=headers)
 
 
 def model_not_found(name: str, served: str) -> APIError:

@@ -69,8 +69,12 @@ def vllm_command(opts: HandoffOptions) -> list[str]:
 # TensorRT-LLM (serve.trtllm_options.PINNED_VERSION, 1.2.1) has no API key option
 # (NVIDIA/TensorRT-LLM#9950) and no served model name (added in 1.3 by #11711): its
 # clients send the model path as `model`.
+_NO_TENANTS = ("neither hand-off engine has per-tenant keys or limits: serve with the "
+               "built-in engine, or use --api-key with --engine vllm")
 UNSUPPORTED: dict[str, dict[str, str]] = {
+    "vllm": {"--auth-file": _NO_TENANTS},
     "trtllm": {
+        "--auth-file": _NO_TENANTS,
         "--api-key": "trtllm-serve has no API key option: put an authenticating proxy in "
                      "front of it, or serve with --engine vllm or the built-in engine",
         "--served-model-name": "trtllm-serve 1.2 serves the model under its path: drop the "

@@ -25,6 +25,7 @@ class ServeOptions:
     port: int = 8000
     served_model_name: str | None = None
     api_key: str | None = None
+    auth_file: str | None = None  # API keys -> tenants and limits (llmctl.serve.api.tenants)
     max_queue: int | None = 256
     request_timeout: float | None = None
     grace_period: float = 10.0
@@ -43,6 +44,10 @@ def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
 
 
 def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
+    from llmctl.serve.api.tenants import TenantTable
+
+    # read before the model loads: a bad file fails in a second, not after the load
+    tenants = TenantTable.load(opts.auth_file) if opts.auth_file else None
     engine, name, aliases = _build_engine(opts)
     tokenizer = engine.tokenizer
     # The embedding may be padded beyond the tokenizer; token ids are checked against it.
@@ -55,7 +60,8 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
     except Exception as exc:  # noqa: BLE001 - structured output is optional
         log.warning("response_format disabled: %s", exc)
     config = ServerConfig(model_name=name, max_model_len=engine.max_model_len,
-                          vocab_size=vocab_size, api_key=opts.api_key,
+                          vocab_size=vocab_size, api_key=opts.api_key, tenants=tenants,
+                          auth_file=opts.auth_file,
                           request_timeout=opts.request_timeout, extra_model_names=aliases,
                           peaks=_peaks())
     async_engine = AsyncEngine(engine, max_queue=opts.max_queue)
@@ -83,5 +89,8 @@ def run_server(opts: ServeOptions, ready=None) -> int:
     if ready is not None:
         ready(server, engine.stats())
     app = create_app(server, on_shutdown=engine.shutdown)
+    # SIGHUP reloads the key file; without one it keeps its default meaning (hang up)
+    on_reload = server.tenancy.reload if opts.auth_file else None
     return serve_app(app, engine, host=opts.host, port=opts.port,
-                     grace_period=opts.grace_period, log_level=opts.log_level)
+                     grace_period=opts.grace_period, log_level=opts.log_level,
+                     on_reload=on_reload)

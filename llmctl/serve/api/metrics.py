@@ -123,6 +123,17 @@ class ServerMetrics:
                                        labels + ["finished_reason"], registry=self.registry)
         self.http_errors = Counter(PREFIX + "http_errors", "Requests answered with an error.",
                                    labels + ["status"], registry=self.registry)
+        # Per tenant: label values come only from the auth file's tenant names (plus
+        # "unknown" for keys that matched none) and a fixed set of reasons, never from
+        # what a client sends, so the series stay bounded.
+        self.tenant_requests = Counter(PREFIX + "tenant_requests", "Requests admitted, by "
+                                       "tenant.", labels + ["tenant"], registry=self.registry)
+        self.tenant_tokens = Counter(PREFIX + "tenant_tokens", "Tokens consumed (prompt, "
+                                     "generation), by tenant.", labels + ["tenant", "kind"],
+                                     registry=self.registry)
+        self.tenant_rejections = Counter(PREFIX + "tenant_rejections", "Requests refused by "
+                                         "authentication, model access or a limit.",
+                                         labels + ["tenant", "reason"], registry=self.registry)
         self.registry.register(_EngineGauges(snapshot, model, peaks))
 
     def observe_finished(self, *, reason: str, prompt_tokens: int, output_tokens: int,
@@ -136,6 +147,22 @@ class ServerMetrics:
             self.ttft.labels(m).observe(ttft)
             if output_tokens > 1:
                 self.tpot.labels(m).observe((e2e - ttft) / (output_tokens - 1))
+
+    def tenant_known(self, tenant: str) -> None:
+        """Start a tenant's series at zero (dashboards see it before its first request)."""
+        self.tenant_requests.labels(self.model, tenant)
+        for kind in ("prompt", "generation"):
+            self.tenant_tokens.labels(self.model, tenant, kind)
+
+    def tenant_admitted(self, tenant: str) -> None:
+        self.tenant_requests.labels(self.model, tenant).inc()
+
+    def tenant_consumed(self, tenant: str, prompt_tokens: int, generation_tokens: int) -> None:
+        self.tenant_tokens.labels(self.model, tenant, "prompt").inc(prompt_tokens)
+        self.tenant_tokens.labels(self.model, tenant, "generation").inc(generation_tokens)
+
+    def tenant_rejected(self, tenant: str, reason: str) -> None:
+        self.tenant_rejections.labels(self.model, tenant, reason).inc()
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest

@@ -4,6 +4,11 @@ On SIGTERM/SIGINT uvicorn stops accepting connections and waits for in-flight on
 Shortly before the grace period ends we fail whatever is still generating, so every
 stream ends with an error event instead of a cut connection; then the process exits 0.
 
+On SIGHUP (with ``--auth-file``) the key file is read again and swapped in whole
+(:meth:`llmctl.serve.api.tenancy.Tenancy.reload`); nothing else stops or waits, so
+requests in flight carry on. The handler runs on the main thread, which is the event
+loop's: it only reads a small file and replaces one reference, and it never raises.
+
 Nagle's algorithm is off without our help: asyncio's socket transports (and uvloop's)
 set TCP_NODELAY on every TCP connection they create, so each SSE chunk leaves when the
 handler writes it.
@@ -12,21 +17,26 @@ handler writes it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
 from llmctl.serve.api.async_engine import AsyncEngine, EngineDeadError
 
+log = logging.getLogger("llmctl.serve")
+
 
 class _GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float,
+                 on_reload: Callable[[], object] | None = None) -> None:
         super().__init__(config)
         self._engine = engine
         self._grace = grace
         self._timer: threading.Timer | None = None
+        self._on_reload = on_reload
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -36,11 +46,19 @@ class _GracefulServer(uvicorn.Server):
             yield
             return
         previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        if self._on_reload is not None:
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.handle_reload)
         try:
             yield
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def handle_reload(self, sig, frame) -> None:
+        try:
+            self._on_reload()
+        except Exception:  # a signal handler must not raise into the event loop
+            log.exception("SIGHUP: reload failed; keeping the previous keys")
 
     def handle_exit(self, sig, frame) -> None:
         if self._timer is None:
@@ -55,10 +73,10 @@ class _GracefulServer(uvicorn.Server):
 
 
 def serve_app(app, engine: AsyncEngine, *, host: str, port: int, grace_period: float = 10.0,
-              log_level: str = "info") -> int:
+              log_level: str = "info", on_reload: Callable[[], object] | None = None) -> int:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=grace_period, lifespan="on",
                             timeout_keep_alive=30)
-    server = _GracefulServer(config, engine, grace_period)
+    server = _GracefulServer(config, engine, grace_period, on_reload)
     server.run()
     return 0

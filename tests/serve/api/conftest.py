@@ -29,7 +29,7 @@ class Running:
 
 
 def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=None,
-                 served_model_name="tiny", **engine_kwargs) -> Running:
+                 served_model_name="tiny", auth_file=None, **engine_kwargs) -> Running:
     import uvicorn
 
     from llmctl.serve.api.app import create_app
@@ -38,6 +38,7 @@ def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=Non
     kwargs = dict(kv_cache_memory="64MiB", max_num_seqs=32, max_num_batched_tokens=256)
     kwargs.update(engine_kwargs)
     opts = ServeOptions(model=model, served_model_name=served_model_name, api_key=api_key,
+                        auth_file=None if auth_file is None else str(auth_file),
                         max_queue=max_queue, request_timeout=request_timeout,
                         engine_kwargs=kwargs)
     server, engine = build_server(opts)

@@ -24,7 +24,7 @@ from tests.serve.api.conftest import EngineGate, start_server
 from tests.serve.api.test_load import _metric
 
 KEYS = {"rpm": "sk-rpm", "tok": "sk-tok", "cap": "sk-cap", "other": "sk-other",
-        "free": "sk-free", "abort": "sk-abort"}
+        "free": "sk-free", "abort": "sk-abort", "once": "sk-once"}
 TENANTS = {
     "rpm": {"priority_class": "interactive", "requests_per_minute": 2},
     "tok": {"output_tokens_per_minute": 100},
@@ -32,6 +32,7 @@ TENANTS = {
     "other": {"models": ["other-model"]},
     "free": {"priority_class": "batch", "models": ["tiny", "other-model"]},
     "abort": {"output_tokens_per_minute": 1000, "tokens_per_day": 100_000},
+    "once": {"requests_per_minute": 1, "output_tokens_per_minute": 50},
 }
 COMPLETIONS = "/v1/completions"
 
@@ -260,6 +261,23 @@ def test_a_request_that_stops_early_gives_back_its_unused_output_tokens(tenants)
     err = _openai_error(big, 429, "rate_limit_exceeded")
     assert err["type"] == "tokens" and "Request too large" in err["message"]
     assert big.headers["x-should-retry"] == "false" and "retry-after" not in big.headers
+
+
+def test_a_request_the_engine_refuses_costs_the_tenant_nothing(tenants, monkeypatch):
+    from llmctl.serve.api.async_engine import QueueFullError
+
+    def full():
+        raise QueueFullError("full")
+
+    body = {"prompt": "x", "max_tokens": 50}
+    with monkeypatch.context() as m:
+        m.setattr(tenants.engine, "check_capacity", full)
+        _openai_error(_post(tenants, "once", body), 429, "queue_full")
+    # the one request a minute and the 50 output tokens are still there
+    ok = _post(tenants, "once", body)
+    assert ok.status_code == 200, ok.text
+    assert ok.headers["x-ratelimit-remaining-requests"] == "0"
+    assert ok.headers["x-ratelimit-remaining-output-tokens"] == "0"
 
 
 def _held_engine(running):

@@ -393,8 +393,15 @@ def _send_sighup(running):
 
     handler = _GracefulServer(uvicorn.Config(app=None), running.engine, 1.0,
                               on_reload=running.server.tenancy.reload)
-    with handler.capture_signals():
-        signal.raise_signal(signal.SIGHUP)
+    # a stand-in underneath, so a missing handler fails the test instead of ending pytest
+    missed = []
+    previous = signal.signal(signal.SIGHUP, lambda sig, frame: missed.append(sig))
+    try:
+        with handler.capture_signals():
+            signal.raise_signal(signal.SIGHUP)  # handled before raise_signal returns
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert not missed, "llmctl serve's SIGHUP handler was not installed"
 
 
 class _InFlight(threading.Thread):
@@ -452,6 +459,26 @@ def test_sighup_reloads_the_keys_with_requests_in_flight(tiny_llama, tmp_path, c
         assert inflight.events[-1]["usage"]["completion_tokens"] == 30
     finally:
         running.stop()
+
+
+def test_llmctl_serve_installs_the_reload_only_with_an_auth_file(monkeypatch):
+    """The wiring from ServeOptions to the SIGHUP handler (a real signal through that
+    handler is the test above; without it SIGHUP would end the process)."""
+    from types import SimpleNamespace
+
+    from llmctl.serve.api import launch
+    from llmctl.serve.api import server as server_module
+
+    fake = SimpleNamespace(tenancy=SimpleNamespace(reload=lambda: True))
+    engine = SimpleNamespace(start=lambda: None, stats=dict, shutdown=lambda: None)
+    installed = []
+    monkeypatch.setattr(launch, "build_server", lambda opts: (fake, engine))
+    monkeypatch.setattr(launch, "create_app", lambda server, on_shutdown: "app")
+    monkeypatch.setattr(server_module._GracefulServer, "run",
+                        lambda self: installed.append(self._on_reload))
+    assert launch.run_server(launch.ServeOptions(model="m", auth_file="keys.yaml")) == 0
+    assert launch.run_server(launch.ServeOptions(model="m", api_key="k")) == 0
+    assert installed == [fake.tenancy.reload, None]
 
 
 # --- the command line -------------------------------------------------------------------

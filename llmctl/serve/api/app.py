@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -72,6 +73,7 @@ class _Job:
     choice_offset: int
     stream: Any = None
     echo: str | None = None  # the prompt text, put before each choice's text (echo=true)
+    trace: Any = None  # the request's RequestTrace (llmctl.serve.api.tracing) when tracing
 
 
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
@@ -102,8 +104,9 @@ class Server:
     """Request handling shared by both endpoints; the routes are thin wrappers."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, config: ServerConfig,
-                 grammar_factory=None) -> None:
+                 grammar_factory=None, tracing=None) -> None:
         self.engine = engine
+        self.tracing = tracing  # llmctl.serve.api.tracing.Tracing; None: off
         self.tokenizer = tokenizer
         self.config = config
         self.grammars = grammar_factory
@@ -309,7 +312,16 @@ class Server:
 
     async def run(self, kind: str, req, jobs: list[_Job], params, http: Request,
                   include_usage: bool):
-        self._submit(jobs, params, req.priority)
+        if self.tracing is not None:
+            trace = self.tracing.begin(http.headers, kind, req, jobs, params)
+            for job in jobs:
+                job.trace = trace
+        try:
+            self._submit(jobs, params, req.priority)
+        except BaseException as exc:
+            if jobs[0].trace is not None:
+                jobs[0].trace.close(exc)
+            raise
         rid = jobs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             return StreamingResponse(
@@ -352,8 +364,11 @@ class Server:
         first_token: dict[str, float] = {}
         started: set[int] = set()
         merged = self._merged(jobs)
+        trace = jobs[0].trace
         try:
             async for job, out in self._timed(merged, self._deadline()):
+                if trace is not None:
+                    trace.observe(job.request_id, out)
                 for upd in updates_from_output(out):
                     index = job.choice_offset + upd.index
                     upd = self._shape(req, job, out, upd, index not in started)
@@ -368,8 +383,11 @@ class Server:
         except RequestFailedError as exc:
             raise errors.internal(f"generation failed: {exc}") from None
         finally:
+            error = sys.exc_info()[1]  # what ends the request early, for its trace
             await merged.aclose()
             self._abort_unfinished(jobs)
+            if trace is not None:
+                trace.close(error)
 
     async def _collect(self, kind, rid, req, jobs) -> dict:
         choices: dict[int, Choice] = {}

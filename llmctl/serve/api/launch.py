@@ -29,6 +29,7 @@ class ServeOptions:
     request_timeout: float | None = None
     grace_period: float = 10.0
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request spans; None: off
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -43,6 +44,12 @@ def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
 
 
 def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
+    tracing = None
+    if opts.otlp_traces_endpoint:  # before the model loads: a missing package fails fast
+        from llmctl.serve.api.tracing import setup_tracing
+
+        tracing = setup_tracing(opts.otlp_traces_endpoint)
+        log.info("tracing: a span per request to %s", tracing.url)
     engine, name, aliases = _build_engine(opts)
     tokenizer = engine.tokenizer
     # The embedding may be padded beyond the tokenizer; token ids are checked against it.
@@ -59,7 +66,7 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
                           request_timeout=opts.request_timeout, extra_model_names=aliases,
                           peaks=_peaks())
     async_engine = AsyncEngine(engine, max_queue=opts.max_queue)
-    return Server(async_engine, tokenizer, config, grammars), async_engine
+    return Server(async_engine, tokenizer, config, grammars, tracing), async_engine
 
 
 def _peaks():
@@ -75,6 +82,12 @@ def _peaks():
     return peaks
 
 
+def _shutdown(server: Server, engine: AsyncEngine) -> None:
+    engine.shutdown()
+    if server.tracing is not None:  # the last spans leave before the process exits
+        server.tracing.shutdown()
+
+
 def run_server(opts: ServeOptions, ready=None) -> int:
     from llmctl.serve.api.server import serve_app
 
@@ -82,6 +95,6 @@ def run_server(opts: ServeOptions, ready=None) -> int:
     engine.start()
     if ready is not None:
         ready(server, engine.stats())
-    app = create_app(server, on_shutdown=engine.shutdown)
+    app = create_app(server, on_shutdown=lambda: _shutdown(server, engine))
     return serve_app(app, engine, host=opts.host, port=opts.port,
                      grace_period=opts.grace_period, log_level=opts.log_level)

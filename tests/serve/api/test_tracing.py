@@ -220,6 +220,22 @@ def test_a_request_that_times_out_has_error_status(traced, spans):
     assert root.attributes[Attr.COMPLETION_TOKENS] == 2
 
 
+def test_a_refused_request_has_error_status_and_no_phases(traced, spans):
+    running, _ = traced
+    running.engine.max_queue = 0  # every submission finds the queue full: 429
+    try:
+        resp = httpx.post(running.url + "/v1/completions", timeout=60,
+                          json={"prompt": "x", "max_tokens": 2})
+    finally:
+        running.engine.max_queue = 256
+    assert resp.status_code == 429
+    root = _request_span(spans)
+    assert root.status.status_code == StatusCode.ERROR
+    assert root.attributes[Attr.HTTP_STATUS] == 429
+    assert _children(spans, root) == []  # it never reached the engine
+    assert root.attributes[Attr.COMPLETION_TOKENS] == 0
+
+
 def test_a_client_that_leaves_mid_stream_leaves_an_error_span(traced, spans):
     running, _ = traced
     body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}

@@ -185,3 +185,20 @@ def test_handoffs_pass_the_flag_to_vllm_and_refuse_it_for_trtllm(tiny_llama, tmp
     result = runner.invoke(app, ["serve", str(tiny_llama), "--engine", "trtllm",
                                  "--otlp-traces-endpoint", endpoint])
     assert result.exit_code == 2 and "--otlp-traces-endpoint" in result.output
+
+
+def test_without_the_flag_the_sdk_is_never_imported():
+    code = ("import sys\n"
+            "from llmctl.serve.api import app, launch\n"
+            "from llmctl.serve import startup\n"
+            "from llmctl.cli import serve\n"
+            "print([m for m in sys.modules if m.startswith(('opentelemetry.sdk', "
+            "'opentelemetry.exporter', 'llmctl.serve.api.tracing'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+    from llmctl.serve.api.launch import ServeOptions
+    from llmctl.serve.startup import ServeSettings
+
+    assert ServeOptions(model="m").otlp_traces_endpoint is None  # off by default
+    assert ServeSettings(model="m").otlp_traces_endpoint is None

@@ -90,10 +90,14 @@ def otlp_traces_url(endpoint: str) -> str:
     """
     parts = urlsplit(endpoint)
     example = "e.g. http://localhost:4318/v1/traces"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        port = parts.port  # ValueError for a port that is not a number in 0..65535
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
         raise UsageError(f"--otlp-traces-endpoint {endpoint!r} is not an http(s) URL",
                          f"pass the collector's OTLP/HTTP URL, {example}")
-    if parts.port == 4317:
+    if port == 4317:
         raise UsageError(f"--otlp-traces-endpoint {endpoint!r} is OTLP/gRPC's port; llmctl "
                          "exports OTLP over HTTP", f"use the collector's HTTP port, {example}")
     if parts.path in ("", "/"):

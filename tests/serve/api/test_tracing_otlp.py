@@ -149,7 +149,8 @@ def test_endpoint_url_gets_the_otlp_traces_path_when_it_has_none(endpoint, expec
 
 
 @pytest.mark.parametrize("endpoint", ["grpc://localhost:4317", "http://localhost:4317",
-                                      "localhost:4318", "http:///v1/traces"])
+                                      "localhost:4318", "http:///v1/traces",
+                                      "http://collector:port/v1/traces"])
 def test_endpoints_llmctl_cannot_send_to_are_refused(endpoint):
     with pytest.raises(UsageError):
         otlp_traces_url(endpoint)

@@ -313,7 +313,8 @@ class Server:
     async def run(self, kind: str, req, jobs: list[_Job], params, http: Request,
                   include_usage: bool):
         if self.tracing is not None:
-            trace = self.tracing.begin(http.headers, kind, req, jobs, params)
+            trace = self.tracing.begin(http.headers, kind, req, jobs, params,
+                                       self.config.model_name)
             for job in jobs:
                 job.trace = trace
         try:

@@ -149,13 +149,14 @@ class Tracing:
         self._propagator = TraceContextTextMapPropagator()
 
     def begin(self, headers: Mapping[str, str], kind: str, req: Any, jobs: Sequence[Any],
-              params: Any) -> RequestTrace:
+              params: Any, model: str) -> RequestTrace:
         """Open the request's span (now) under the client's trace context, if any.
         ``jobs``: the request's engine requests (``request_id``, ``prompt_ids``)."""
         parent = self._propagator.extract(headers) if "traceparent" in headers else None
         rid = jobs[0].request_id.rsplit("-", 1)[0]
         attributes = {
             Attr.OPERATION: _OPERATIONS.get(kind, kind), Attr.REQUEST_ID: rid,
+            Attr.RESPONSE_MODEL: model,
             Attr.MAX_TOKENS: params.max_tokens, Attr.TEMPERATURE: params.temperature,
             Attr.TOP_P: params.top_p, Attr.N: params.n,
             Attr.PRIORITY: getattr(req, "priority", 0) or 0}

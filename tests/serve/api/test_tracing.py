@@ -98,6 +98,7 @@ def test_completion_span_under_the_clients_traceparent(traced, spans):
     assert a[Attr.COMPLETION_TOKENS] == a[Attr.OUTPUT_TOKENS] == usage["completion_tokens"] == 9
     assert a[Attr.REQUEST_ID] == resp.json()["id"]
     assert a[Attr.OPERATION] == "text_completion"
+    assert a[Attr.RESPONSE_MODEL] == "tiny"  # the served name
     assert (a[Attr.MAX_TOKENS], a[Attr.TEMPERATURE], a[Attr.TOP_P], a[Attr.N]) == \
         (9, 0.5, 0.9, 1)
     assert tuple(a[Attr.FINISH_REASONS]) == ("length",)

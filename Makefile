@@ -9,7 +9,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 # What the demo needs, and what the full test suite adds (llama.cpp's bindings build
 # from source on first install: 10-18 min on 2 cores, then pip reuses the wheel).
 EXTRAS ?= serve,quant
-TEST_EXTRAS ?= dev,serve,quant,onnx,llamacpp,plots,lmeval
+TEST_EXTRAS ?= dev,serve,quant,onnx,llamacpp,plots,lmeval,tracing
 BASE_STAMP := $(VENV)/.llmctl-base
 TEST_STAMP := $(VENV)/.llmctl-test
 

@@ -7,7 +7,9 @@ and where the text sits in a streamed chunk. All share one SSE reader:
   (chunks with no text -- role headers, finish markers, usage -- are not tokens);
 - ``usage`` (asked for with ``stream_options.include_usage``) gives token counts;
 - any failure (HTTP status, refused connection, a stream cut short, an error event,
-  a timeout) becomes ``record.error``; nothing is raised.
+  a timeout) becomes ``record.error``; nothing is raised;
+- every request carries a fresh W3C ``traceparent`` (:mod:`llmctl.bench.tracecontext`),
+  its trace id kept in ``record.trace_id``, so a tracing server's spans join the record.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import httpx
 
 from llmctl.bench.datasets import join_prefix
 from llmctl.bench.records import RequestRecord, SampleRequest
+from llmctl.bench.tracecontext import new_traceparent
 from llmctl.errors import UsageError
 
 
@@ -106,6 +109,7 @@ async def send_request(client: httpx.AsyncClient, backend: Backend, settings: Re
     """Send one request; ``origin`` is the measurement's ``perf_counter`` zero."""
     record = RequestRecord(index, sample.prompt_len, sample.output_len)
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    headers["traceparent"], record.trace_id = new_traceparent()
     chunks: list[str] = []
     sent = time.perf_counter()
     record.start = sent - origin

@@ -166,4 +166,5 @@ def raw_arrays(records: Sequence[RequestRecord]) -> dict[str, list]:
         "itls": [list(r.itl) for r in records],
         "e2els": [r.latency for r in records],
         "errors": [r.error or "" for r in records],
+        "trace_ids": [r.trace_id for r in records],  # W3C trace ids: the server's traces
     }

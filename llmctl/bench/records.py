@@ -35,6 +35,7 @@ class RequestRecord:
     text: str = ""
     error: str | None = None
     error_kind: str | None = None  # "http" | "connect" | "stream" | "timeout" | ...
+    trace_id: str | None = None  # the W3C trace id its traceparent header carried (32 hex)
 
     @property
     def success(self) -> bool:

@@ -70,6 +70,11 @@ Bf16Gemm = Annotated[Literal["auto", "own", "onednn"], Opt(
     "--bf16-gemm", help="bf16 dense layers on CPU: own (llmctl's AVX512-BF16 kernel at "
                         "every batch size), onednn, or auto: own without AMX; with AMX "
                         "oneDNN, plus own for 1-4 rows when that copy is <= 1/8 of memory.")]
+OtlpTracesEndpoint = Annotated[str | None, Opt(
+    "--otlp-traces-endpoint",
+    help="Send a span per request (queue, prefill, decode) over OTLP/HTTP to this collector, "
+         "e.g. http://localhost:4318/v1/traces; clients' W3C traceparent is honoured. Off by "
+         "default. Needs the tracing extra (pip install 'llmctl[tracing]').")]
 LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
 
 
@@ -85,7 +90,8 @@ def serve(
     chunked_prefill: ChunkedPrefill = True, speculative: Speculative = None,
     draft_model: DraftModel = None, num_speculative_tokens: NumSpecTokens = 4,
     threads: Threads = None, lm_head: LmHead = "auto", gguf_weights: GGUFWeights = "auto",
-    bf16_gemm: Bf16Gemm = "auto", log_level: LogLevelOpt = "info",
+    bf16_gemm: Bf16Gemm = "auto", otlp_traces_endpoint: OtlpTracesEndpoint = None,
+    log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""
     settings = {k: v for k, v in locals().items() if k != "ctx"}

@@ -430,6 +430,10 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        if sched.preempted:  # when each request lost its KV (traces' preemption events)
+            now = time.time()
+            for seq in sched.preempted:
+                seq.request.preemption_times += (now,)
         self.phase_seconds["schedule"] += time.perf_counter() - start
         if not sched.empty:
             work = [(s.seq.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
@@ -454,6 +458,8 @@ class LLMEngine:
                 req.first_scheduled_time = now
             if item.seq.num_computed_tokens < item.seq.num_prompt_tokens:
                 self.counters["prompt_tokens"] += item.num_new_tokens
+                if item.seq.first_token_time is None:  # a prefill chunk, for traces
+                    req.prefill_chunks += ((now, item.num_new_tokens),)
         phases, mark = self.phase_seconds, time.perf_counter()
         self.runner.copy_blocks(copies)
         logits, rows, prompt = self._forward(scheduled)
@@ -768,7 +774,10 @@ class LLMEngine:
                 first_token_time=min((s.first_token_time for s in request.seqs
                                       if s.first_token_time is not None), default=None),
                 finish_time=time.time() if request.finished else None,
-                num_cached_tokens=request.seqs[0].num_cached_tokens))
+                num_cached_tokens=request.seqs[0].num_cached_tokens,
+                prefill_chunks=request.prefill_chunks,
+                preemption_times=request.preemption_times),
+            tenant=request.tenant, priority_class=request.priority_class)
 
     # --- introspection -------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -30,6 +30,15 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # For traces (llmctl.serve.api.tracing): each prefill chunk before the first token as
+    # (wall time its step started, tokens computed), and each preemption's wall time.
+    # Tuples shared with the Request, never copied: it replaces them, never mutates.
+    prefill_chunks: tuple[tuple[float, int], ...] = ()
+    preemption_times: tuple[float, ...] = ()
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preemption_times)
 
     @property
     def ttft(self) -> float | None:
@@ -48,6 +57,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # set on the final output of a request whose own work failed (finish reason "error")
     error: str | None = None
+    # who sent it and its class (Request.tenant / priority_class); None: not given
+    tenant: str | None = None
+    priority_class: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -179,7 +179,7 @@ class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "priority",
                  "arrival_time", "serial", "seqs", "first_scheduled_time", "finish_time",
                  "eos_token_ids", "prompt_logprobs", "error", "tenant", "priority_class",
-                 "deadline")
+                 "deadline", "prefill_chunks", "preemption_times")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, prompt: str | None, priority: int, arrival_time: float,
@@ -206,6 +206,11 @@ class Request:
         self.tenant = tenant
         self.priority_class = priority_class
         self.deadline = deadline
+        # For traces: (step start wall time, tokens) per prefill chunk before the first
+        # token, and the wall time of each preemption. Tuples, replaced on each change, so
+        # outputs can share them across threads without a copy.
+        self.prefill_chunks: tuple[tuple[float, int], ...] = ()
+        self.preemption_times: tuple[float, ...] = ()
 
     @property
     def needs_prompt_logits(self) -> bool:

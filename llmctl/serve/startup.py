@@ -56,6 +56,7 @@ class ServeSettings:
     lm_head: str = "auto"
     gguf_weights: str = "auto"
     bf16_gemm: str = "auto"
+    otlp_traces_endpoint: str | None = None
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 
@@ -86,6 +87,10 @@ def check(settings: ServeSettings) -> bool:
         raise UsageError(f"{model} is an engine directory: a draft model cannot run with it "
                          "(draft models need the paged torch runner)",
                          "use --speculative ngram, or serve the source checkpoint")
+    if settings.otlp_traces_endpoint and engine == "llmctl":
+        from llmctl.serve.api.tracing import otlp_traces_url
+
+        otlp_traces_url(settings.otlp_traces_endpoint)  # a usage error before anything loads
     return engine_dir
 
 
@@ -104,7 +109,8 @@ def handoff_command(settings: ServeSettings) -> list[str]:
         model_path=resolved.path, served_name=settings.served_model_name or settings.model,
         host=settings.host, port=settings.port, api_key=settings.api_key,
         max_model_len=settings.max_model_len, dtype=canonical_dtype(settings.dtype),
-        python=settings.engine_python, tensor_parallel_size=settings.tensor_parallel_size)
+        python=settings.engine_python, tensor_parallel_size=settings.tensor_parallel_size,
+        otlp_traces_endpoint=settings.otlp_traces_endpoint)
     return HANDOFF_ENGINES[settings.engine](opts)
 
 
@@ -165,5 +171,5 @@ def serve(settings: ServeSettings, say: Callable[[str], None] = log.info) -> int
                         auth_file=settings.auth_file,
                         max_queue=settings.max_queue, request_timeout=settings.request_timeout,
                         grace_period=settings.grace_period, log_level=settings.log_level,
-                        engine_kwargs=kwargs)
+                        otlp_traces_endpoint=settings.otlp_traces_endpoint, engine_kwargs=kwargs)
     return run_server(opts)

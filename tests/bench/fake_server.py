@@ -14,7 +14,8 @@ TTFT grows without bound above it. Its token times are kept on absolute deadline
 sleep overshoot does not add up over a request and the capacity stays the computed one.
 It can fail every K-th request (HTTP 500), send an error event mid-stream, or die
 (``os._exit``) while streaming the N-th request. ``/metrics`` speaks Prometheus text
-with vLLM's metric names under a chosen prefix (``llmctl:`` by default).
+with vLLM's metric names under a chosen prefix (``llmctl:`` by default); ``/debug/
+traceparents`` lists the ``traceparent`` header of every generation request, in order.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class State:
         self.max_running = 0
         self.waiting = 0
         self.slots = asyncio.Semaphore(args.max_running) if args.max_running else None
+        self.traceparents: list[str | None] = []
 
 
 def _prompt_of(kind: str, body: dict) -> tuple[str, str | None]:
@@ -93,6 +95,7 @@ def build_app(args: argparse.Namespace) -> Starlette:
 
     async def generate(request: Request, kind: str):
         body = await request.json()
+        state.traceparents.append(request.headers.get("traceparent"))
         state.received += 1
         number = state.received
         if args.fail_every and number % args.fail_every == 0:
@@ -196,6 +199,9 @@ def build_app(args: argparse.Namespace) -> Starlette:
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
+    async def traceparents(request: Request):
+        return JSONResponse(state.traceparents)
+
     async def completions(request: Request):
         return await generate(request, "completion")
 
@@ -206,6 +212,7 @@ def build_app(args: argparse.Namespace) -> Starlette:
         Route("/health", health),
         Route("/v1/models", models),
         Route("/metrics", metrics),
+        Route("/debug/traceparents", traceparents),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ])

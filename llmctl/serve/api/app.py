@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -76,6 +77,7 @@ class _Job:
     choice_offset: int
     stream: Any = None
     echo: str | None = None  # the prompt text, put before each choice's text (echo=true)
+    trace: Any = None  # the request's RequestTrace (llmctl.serve.api.tracing) when tracing
 
 
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
@@ -106,8 +108,9 @@ class Server:
     """Request handling shared by both endpoints; the routes are thin wrappers."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, config: ServerConfig,
-                 grammar_factory=None) -> None:
+                 grammar_factory=None, tracing=None) -> None:
         self.engine = engine
+        self.tracing = tracing  # llmctl.serve.api.tracing.Tracing; None: off
         self.tokenizer = tokenizer
         self.config = config
         self.grammars = grammar_factory
@@ -326,10 +329,20 @@ class Server:
 
     async def run(self, kind: str, req, jobs: list[_Job], params, http: Request,
                   include_usage: bool):
-        # the worst case: every choice of every prompt runs to max_tokens
-        grant = self.tenancy.admit(tenant_of(http), sum(len(j.prompt_ids) for j in jobs),
-                                   params.max_tokens * params.n * len(jobs))
-        self._submit(jobs, params, req.priority, grant)
+        if self.tracing is not None:
+            trace = self.tracing.begin(http.headers, kind, req, jobs, params,
+                                       self.config.model_name)
+            for job in jobs:
+                job.trace = trace
+        try:
+            # the worst case: every choice of every prompt runs to max_tokens
+            grant = self.tenancy.admit(tenant_of(http), sum(len(j.prompt_ids) for j in jobs),
+                                       params.max_tokens * params.n * len(jobs))
+            self._submit(jobs, params, req.priority, grant)
+        except BaseException as exc:  # refused (429) or failed to submit: traced too
+            if jobs[0].trace is not None:
+                jobs[0].trace.close(exc)
+            raise
         rid = jobs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             return StreamingResponse(
@@ -377,10 +390,13 @@ class Server:
         started: set[int] = set()
         generated: dict[str, int] = {}
         merged = self._merged(jobs)
+        trace = jobs[0].trace
         try:
             async for job, out in self._timed(merged, self._deadline()):
                 # token_ids are cumulative: the last output holds each choice's count
                 generated[job.request_id] = sum(len(c.token_ids) for c in out.outputs)
+                if trace is not None:
+                    trace.observe(job.request_id, out)
                 for upd in updates_from_output(out):
                     index = job.choice_offset + upd.index
                     upd = self._shape(req, job, out, upd, index not in started)
@@ -395,9 +411,12 @@ class Server:
         except RequestFailedError as exc:
             raise errors.internal(f"generation failed: {exc}") from None
         finally:
+            error = sys.exc_info()[1]  # what ends the request early, for its trace
             await merged.aclose()
             self._abort_unfinished(jobs)
             grant.settle(sum(len(j.prompt_ids) for j in jobs), sum(generated.values()))
+            if trace is not None:
+                trace.close(error)
 
     async def _collect(self, kind, rid, req, jobs, grant: Grant) -> dict:
         choices: dict[int, Choice] = {}

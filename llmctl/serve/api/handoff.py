@@ -30,6 +30,7 @@ class HandoffOptions:
     dtype: str | None = None
     tensor_parallel_size: int = 1
     python: str | None = None  # the interpreter of the engine's own venv
+    otlp_traces_endpoint: str | None = None
     extra_args: tuple[str, ...] = ()
 
 
@@ -61,6 +62,9 @@ def vllm_command(opts: HandoffOptions) -> list[str]:
         cmd += ["--dtype", opts.dtype]
     if opts.tensor_parallel_size > 1:
         cmd += ["--tensor-parallel-size", str(opts.tensor_parallel_size)]
+    if opts.otlp_traces_endpoint:  # vLLM's own flag (its protocol: OTEL_EXPORTER_OTLP_TRACES_
+        # PROTOCOL, gRPC unless set to http/protobuf; the child inherits our environment)
+        cmd += ["--otlp-traces-endpoint", opts.otlp_traces_endpoint]
     return cmd + list(opts.extra_args)
 
 
@@ -79,6 +83,8 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
                      "front of it, or serve with --engine vllm or the built-in engine",
         "--served-model-name": "trtllm-serve 1.2 serves the model under its path: drop the "
                                "flag and send the path as `model`",
+        "--otlp-traces-endpoint": "trtllm-serve 1.2 has no OTLP export: trace with --engine "
+                                  "vllm or the built-in engine",
     },
 }
 

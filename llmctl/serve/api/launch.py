@@ -30,6 +30,7 @@ class ServeOptions:
     request_timeout: float | None = None
     grace_period: float = 10.0
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request spans; None: off
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -48,6 +49,12 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
 
     # read before the model loads: a bad file fails in a second, not after the load
     tenants = TenantTable.load(opts.auth_file) if opts.auth_file else None
+    tracing = None
+    if opts.otlp_traces_endpoint:  # before the model loads: a missing package fails fast
+        from llmctl.serve.api.tracing import setup_tracing
+
+        tracing = setup_tracing(opts.otlp_traces_endpoint)
+        log.info("tracing: a span per request to %s", tracing.url)
     engine, name, aliases = _build_engine(opts)
     tokenizer = engine.tokenizer
     # The embedding may be padded beyond the tokenizer; token ids are checked against it.
@@ -65,7 +72,7 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
                           request_timeout=opts.request_timeout, extra_model_names=aliases,
                           peaks=_peaks())
     async_engine = AsyncEngine(engine, max_queue=opts.max_queue)
-    return Server(async_engine, tokenizer, config, grammars), async_engine
+    return Server(async_engine, tokenizer, config, grammars, tracing), async_engine
 
 
 def _peaks():
@@ -81,6 +88,12 @@ def _peaks():
     return peaks
 
 
+def _shutdown(server: Server, engine: AsyncEngine) -> None:
+    engine.shutdown()
+    if server.tracing is not None:  # the last spans leave before the process exits
+        server.tracing.shutdown()
+
+
 def run_server(opts: ServeOptions, ready=None) -> int:
     from llmctl.serve.api.server import serve_app
 
@@ -88,7 +101,7 @@ def run_server(opts: ServeOptions, ready=None) -> int:
     engine.start()
     if ready is not None:
         ready(server, engine.stats())
-    app = create_app(server, on_shutdown=engine.shutdown)
+    app = create_app(server, on_shutdown=lambda: _shutdown(server, engine))
     # SIGHUP reloads the key file; without one it keeps its default meaning (hang up)
     on_reload = server.tenancy.reload if opts.auth_file else None
     return serve_app(app, engine, host=opts.host, port=opts.port,

@@ -66,6 +66,13 @@ Bf16Gemm = Annotated[Literal["auto", "own", "onednn"], Opt(
     "--bf16-gemm", help="bf16 dense layers on CPU: own (llmctl's AVX512-BF16 kernel at "
                         "every batch size), onednn, or auto: own without AMX; with AMX "
                         "oneDNN, plus own for 1-4 rows when that copy is <= 1/8 of memory.")]
+SchedulingPolicy = Annotated[Literal["fcfs", "fair"], Opt(
+    "--scheduling-policy", help="fcfs: lower priority first, then arrival. fair: priority "
+                                "classes interactive > standard > batch with aging, and a fair "
+                                "share of tokens between tenants of a class.")]
+AgingSeconds = Annotated[float, Opt(
+    "--aging-seconds", min=0.001, help="fair: a waiting request rises one class per this many "
+                                       "seconds (batch reaches interactive in 2x).")]
 LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
 
 
@@ -81,7 +88,8 @@ def serve(
     chunked_prefill: ChunkedPrefill = True, speculative: Speculative = None,
     draft_model: DraftModel = None, num_speculative_tokens: NumSpecTokens = 4,
     threads: Threads = None, lm_head: LmHead = "auto", gguf_weights: GGUFWeights = "auto",
-    bf16_gemm: Bf16Gemm = "auto", log_level: LogLevelOpt = "info",
+    bf16_gemm: Bf16Gemm = "auto", scheduling_policy: SchedulingPolicy = "fcfs",
+    aging_seconds: AgingSeconds = 30.0, log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""
     settings = {k: v for k, v in locals().items() if k != "ctx"}

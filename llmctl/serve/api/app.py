@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from llmctl.serve.api import errors
 from llmctl.serve.api.async_engine import (
     AsyncEngine,
+    DeadlineError,
     EngineDeadError,
     QueueFullError,
     RequestFailedError,
@@ -268,6 +269,8 @@ class Server:
                 self.engine.abort(job.request_id)
             if isinstance(exc, QueueFullError):
                 raise errors.overloaded(retry_after=1) from None
+            if isinstance(exc, DeadlineError):
+                raise errors.deadline_unmeetable(str(exc), exc.retry_after) from None
             if isinstance(exc, EngineDeadError):
                 raise errors.unavailable(str(exc)) from None
             if isinstance(exc, LlmctlError):

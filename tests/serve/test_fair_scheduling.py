@@ -295,24 +295,23 @@ def test_without_a_measured_rate_nothing_is_refused(engine_for):
     asyncio.run(submit_all())  # raises on any refusal
 
 
-def test_a_refusal_is_a_503_with_retry_after_and_the_reason():
-    from llmctl.serve.api.app import Server, ServerConfig, _Job
+def test_a_refusal_is_a_503_with_retry_after_and_the_reason(tiny_llama):
+    import httpx
+
     from llmctl.serve.api.async_engine import DeadlineError
-    from llmctl.serve.api.errors import APIError
+    from tests.serve.api.conftest import start_server
 
-    class Refusing:
-        def stats(self):
-            return {}
+    def refuse(*args, **kwargs):
+        raise DeadlineError("cannot finish before its deadline: 900 tokens are queued ahead", 3)
 
-        def submit(self, *args, **kwargs):
-            raise DeadlineError("cannot finish before its deadline: 900 tokens ...", 3)
-
-        def abort(self, request_id):
-            pass
-
-    server = Server(Refusing(), tokenizer=None, config=ServerConfig("m", 64, 100))
-    with pytest.raises(APIError) as err:
-        server._submit([_Job("r-0", [1], 0)], SamplingParams(), 0)
-    assert err.value.status == 503 and err.value.code == "deadline_unmeetable"
-    assert err.value.headers == {"Retry-After": "3"}
-    assert "900 tokens" in err.value.message
+    running = start_server(str(tiny_llama), request_timeout=5.0)
+    running.engine._admit = refuse  # the arithmetic is tested above; here, the HTTP answer
+    try:
+        resp = httpx.post(running.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "x", "max_tokens": 4}, timeout=60)
+    finally:
+        running.stop()
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "3"
+    error = resp.json()["error"]
+    assert error["code"] == "deadline_unmeetable" and error["type"] == "server_error"
+    assert error["message"].startswith("the request cannot finish before its deadline: 900")

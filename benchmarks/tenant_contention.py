@@ -29,8 +29,11 @@ holds only their SHA-256, as the server wants):
 
 The server gets ``--request-timeout`` (deadline admission refuses what cannot finish in
 it): keep it above the aging bound plus the probe's own run, or the probe can only time
-out. The client runs on the same CPUs as the server (there are two), in both kinds of
-round alike. Every request's record is in the JSON (raw arrays, vLLM's names).
+out. The clients run on the same CPUs as the server (there are two): B and the probe
+stream from this process (TTFT per request), A's flood goes unstreamed from a process of
+its own, so its event loop cannot delay B's timestamps (its CPU still competes, as a
+real flood's network stack would). Every request's record is in the JSON (raw arrays,
+vLLM's names).
 """
 
 from __future__ import annotations
@@ -246,6 +249,77 @@ async def drive(url: str, keys: dict[str, str], plan: list[tuple[str, object, fl
         return await asyncio.gather(*(one(i, t, s, at) for i, (t, s, at) in enumerate(plan)))
 
 
+async def flood(url: str, key: str, plan: list[tuple[str, int, float]],
+                timeout: float) -> list:
+    """A's requests, ``plan`` = [(prompt, max_tokens, seconds after start)], not streamed:
+    its client then does little per request and takes less CPU from B's timings. One
+    RequestRecord each (no TTFT; ``error`` in the streaming client's format)."""
+    import httpx
+
+    from llmctl.bench.records import RequestRecord
+
+    headers = {"Authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        origin = time.perf_counter()
+
+        async def one(i: int, prompt: str, max_tokens: int, at: float) -> RequestRecord:
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - origin)))
+            record = RequestRecord(i, 0, max_tokens, scheduled=at)
+            sent = time.perf_counter()
+            record.start = sent - origin
+            body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True}
+            try:
+                resp = await client.post(url + "/v1/completions", json=body, headers=headers)
+                if resp.status_code != 200:
+                    record.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                else:
+                    record.output_tokens = resp.json()["usage"]["completion_tokens"]
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                record.error = f"{type(exc).__name__}: {exc}"
+            record.latency = time.perf_counter() - sent
+            return record
+
+        return await asyncio.gather(*(one(i, *item) for i, item in enumerate(plan)))
+
+
+def flood_process(url: str, key: str, plan: list[tuple[str, int, float]], timeout: float,
+                  start_wall: float, out: str) -> None:
+    """The flood in a process of its own (so its event loop does not delay B's): starts
+    at the wall time ``start_wall``, writes its records to ``out`` as JSON."""
+    time.sleep(max(0.0, start_wall - time.time()))
+    records = asyncio.run(flood(url, key, plan, timeout))
+    Path(out).write_text(json.dumps([asdict(r) for r in records]))
+
+
+def run_plan(url: str, keys: dict[str, str], plan: list, timeout: float,
+             out: Path) -> list[tuple[str, object]]:
+    """A's part of ``plan`` in a child process, the rest here, from one wall-clock start;
+    (tenant, RequestRecord) with A's last."""
+    import multiprocessing
+
+    from llmctl.bench.records import RequestRecord
+
+    mine = [item for item in plan if item[0] != "A"]
+    theirs = [(s.prompt, s.output_len, at) for tenant, s, at in plan if tenant == "A"]
+    start_wall = time.time() + 1.0
+    child = None
+    if theirs:
+        child = multiprocessing.get_context("spawn").Process(
+            target=flood_process, args=(url, keys["A"], theirs, timeout, start_wall, str(out)))
+        child.start()
+    time.sleep(max(0.0, start_wall - time.time()))
+    results = asyncio.run(drive(url, keys, mine, timeout))
+    if child is None:
+        return results
+    child.join(max(at for _, _, at in theirs) + timeout + 60)
+    if child.is_alive():
+        child.terminate()
+        raise RuntimeError(f"the flood client did not finish (see {out})")
+    return results + [("A", RequestRecord(**r)) for r in json.loads(out.read_text())]
+
+
 def warm_up(url: str, key: str) -> int:
     import httpx
 
@@ -319,8 +393,8 @@ def run_round(kind: str, rnd: int, args, model: str, lim: Limits, keys: dict[str
                       args.start_timeout) as server:
             record["warm_up_status"] = warm_up(server.base_url, keys["B"])
             with common.measured_round(record, len(lim.cpus)):
-                results = asyncio.run(drive(server.base_url, keys, plan,
-                                            timeout=lim.request_timeout + 60))
+                results = run_plan(server.base_url, keys, plan, lim.request_timeout + 60,
+                                   log_dir / f"{stem}.flood.json")
     except LlmctlError as exc:
         record["error"] = f"server: {exc}"
         return record
@@ -334,7 +408,7 @@ def run_round(kind: str, rnd: int, args, model: str, lim: Limits, keys: dict[str
     record["raw"] = {name: raw_arrays(recs) for name, recs in by_tenant.items()
                      if name != "A"}
     record["raw"]["A"] = {"scheduled_times": [r.scheduled for r in by_tenant["A"]],
-                          "ttfts": [r.ttft for r in by_tenant["A"]],
+                          "e2els": [r.latency for r in by_tenant["A"]],
                           "reasons": [refusal_reason(r.error) for r in by_tenant["A"]]}
     return record
 
@@ -434,6 +508,7 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="smollm2-bf16")
     common.add_run_arguments(ap)
     args = ap.parse_args(argv)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the flood's process starts
     if args.aging_seconds * 2 >= args.request_timeout:
         ap.error(f"--request-timeout {args.request_timeout:g} must exceed the batch aging "
                  f"bound 2 x --aging-seconds = {2 * args.aging_seconds:g} s, or the probe can "

@@ -786,11 +786,11 @@ class LLMEngine:
 
     # --- introspection -------------------------------------------------------------------------
     def admission_key(self, priority: int, priority_class: str | None) -> tuple:
-        """Queued work whose key (``stats()["queued_work"]``) is at most this one goes
-        before a new request of this priority and class. Any thread."""
+        """Queued work whose key (``stats()["queued_work"]``: (key, tokens) pairs) is at
+        most this one goes before a new request of this priority and class. Any thread."""
         return self.scheduler.policy.admission_key(priority, priority_class)
 
-    def _queued_work(self, fraction: float) -> dict[tuple, float]:
+    def _queued_work(self, fraction: float) -> list[tuple[tuple, float]]:
         """Tokens the waiting requests (and those added, not yet taken in) will still
         compute, by :meth:`admission_key` (:func:`llmctl.serve.admission.expected_tokens`)."""
         with self._lock:
@@ -804,7 +804,7 @@ class LLMEngine:
             output = (req.params.max_tokens - seq.num_output_tokens) * (1 + seq.pending_fork)
             work[key] = work.get(key, 0.0) + expected_tokens(seq.num_uncomputed_tokens, output,
                                                              fraction)
-        return work
+        return sorted(work.items())
 
     def stats(self) -> dict:
         bm = self.block_manager

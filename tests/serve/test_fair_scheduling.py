@@ -221,6 +221,19 @@ def test_preempting_a_batch_sequence_for_an_interactive_one_loses_no_token(engin
 
 
 # --- deadline admission ------------------------------------------------------------------
+def test_queued_work_counts_what_waits_and_what_was_just_added_by_class(engine_for):
+    engine = engine_for(scheduling_policy="fair", max_num_seqs=1)
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    for rid in ("s0", "s1"):
+        engine.add_request(rid, [5] * 20, params, priority_class="standard")
+    engine.add_request("b", [5] * 30, params, priority_class="batch")
+    # not taken in yet: prompt + max_tokens each (no request finished: fraction 1)
+    assert engine.stats()["queued_work"] == [((1,), 60.0), ((2,), 40.0)]
+    engine.step()  # s0 runs (one slot): s1 and b wait
+    assert engine.stats()["queued_work"] == [((1,), 30.0), ((2,), 40.0)]
+    assert engine.admission_key(0, "interactive") == (0,)
+
+
 def held_engine(engine):
     """Hold the engine thread before each step until released: what is submitted stays
     queued, so the admission arithmetic below is exact rather than a race."""

@@ -196,7 +196,7 @@ class AsyncEngine:
         max_tokens *= params.n
         own = expected_tokens(len(prompt_token_ids), max_tokens, fraction)
         if deadline is not None:
-            queued = (self._stats.get("queued_work") or {}).items()
+            queued = self._stats.get("queued_work") or ()
             ahead = sum(w for k, w in queued if k <= key) + \
                 sum(w for k, w in self._added_work if k <= key)
             refusal = check_deadline(ahead=ahead, prompt_tokens=len(prompt_token_ids),

@@ -75,6 +75,13 @@ OtlpTracesEndpoint = Annotated[str | None, Opt(
     help="Send a span per request (queue, prefill, decode) over OTLP/HTTP to this collector, "
          "e.g. http://localhost:4318/v1/traces; clients' W3C traceparent is honoured. Off by "
          "default. Needs the tracing extra (pip install 'llmctl[tracing]').")]
+SchedulingPolicy = Annotated[Literal["fcfs", "fair"], Opt(
+    "--scheduling-policy", help="fcfs: lower priority first, then arrival. fair: priority "
+                                "classes interactive > standard > batch with aging, and a fair "
+                                "share of tokens between tenants of a class.")]
+AgingSeconds = Annotated[float, Opt(
+    "--aging-seconds", min=0.001, help="fair: a waiting request rises one class per this many "
+                                       "seconds (batch reaches interactive in 2x).")]
 LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
 
 
@@ -91,6 +98,7 @@ def serve(
     draft_model: DraftModel = None, num_speculative_tokens: NumSpecTokens = 4,
     threads: Threads = None, lm_head: LmHead = "auto", gguf_weights: GGUFWeights = "auto",
     bf16_gemm: Bf16Gemm = "auto", otlp_traces_endpoint: OtlpTracesEndpoint = None,
+    scheduling_policy: SchedulingPolicy = "fcfs", aging_seconds: AgingSeconds = 30.0,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""

@@ -3,9 +3,10 @@ chunked prefill, preemption, speculative decoding, low-bit weights.
 
 Imports flow one way::
 
-    config, sampling_params -> sequence -> block_manager -> scheduler
+    sampling_params -> sequence -> block_manager, policy -> scheduler
+    policy (the ordering tables) -> config
     rope, attention, quant_linear -> model -> weights -> model_runner
-    sampler, detokenizer, rejection_sampler, spec_decode -> llm_engine -> llm
+    sampler, detokenizer, rejection_sampler, spec_decode, admission -> llm_engine -> llm
 
 ``LLM``, ``LLMEngine``, ``SamplingParams`` and ``EngineConfig`` are exported lazily, so
 importing this package does not import torch.

@@ -7,11 +7,12 @@ flags all build; a misspelt key fails with the key's name and the allowed ones.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmctl.errors import ConfigError
+from llmctl.serve.policy import DEFAULT_CLASS, DEFAULT_CLASSES
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -106,6 +107,18 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1)
     # Seeds the engine-wide generator used by requests without their own seed.
     seed: int = 0
+    # Who runs first (llmctl.serve.policy): "fcfs" = lower priority value, then arrival;
+    # "fair" = strict priority classes (first listed = most urgent) with aging, and a fair
+    # share of tokens between the tenants of one class.
+    scheduling_policy: Literal["fcfs", "fair"] = "fcfs"
+    priority_classes: tuple[str, ...] = DEFAULT_CLASSES
+    # the class of a request that names none (or one not listed)
+    default_priority_class: str = DEFAULT_CLASS
+    # a waiting request rises one class per aging_seconds waited (fair): a request of the
+    # k-th class (0-based) is in the first within k * aging_seconds
+    aging_seconds: float = Field(30.0, gt=0)
+    # a tenant's share of tokens relative to others (fair); unlisted tenants weigh 1
+    tenant_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
 
     @field_validator("dtype", "kv_cache_dtype", mode="before")
     @classmethod
@@ -120,6 +133,12 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        classes = self.priority_classes
+        if not classes or len(set(classes)) != len(classes):
+            raise ValueError(f"priority_classes must be distinct names, at least one: {classes}")
+        if self.default_priority_class not in classes:
+            raise ValueError(f"default_priority_class {self.default_priority_class!r} is not "
+                             f"one of priority_classes {classes}")
         if self.max_model_len is not None and not self.enable_chunked_prefill \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "

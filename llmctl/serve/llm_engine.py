@@ -16,6 +16,8 @@ API (what the HTTP server drives)::
   (empty prompt, duplicate id, token id out of range) or
   :class:`~llmctl.errors.ResourceError` (prompt + max_tokens over the context length).
   ``max_tokens=None`` means "up to the context length". Lower ``priority`` runs first.
+  ``tenant`` and ``priority_class`` feed the "fair" scheduling policy
+  (:mod:`llmctl.serve.policy`); ``deadline`` (wall time) is kept on the request.
 - ``step()`` schedules, runs the model once and returns snapshots
   (:class:`~llmctl.serve.outputs.RequestOutput`); ``new_token_ids`` / ``text_delta``
   are what changed since the request's previous output (stream them), ``token_ids`` /
@@ -29,7 +31,8 @@ API (what the HTTP server drives)::
   they are all collected. Runners without ``execute_with_prompt`` (engine directories)
   refuse such requests.
 - ``stats()`` returns a flat dict: num_running, num_waiting, kv_cache_usage,
-  prefix_cache_hit_rate, num_preemptions, token counters, speculative acceptance.
+  prefix_cache_hit_rate, num_preemptions, token counters, speculative acceptance, and
+  deadline admission's inputs (admission_rate, queued_work: :mod:`llmctl.serve.admission`).
 
 Threads: ``add_request`` and ``abort_request`` may be called from any thread: they
 validate in the caller and queue the change under a lock; ``step()`` applies queued
@@ -67,14 +70,15 @@ import gc
 import logging
 import threading
 import time
-from pathlib import Path
 from collections import deque
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
 from llmctl.errors import ConfigError, ResourceError, UsageError
 from llmctl.perf.meter import StepMeter, step_load
+from llmctl.serve.admission import RateMeter, expected_tokens
 from llmctl.serve.block_manager import BlockManager
 from llmctl.serve.config import EngineConfig, make_engine_config
 from llmctl.serve.detokenizer import IncrementalDetokenizer
@@ -82,6 +86,7 @@ from llmctl.serve.kv_cache import KVCachePlan, allocate_kv_cache, available_memo
 from llmctl.serve.model import LlamaModel, ModelSpec
 from llmctl.serve.model_runner import LogitRows, ModelRunner, PromptLogits
 from llmctl.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmctl.serve.policy import make_policy
 from llmctl.serve.rejection_sampler import greedy_verify, rejection_sample
 from llmctl.serve.sampler import Sampler, generator_for, generator_snapshot
 from llmctl.serve.sampling_params import SamplingParams
@@ -176,7 +181,8 @@ class LLMEngine:
             self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   policy=make_policy(config))
         self.runner = self.target.runner
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids or self._fallback_eos_ids())
@@ -198,6 +204,8 @@ class LLMEngine:
         # counters and gauges of /metrics
         self.meter = StepMeter()
         self._step_cost = self._perf_cost()
+        # tokens/s of recent saturated steps, output fraction: deadline admission's inputs
+        self.rate_meter = RateMeter()
         # The model, tokenizer and libraries are tens of thousands of long-lived objects:
         # freezing them keeps the cyclic GC from rescanning them every time a step's
         # small objects trigger a collection (vLLM's engine does the same).
@@ -440,10 +448,13 @@ class LLMEngine:
             prefill = any(s.seq.num_computed_tokens < s.seq.num_prompt_tokens
                           for s in sched.scheduled)
             outputs.extend(self._run(sched.scheduled, sched.copies))
+            seconds = time.perf_counter() - start
             if self._step_cost is not None:
                 cost, weights = self._step_cost
                 self.meter.record("prefill" if prefill else "decode",
-                                  step_load(cost, weights, work, time.perf_counter() - start))
+                                  step_load(cost, weights, work, seconds))
+            self.rate_meter.record_step(sched.num_batched_tokens, seconds,
+                                        saturated=bool(self.scheduler.waiting))
         outputs.extend(self._end_failed())
         return outputs
 
@@ -740,6 +751,9 @@ class LLMEngine:
 
     def _retire(self, request: Request) -> None:
         request.finish_time = time.time()
+        if all(s.finish_reason in ("stop", "length") for s in request.seqs):
+            self.rate_meter.record_finish(sum(s.num_output_tokens for s in request.seqs),
+                                          request.params.max_tokens * request.params.n)
         self.counters["num_requests_finished"] += 1
         self.counters["cached_prompt_tokens"] += request.seqs[0].num_cached_tokens
         self.requests.pop(request.request_id, None)
@@ -780,12 +794,34 @@ class LLMEngine:
             tenant=request.tenant, priority_class=request.priority_class)
 
     # --- introspection -------------------------------------------------------------------------
+    def admission_key(self, priority: int, priority_class: str | None) -> tuple:
+        """Queued work whose key (``stats()["queued_work"]``: (key, tokens) pairs) is at
+        most this one goes before a new request of this priority and class. Any thread."""
+        return self.scheduler.policy.admission_key(priority, priority_class)
+
+    def _queued_work(self, fraction: float) -> list[tuple[tuple, float]]:
+        """Tokens the waiting requests (and those added, not yet taken in) will still
+        compute, by :meth:`admission_key` (:func:`llmctl.serve.admission.expected_tokens`)."""
+        with self._lock:
+            added = [item for kind, item in self._inbox if kind == "add"]
+        seqs = [*self.scheduler.waiting, *(request.seqs[0] for request in added)]
+        policy = self.scheduler.policy
+        work: dict[tuple, float] = {}
+        for seq in seqs:
+            req = seq.request
+            key = policy.admission_key(req.priority, req.priority_class)
+            output = (req.params.max_tokens - seq.num_output_tokens) * (1 + seq.pending_fork)
+            work[key] = work.get(key, 0.0) + expected_tokens(seq.num_uncomputed_tokens, output,
+                                                             fraction)
+        return sorted(work.items())
+
     def stats(self) -> dict:
         bm = self.block_manager
         sched = self.scheduler
         allocated, used = self._kv_slots()
         c = self.counters
         drafts = c["spec_draft_tokens"]
+        rate = self.rate_meter.estimate()
         return {
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
@@ -807,6 +843,9 @@ class LLMEngine:
             "perf_recent": self.meter.recent(),
             "perf_dtype": _PERF_DTYPES.get(getattr(getattr(self.target, "model", None),
                                                    "dtype", None), "unknown"),
+            # deadline admission (llmctl.serve.admission): None until measured
+            "admission_rate": rate,
+            "queued_work": self._queued_work(rate.output_fraction if rate else 1.0),
         }
 
     def _kv_slots(self) -> tuple[int, int]:

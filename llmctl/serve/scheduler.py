@@ -4,26 +4,37 @@ Continuous (iteration-level) batching in the style of vLLM's V1 scheduler: every
 has a token budget (``max_num_batched_tokens``) shared by decodes, prompt chunks and
 draft tokens, and at most ``max_num_seqs`` sequences run at once.
 
-1. Running sequences first, in priority order (lower ``priority`` value first, then
-   arrival). Each asks for its uncomputed tokens: one for a decode (plus its draft
-   tokens), the rest of its prompt for a prefill, cut to the remaining budget when
-   chunked prefill is on, so a long prompt cannot stall the running decodes.
+1. Running sequences first, in the policy's fixed order (fcfs: lower ``priority``
+   value first, then arrival; fair: class first). Each asks for its uncomputed tokens:
+   one for a decode (plus its draft tokens), the rest of its prompt for a prefill, cut
+   to the remaining budget when chunked prefill is on, so a long prompt cannot stall
+   the running decodes.
 2. When the block pool cannot hold a running sequence's new tokens, the lowest-ranked
-   running sequence (the newest of the lowest priority) is preempted by recompute: its
-   blocks are freed and it goes back to the waiting queue with every token it has; it
-   may be the asking sequence itself.
-3. If nothing was preempted, waiting sequences are admitted in the same order while
-   budget, sequence slots and blocks last, taking their longest cached prefix. Admission
-   stops at the first that does not fit (no overtaking: first come, first served), and
-   leaves a small watermark of free blocks so running sequences can grow.
+   running sequence (the newest of the lowest priority or class) is preempted by
+   recompute: its blocks are freed and it goes back to the waiting queue with every
+   token it has; it may be the asking sequence itself.
+3. If nothing was preempted, waiting sequences are admitted in the order the policy
+   gives while budget, sequence slots and blocks last, taking their longest cached
+   prefix. Admission stops at the first that does not fit (no overtaking), and leaves a
+   small watermark of free blocks so running sequences can grow.
+
+Order is the policy's business (:mod:`llmctl.serve.policy`): "fcfs" ranks by
+``priority`` then arrival, "fair" by class, aging and each tenant's share. A policy may
+also name running sequences that the head of the queue can displace: before step 1,
+when the head does not fit, those are preempted (by recompute, newest first) -- only if
+that frees enough slots and blocks to admit it; the head is then promised the next
+admission, so a displaced sequence cannot take its room back.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmctl.serve.block_manager import BlockManager
+from llmctl.serve.policy import FCFSPolicy, SchedulingPolicy
 from llmctl.serve.sequence import Sequence, SequenceStatus
 
 
@@ -52,8 +63,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, policy: SchedulingPolicy | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.block_manager = block_manager
+        self.policy = policy or FCFSPolicy()
+        self.clock = clock  # the clock of Request.arrival_time (the policy ages with it)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -61,15 +75,17 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._promised: Sequence | None = None  # admitted next: sequences were preempted for it
 
     # --- queues ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        self.policy.enqueue(seq)
+        bisect.insort(self.waiting, seq, key=self.policy.key)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling starts running with its parent's blocks."""
         seq.transition(SequenceStatus.RUNNING)
-        bisect.insort(self.running, seq, key=Sequence.sort_key)
+        bisect.insort(self.running, seq, key=self.policy.key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -82,9 +98,13 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+            self.policy.dequeue(seq)
         seq.transition(status)
         seq.spec_token_ids = []
         self.block_manager.free_seq(seq)
+        self.policy.release(seq)
+        if seq is self._promised:
+            self._promised = None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -100,7 +120,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         chunked = self.enable_chunked_prefill
+        if self.waiting and self.running:
+            self._make_room(out)
 
+        pressure = False  # a running sequence found no blocks: admit nobody this step
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -121,6 +144,7 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
+                pressure = True
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.PREEMPTED:
@@ -130,12 +154,15 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if out.preempted:
+        if pressure:
+            self._charge(out)
             return out
 
         slots = self.max_num_seqs - len(self.running) - sum(s.pending_fork for s in self.running)
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        order = self._order() if self.waiting and budget > 0 else []
+        for seq in order:
+            if budget <= 0:
+                break
             if 1 + seq.pending_fork > slots and self.running:
                 break
             cached = bm.find_cached_prefix(seq)
@@ -150,11 +177,72 @@ class Scheduler:
             copies = bm.allocate(seq, num_new, cached)
             if copies is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
+            self.policy.dequeue(seq)
+            if seq is self._promised:
+                self._promised = None
             seq.transition(SequenceStatus.RUNNING)
-            bisect.insort(self.running, seq, key=Sequence.sort_key)
+            bisect.insort(self.running, seq, key=self.policy.key)
             slots -= 1 + seq.pending_fork
             out.copies.extend(copies)
             out.scheduled.append(ScheduledSeq(seq, num_new, 0))
             budget -= num_new
+        self._charge(out)
         return out
+
+    def _order(self) -> list[Sequence]:
+        """The waiting sequences in the policy's order, a promised one first."""
+        order = self.policy.order(self.waiting, self.clock())
+        promised = self._promised
+        if promised is not None:
+            if promised.status is SequenceStatus.RUNNING or promised.finished:
+                self._promised = None
+            else:
+                order.remove(promised)
+                order.insert(0, promised)
+        return order
+
+    def _charge(self, out: SchedulerOutput) -> None:
+        """Tell the policy which token positions each scheduled sequence computes."""
+        for item in out.scheduled:
+            self.policy.charge(item.seq, item.seq.num_computed_tokens,
+                               item.num_new_tokens - item.num_spec_tokens)
+
+    def _make_room(self, out: SchedulerOutput) -> None:
+        """Preempt running sequences the policy lets the head of the queue displace,
+        newest first, if (and only if) that frees enough slots and blocks to admit it."""
+        head = self._order()[0]
+        victims = self.policy.preemptible(head, self.running)
+        if not victims or self._promised is not None:
+            return
+        bm = self.block_manager
+        cached = bm.find_cached_prefix(head)
+        num_new = head.num_tokens - len(cached) * bm.block_size
+        if self.enable_chunked_prefill:
+            num_new = min(num_new, self.max_num_batched_tokens)
+        revived = sum(1 for b in cached if bm.blocks[b].ref_count == 0)
+        need = bm.blocks_needed(len(cached) * bm.block_size + num_new) - len(cached) + revived
+        slots = self.max_num_seqs - len(self.running) - sum(s.pending_fork for s in self.running)
+        free = bm.num_free_blocks
+        left = len(self.running)
+        chosen: list[Sequence] = []
+
+        def fits() -> bool:
+            watermark = self.watermark_blocks if left else 0
+            return (1 + head.pending_fork <= slots or not left) and free - need >= watermark
+
+        for victim in victims:
+            if fits():
+                break
+            chosen.append(victim)
+            slots += 1 + victim.pending_fork
+            # blocks only it holds return to the pool (shared prefix blocks stay)
+            free += sum(1 for b in victim.block_table if bm.blocks[b].ref_count == 1)
+            left -= 1
+        if not chosen or not fits():
+            return
+        for victim in chosen:
+            self._preempt(victim)
+            self.policy.displaced(victim)
+            out.preempted.append(victim)
+        self._promised = head

@@ -57,6 +57,8 @@ class ServeSettings:
     gguf_weights: str = "auto"
     bf16_gemm: str = "auto"
     otlp_traces_endpoint: str | None = None
+    scheduling_policy: str = "fcfs"
+    aging_seconds: float = 30.0
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 
@@ -124,7 +126,8 @@ def engine_kwargs(settings: ServeSettings, engine_dir: bool) -> dict[str, Any]:
         "enable_prefix_caching": settings.prefix_caching,
         "enable_chunked_prefill": settings.chunked_prefill, "num_threads": settings.threads,
         "lm_head": settings.lm_head, "gguf_weights": settings.gguf_weights,
-        "bf16_gemm": settings.bf16_gemm}
+        "bf16_gemm": settings.bf16_gemm, "scheduling_policy": settings.scheduling_policy,
+        "aging_seconds": settings.aging_seconds}
     if engine_dir:  # what the user did not set is not a request to warn about
         for key, name in (("enable_prefix_caching", "prefix_caching"), ("dtype", "dtype"),
                           ("lm_head", "lm_head"), ("gguf_weights", "gguf_weights"),

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from llmctl.serve.api import errors
 from llmctl.serve.api.async_engine import (
     AsyncEngine,
+    DeadlineError,
     EngineDeadError,
     QueueFullError,
     RequestFailedError,
@@ -288,6 +289,8 @@ class Server:
             grant.refund()
             if isinstance(exc, QueueFullError):
                 raise errors.overloaded(retry_after=1) from None
+            if isinstance(exc, DeadlineError):
+                raise errors.deadline_unmeetable(str(exc), exc.retry_after) from None
             if isinstance(exc, EngineDeadError):
                 raise errors.unavailable(str(exc)) from None
             if isinstance(exc, LlmctlError):

@@ -5,6 +5,11 @@ meet in three places: ``LLMEngine.add_request``/``abort_request`` (thread-safe: 
 validate in the caller and queue the change for the next step), ``call_soon_threadsafe``
 deliveries into per-request asyncio queues, and a stats snapshot.
 
+Deadline-aware admission (:mod:`llmctl.serve.admission`): ``submit`` estimates, from the
+last stats snapshot plus the requests submitted since, how long the work queued ahead of
+a new request takes, and raises :class:`DeadlineError` at once when it cannot finish
+before its deadline (``deadline`` given, else now + ``request_timeout``).
+
 Failures follow the engine's contract (:mod:`llmctl.serve.llm_engine`): a request whose
 own work failed gets a final output with ``error``, which its stream raises as
 :class:`RequestFailedError` (that request only). An exception out of ``step()`` is the
@@ -22,6 +27,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from llmctl.serve.admission import check_deadline, expected_tokens
+
 log = logging.getLogger(__name__)
 
 _STATS_EVERY = 0.1  # seconds between stats snapshots while busy (stats() walks the batch)
@@ -33,6 +40,14 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     pass
+
+
+class DeadlineError(RuntimeError):
+    """The request cannot finish before its deadline given the work queued ahead of it."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RequestFailedError(RuntimeError):
@@ -52,14 +67,17 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine, *, max_queue: int | None = None, idle_wait: float = 0.05) -> None:
+    def __init__(self, engine, *, max_queue: int | None = None, idle_wait: float = 0.05,
+                 request_timeout: float | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
+        self.request_timeout = request_timeout  # the deadline of requests that bring none
         self._idle_wait = idle_wait
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._added_since_snapshot = 0
+        self._added_work: list[tuple[tuple, float]] = []  # (admission key, tokens) since then
         self._stats: dict = {}
         self._stats_time = 0.0
         self._fail_request: BaseException | None = None
@@ -94,10 +112,11 @@ class AsyncEngine:
 
     # --- the engine thread ---------------------------------------------------------
     def _snapshot(self) -> None:
-        self._stats = dict(self.engine.stats())
-        self._stats_time = time.monotonic()
-        with self._lock:
+        with self._lock:  # no submit in between: each is in the engine's stats or added after
+            self._stats = dict(self.engine.stats())
+            self._stats_time = time.monotonic()
             self._added_since_snapshot = 0
+            self._added_work = []
 
     def _deliver(self, request_id: str, item: Any, final: bool) -> None:
         self._deliver_many([(request_id, item, final)])
@@ -164,25 +183,51 @@ class AsyncEngine:
                 raise QueueFullError(f"{waiting} requests are waiting (--max-queue "
                                      f"{self.max_queue})")
 
+    def _admit(self, prompt_token_ids: list[int], params, priority: int,
+               priority_class: str | None, deadline: float | None) -> tuple[tuple, float]:
+        """Raise :class:`DeadlineError` if the request cannot finish by ``deadline``; else
+        its admission key and expected tokens (queued from now on). Under ``_lock``."""
+        key = self.engine.admission_key(priority, priority_class)
+        rate = self._stats.get("admission_rate")
+        fraction = rate.output_fraction if rate is not None else 1.0
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # the engine makes it "up to the context length"
+            max_tokens = max(0, self.engine.max_model_len - len(prompt_token_ids))
+        max_tokens *= params.n
+        own = expected_tokens(len(prompt_token_ids), max_tokens, fraction)
+        if deadline is not None:
+            queued = self._stats.get("queued_work") or ()
+            ahead = sum(w for k, w in queued if k <= key) + \
+                sum(w for k, w in self._added_work if k <= key)
+            refusal = check_deadline(ahead=ahead, prompt_tokens=len(prompt_token_ids),
+                                     max_tokens=max_tokens, left=deadline - time.time(),
+                                     rate=rate)
+            if refusal is not None:
+                raise DeadlineError(refusal.reason(), refusal.retry_after)
+        return key, own
+
     def submit(self, request_id: str, prompt_token_ids: list[int], params,
                priority: int = 0, **who) -> _Stream:
-        """Queue one request; raises at once on a full queue or invalid input."""
+        """Queue one request; raises at once on a full queue, a deadline it cannot meet
+        (:class:`DeadlineError`) or invalid input."""
         self.check_capacity()
+        if who.get("deadline") is None and self.request_timeout is not None:
+            who["deadline"] = time.time() + self.request_timeout
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        # One critical section with the engine's add: a stats snapshot (taken under the
+        # same lock) then counts a request either in the engine or as added since.
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id}")
-            self._streams[request_id] = stream
-            self._added_since_snapshot += 1
-        try:
+            work = self._admit(prompt_token_ids, params, priority, who.get("priority_class"),
+                               who.get("deadline"))
             # Validates (context length, token ids) and raises here, in the caller.
             # who: tenant, priority_class, deadline (LLMEngine.add_request)
             self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
                                     arrival_time=time.time(), **who)
-        except BaseException:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            raise
+            self._streams[request_id] = stream
+            self._added_since_snapshot += 1
+            self._added_work.append(work)
         self._wake.set()
         return stream
 

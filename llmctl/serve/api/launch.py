@@ -71,7 +71,8 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
                           auth_file=opts.auth_file,
                           request_timeout=opts.request_timeout, extra_model_names=aliases,
                           peaks=_peaks())
-    async_engine = AsyncEngine(engine, max_queue=opts.max_queue)
+    async_engine = AsyncEngine(engine, max_queue=opts.max_queue,
+                               request_timeout=opts.request_timeout)
     return Server(async_engine, tokenizer, config, grammars, tracing), async_engine
 
 

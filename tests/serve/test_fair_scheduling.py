@@ -16,6 +16,7 @@ from llmctl.serve.policy import FairPolicy
 from llmctl.serve.sampling_params import SamplingParams
 from llmctl.serve.scheduler import Scheduler
 from llmctl.serve.sequence import Request, SequenceStatus
+from tests.serve.test_scheduler import run_step
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -41,16 +42,6 @@ def make(num_blocks, *, fair=True, clock=None, budget=64, max_seqs=8):
                      max_num_batched_tokens=budget, enable_chunked_prefill=True,
                      watermark=0.0, policy=FairPolicy(aging_seconds=100) if fair else None,
                      clock=clock or Clock())
-
-
-def run_step(sched):
-    out = sched.schedule()
-    for item in out.scheduled:
-        seq = item.seq
-        seq.num_computed_tokens += item.num_new_tokens
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(7)
-    return out
 
 
 def three_batch_sequences_fill_the_pool(sched):

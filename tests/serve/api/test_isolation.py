@@ -35,16 +35,18 @@ IN_FLIGHT = [
 class Stream(threading.Thread):
     """One streamed request on its own thread: status, SSE events, [DONE]."""
 
-    def __init__(self, url: str, path: str, body: dict) -> None:
+    def __init__(self, url: str, path: str, body: dict, headers: dict | None = None) -> None:
         super().__init__(daemon=True)
         self.url, self.path, self.body = url, path, {**body, "stream": True}
+        self.headers = headers
         self.status: int | None = None
         self.events: list[dict] = []
         self.done = False
         self.start()
 
     def run(self) -> None:
-        with httpx.stream("POST", self.url + self.path, json=self.body, timeout=180) as resp:
+        with httpx.stream("POST", self.url + self.path, json=self.body, headers=self.headers,
+                          timeout=180) as resp:
             self.status = resp.status_code
             for line in resp.iter_lines():
                 if line == "data: [DONE]":

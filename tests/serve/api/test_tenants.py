@@ -21,6 +21,7 @@ import yaml
 from llmctl.errors import UsageError
 from llmctl.serve.api.tenants import TenantTable, hash_key
 from tests.serve.api.conftest import EngineGate, start_server
+from tests.serve.api.test_isolation import Stream
 from tests.serve.api.test_load import _metric
 
 KEYS = {"rpm": "sk-rpm", "tok": "sk-tok", "cap": "sk-cap", "other": "sk-other",
@@ -404,25 +405,6 @@ def _send_sighup(running):
     assert not missed, "llmctl serve's SIGHUP handler was not installed"
 
 
-class _InFlight(threading.Thread):
-    def __init__(self, url, key) -> None:
-        super().__init__(daemon=True)
-        self.url, self.key, self.status, self.done, self.events = url, key, None, False, []
-        self.start()
-
-    def run(self) -> None:
-        body = {"prompt": "The file object", "max_tokens": 30, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", self.url + COMPLETIONS, json=body, headers=bearer(self.key),
-                          timeout=120) as resp:
-            self.status = resp.status_code
-            for line in resp.iter_lines():
-                if line == "data: [DONE]":
-                    self.done = True
-                elif line.startswith("data: "):
-                    self.events.append(json.loads(line[6:]))
-
-
 def test_sighup_reloads_the_keys_with_requests_in_flight(tiny_llama, tmp_path, caplog):
     path = write(tmp_path / "keys.yaml", auth_doc())
     running = start_server(str(tiny_llama), auth_file=path)
@@ -430,7 +412,10 @@ def test_sighup_reloads_the_keys_with_requests_in_flight(tiny_llama, tmp_path, c
     try:
         gate = EngineGate(running, 1)
         try:
-            inflight = _InFlight(running.url, "free")
+            inflight = Stream(running.url, COMPLETIONS,
+                              {"prompt": "The file object", "max_tokens": 30,
+                               "ignore_eos": True, "stream_options": {"include_usage": True}},
+                              headers=bearer("free"))
             gate.wait()
             # free's key is revoked, a new tenant and key are added
             keys = {**{k: v for k, v in KEYS.items() if k != "free"}, "fresh": "sk-fresh"}

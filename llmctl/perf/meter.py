@@ -37,7 +37,9 @@ def step_load(cost, weights_read: float, items: Iterable[tuple[int, int]],
 
 
 class StepMeter:
-    """Totals since start and the last :data:`WINDOW_SECONDS` of steps, per phase."""
+    """Totals since start and the last :data:`WINDOW_SECONDS` of steps, per phase. The
+    window's sums are kept as steps enter and leave it, so reading them (every stats
+    snapshot, ten times a second while busy) costs O(phases), not O(steps)."""
 
     def __init__(self, window: float = WINDOW_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -45,22 +47,32 @@ class StepMeter:
         self._clock = clock
         self.totals = {p: PhaseLoad(0.0, 0.0, 0.0) for p in PHASES}
         self._recent: collections.deque[tuple[float, str, PhaseLoad]] = collections.deque()
+        self._sums = {p: [0.0, 0.0, 0.0, 0] for p in PHASES}  # flops, bytes, seconds, steps
 
     def record(self, phase: str, load: PhaseLoad) -> None:
         self.totals[phase] = self.totals[phase] + load
         now = self._clock()
         self._recent.append((now, phase, load))
+        self._shift(phase, load, 1)
         self._trim(now)
+
+    def _shift(self, phase: str, load: PhaseLoad, sign: int) -> None:
+        sums = self._sums[phase]
+        sums[3] += sign
+        if sums[3] == 0:  # no step of this phase left: no float residue of subtractions
+            sums[:] = [0.0, 0.0, 0.0, 0]  # (a residue over ~0 s would read as a huge MFU)
+            return
+        sums[0] += sign * load.flops
+        sums[1] += sign * load.bytes
+        sums[2] += sign * load.seconds
 
     def _trim(self, now: float) -> None:
         while self._recent and self._recent[0][0] < now - self.window:
-            self._recent.popleft()
+            _, phase, load = self._recent.popleft()
+            self._shift(phase, load, -1)
 
     def recent(self) -> dict[str, PhaseLoad]:
         """The window's loads per phase (busy seconds only: idle time is not counted, so
         a gauge reads the utilization while the engine ran, not averaged with idling)."""
         self._trim(self._clock())
-        out = {p: PhaseLoad(0.0, 0.0, 0.0) for p in PHASES}
-        for _, phase, load in self._recent:
-            out[phase] = out[phase] + load
-        return out
+        return {p: PhaseLoad(*sums[:3]) for p, sums in self._sums.items()}

@@ -80,6 +80,19 @@ def test_the_meter_counts_a_step_by_its_tokens_and_windows_recent_steps():
     assert m.recent()["decode"] == PhaseLoad(0.0, 0.0, 0.0)
     assert m.recent()["prefill"] == PhaseLoad(4.0, 4.0, 1.0)
     assert m.totals["decode"] == PhaseLoad(1.0, 2.0, 0.1)
+    # many steps in and out of the window: the running sums equal a fresh sum of what
+    # is in it, and a phase with no step left reads exactly zero (no float residue)
+    for i in range(200):
+        now[0] = 20.0 + i * 0.1
+        m.record("decode" if i % 3 else "prefill", PhaseLoad(0.1 * i, 0.3, 0.07))
+    recent = m.recent()
+    inside = [(20.0 + i * 0.1, i) for i in range(200) if 20.0 + i * 0.1 >= now[0] - 10.0]
+    assert recent["decode"].flops == pytest.approx(sum(0.1 * i for _, i in inside if i % 3))
+    assert recent["prefill"].seconds == pytest.approx(0.07 * sum(1 for _, i in inside
+                                                                   if not i % 3))
+    now[0] = 1000.0
+    assert m.recent() == {"prefill": PhaseLoad(0.0, 0.0, 0.0),
+                          "decode": PhaseLoad(0.0, 0.0, 0.0)}
 
 
 @pytest.mark.parametrize("mfu,mbu,bound", [

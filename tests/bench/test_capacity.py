@@ -228,14 +228,16 @@ def test_rate_search_finds_the_servers_capacity_and_stops_overload_early(tiny_ll
 
 
 def test_concurrency_search_finds_the_servers_slots(tiny_llama, tmp_path):
-    """A closed loop of C clients on 3 slots: C <= 3 never waits (TTFT 20 ms); at C = 4 a
-    third of the requests wait a whole 80 ms request (TTFT >= 100 ms: sleeps only run
-    long). So with the bound at 80 ms the knee is 3, found by 1, 2, 4 (fails), 3 and 3
-    again; a closed loop never over-saturates. (At 60 ms, one request of a passing level
-    delayed 40 ms by a busy 2-core machine failed it now and then.)"""
-    with fake_server(*FAKE) as (url, _):
+    """A closed loop of C clients on 3 slots of 200 ms requests: C <= 3 never waits (TTFT
+    50 ms); at C = 4 a third of the requests wait a whole request (TTFT >= 250 ms: sleeps
+    only run long). So with the bound at 150 ms the knee is 3, found by 1, 2, 4 (fails),
+    3 and 3 again; a closed loop never over-saturates. The 100 ms margin on the passing
+    side is for a busy 2-core machine: with 20 ms requests and a 60 or 80 ms bound, one
+    request of a passing level delayed by the rest of the suite failed it now and then."""
+    with fake_server("--ttft-ms", "50", "--itl-ms", "50", "--max-running", str(SLOTS)) \
+            as (url, _):
         result = find_capacity(url, tiny_llama, tmp_path, "--by", "concurrency",
-                               "--duration", 0.6, "--no-plots", slo="p95_ttft_ms<=80")
+                               "--duration", 1.2, "--no-plots", slo="p95_ttft_ms<=150")
     assert result.exit_code == 0, result.output
     capacity = json.loads(result.stdout)["capacity"]
     assert [(r["level"], r["passed"]) for r in capacity["levels"]] == [

@@ -444,15 +444,16 @@ class LLMEngine:
                 seq.request.preemption_times += (now,)
         self.phase_seconds["schedule"] += time.perf_counter() - start
         if not sched.empty:
-            work = [(s.seq.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
-            prefill = any(s.seq.num_computed_tokens < s.seq.num_prompt_tokens
-                          for s in sched.scheduled)
+            metered = self._step_cost is not None
+            if metered:  # what the step computes, taken before _run advances the sequences
+                work = [(s.seq.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+                phase = "prefill" if any(s.seq.num_computed_tokens < s.seq.num_prompt_tokens
+                                         for s in sched.scheduled) else "decode"
             outputs.extend(self._run(sched.scheduled, sched.copies))
             seconds = time.perf_counter() - start
-            if self._step_cost is not None:
+            if metered:
                 cost, weights = self._step_cost
-                self.meter.record("prefill" if prefill else "decode",
-                                  step_load(cost, weights, work, seconds))
+                self.meter.record(phase, step_load(cost, weights, work, seconds))
             self.rate_meter.record_step(sched.num_batched_tokens, seconds,
                                         saturated=bool(self.scheduler.waiting))
         outputs.extend(self._end_failed())

@@ -1,0 +1,1 @@
+"""Engine processes: the child, its supervisor, replicas and their routing."""

@@ -82,6 +82,22 @@ SchedulingPolicy = Annotated[Literal["fcfs", "fair"], Opt(
 AgingSeconds = Annotated[float, Opt(
     "--aging-seconds", min=0.001, help="fair: a waiting request rises one class per this many "
                                        "seconds (batch reaches interactive in 2x).")]
+EngineProcess = Annotated[bool, Opt(
+    "--engine-process/--no-engine-process",
+    help="Run the engine in supervised processes: a crash or hung step ends its requests "
+         "(503, retryable) and the engine restarts; the server stays up. --no-engine-process "
+         "keeps it in the API process (debugging; no crash isolation, no --replicas).")]
+Replicas = Annotated[int, Opt("--replicas", min=1, help="Engine processes behind one API, the "
+                                                        "CPUs split between them; routed by "
+                                                        "least outstanding tokens with prefix "
+                                                        "affinity.")]
+EngineStepTimeout = Annotated[float, Opt(
+    "--engine-step-timeout", min=0.001, help="Seconds an engine with requests may go without "
+                                             "finishing a step before it is killed and "
+                                             "restarted.")]
+MaxRss = Annotated[str | None, Opt(
+    "--max-rss", help="Resident memory per engine process (e.g. 8GiB) above which it drains "
+                      "and restarts.", show_default=False)]
 LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
 
 
@@ -99,6 +115,8 @@ def serve(
     threads: Threads = None, lm_head: LmHead = "auto", gguf_weights: GGUFWeights = "auto",
     bf16_gemm: Bf16Gemm = "auto", otlp_traces_endpoint: OtlpTracesEndpoint = None,
     scheduling_policy: SchedulingPolicy = "fcfs", aging_seconds: AgingSeconds = 30.0,
+    engine_process: EngineProcess = True, replicas: Replicas = 1,
+    engine_step_timeout: EngineStepTimeout = 60.0, max_rss: MaxRss = None,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""

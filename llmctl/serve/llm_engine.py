@@ -76,7 +76,7 @@ from pathlib import Path
 
 import torch
 
-from llmctl.errors import ConfigError, ResourceError, UsageError
+from llmctl.errors import ConfigError, UsageError
 from llmctl.perf.meter import StepMeter, step_load
 from llmctl.serve.admission import RateMeter, expected_tokens
 from llmctl.serve.block_manager import BlockManager
@@ -88,6 +88,7 @@ from llmctl.serve.model_runner import LogitRows, ModelRunner, PromptLogits
 from llmctl.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.serve.policy import make_policy
 from llmctl.serve.rejection_sampler import greedy_verify, rejection_sample
+from llmctl.serve.request_checks import check_request
 from llmctl.serve.sampler import Sampler, generator_for, generator_snapshot
 from llmctl.serve.sampling_params import SamplingParams
 from llmctl.serve.scheduler import ScheduledSeq, Scheduler
@@ -297,30 +298,9 @@ class LLMEngine:
             ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         else:
             text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise UsageError(f"request {request_id!r} has an empty prompt",
-                             "send at least one token")
-        vocab = self.spec.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise UsageError(f"request {request_id!r} has token ids outside [0, {vocab})",
-                             "encode the prompt with this model's tokenizer")
-        if params.prompt_logprobs is not None and \
-                not hasattr(self.runner, "execute_with_prompt"):
-            raise UsageError("this engine's runner cannot return prompt log-probs",
-                             "serve the checkpoint instead of the engine directory, or do "
-                             "not ask for prompt logprobs (echo with logprobs)")
-        room = self.max_model_len - len(ids)
-        if params.max_tokens is None:
-            if room < 1:
-                raise ResourceError(
-                    f"the prompt has {len(ids)} tokens; the context length is "
-                    f"{self.max_model_len}", "shorten the prompt")
-            params = params.model_copy(update={"max_tokens": room})
-        elif params.max_tokens > room:
-            raise ResourceError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context length ({self.max_model_len})",
-                "lower max_tokens or shorten the prompt")
+        params = check_request(request_id, ids, params, vocab_size=self.spec.vocab_size,
+                               max_model_len=self.max_model_len,
+                               prompt_logprobs=hasattr(self.runner, "execute_with_prompt"))
         request = Request(request_id, ids, params, prompt=text, priority=priority,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
                           eos_token_ids=self.eos_token_ids, tenant=tenant,

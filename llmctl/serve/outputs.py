@@ -57,6 +57,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # set on the final output of a request whose own work failed (finish reason "error")
     error: str | None = None
+    # with error: the engine process serving it died or was restarted, not this request's
+    # own fault, so the same request may succeed if sent again (HTTP 503, Retry-After)
+    retryable: bool = False
     # who sent it and its class (Request.tenant / priority_class); None: not given
     tenant: str | None = None
     priority_class: str | None = None

@@ -59,6 +59,10 @@ class ServeSettings:
     otlp_traces_endpoint: str | None = None
     scheduling_policy: str = "fcfs"
     aging_seconds: float = 30.0
+    engine_process: bool = True
+    replicas: int = 1
+    engine_step_timeout: float = 60.0
+    max_rss: str | None = None
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 
@@ -89,11 +93,34 @@ def check(settings: ServeSettings) -> bool:
         raise UsageError(f"{model} is an engine directory: a draft model cannot run with it "
                          "(draft models need the paged torch runner)",
                          "use --speculative ngram, or serve the source checkpoint")
+    if engine == "llmctl":
+        supervision(settings)  # --replicas / --max-rss mistakes before anything loads
     if settings.otlp_traces_endpoint and engine == "llmctl":
         from llmctl.serve.api.tracing import otlp_traces_url
 
         otlp_traces_url(settings.otlp_traces_endpoint)  # a usage error before anything loads
     return engine_dir
+
+
+def supervision(settings: ServeSettings):
+    """How the engine processes are run (:class:`llmctl.serve.proc.engine.Supervision`)."""
+    from llmctl.serve.config import parse_memory
+    from llmctl.serve.proc.engine import Supervision, split_cpus, usable_cpus
+
+    if not settings.engine_process and (settings.replicas > 1 or settings.max_rss):
+        raise UsageError("--replicas and --max-rss need engine processes (not with "
+                         "--no-engine-process)",
+                         "drop --no-engine-process")
+    max_rss = None
+    if settings.max_rss:
+        kind, size = parse_memory(settings.max_rss)
+        if kind != "bytes":
+            raise UsageError(f"--max-rss {settings.max_rss} is not a size",
+                             "give bytes with a unit, e.g. --max-rss 8GiB")
+        max_rss = int(size)
+    split_cpus(settings.replicas, usable_cpus(), settings.threads)  # enough CPUs for them
+    return Supervision(replicas=settings.replicas, step_timeout=settings.engine_step_timeout,
+                       max_rss=max_rss)
 
 
 def handoff_command(settings: ServeSettings) -> list[str]:
@@ -174,5 +201,7 @@ def serve(settings: ServeSettings, say: Callable[[str], None] = log.info) -> int
                         auth_file=settings.auth_file,
                         max_queue=settings.max_queue, request_timeout=settings.request_timeout,
                         grace_period=settings.grace_period, log_level=settings.log_level,
-                        otlp_traces_endpoint=settings.otlp_traces_endpoint, engine_kwargs=kwargs)
+                        otlp_traces_endpoint=settings.otlp_traces_endpoint, engine_kwargs=kwargs,
+                        engine_process=settings.engine_process,
+                        supervision=supervision(settings))
     return run_server(opts)

@@ -51,6 +51,7 @@ from llmctl.serve.api.render import (
 )
 from llmctl.serve.api.tenancy import Grant, Tenancy
 from llmctl.serve.api.tenants import TenantTable
+from llmctl.serve.proc.engine import EngineUnavailableError
 
 log = logging.getLogger("llmctl.serve")
 
@@ -291,8 +292,8 @@ class Server:
                 raise errors.overloaded(retry_after=1) from None
             if isinstance(exc, DeadlineError):
                 raise errors.deadline_unmeetable(str(exc), exc.retry_after) from None
-            if isinstance(exc, EngineDeadError):
-                raise errors.unavailable(str(exc)) from None
+            if isinstance(exc, (EngineDeadError, EngineUnavailableError)):
+                raise errors.unavailable(str(exc), exc.retry_after) from None
             if isinstance(exc, LlmctlError):
                 raise errors.bad_request(exc.message) from None
             raise
@@ -410,7 +411,7 @@ class Server:
                 if out.finished:
                     self._observe(out, start, first_token.get(job.request_id))
         except EngineDeadError as exc:
-            raise errors.unavailable(str(exc)) from None
+            raise errors.unavailable(str(exc), exc.retry_after) from None
         except RequestFailedError as exc:
             raise errors.internal(f"generation failed: {exc}") from None
         finally:

@@ -12,9 +12,11 @@ before its deadline (``deadline`` given, else now + ``request_timeout``).
 
 Failures follow the engine's contract (:mod:`llmctl.serve.llm_engine`): a request whose
 own work failed gets a final output with ``error``, which its stream raises as
-:class:`RequestFailedError` (that request only). An exception out of ``step()`` is the
-engine's fault: the loop stops, ``alive`` turns false (``/health`` 503) and every stream
-ends with :class:`EngineDeadError`.
+:class:`RequestFailedError` (that request only); one marked ``retryable`` (its engine
+process died: :mod:`llmctl.serve.proc.engine`) raises :class:`EngineDeadError`. An
+exception out of ``step()`` is the engine's fault: the loop stops, ``alive`` turns false
+(``/health`` 503) and every stream ends with :class:`EngineDeadError`. An engine that
+reports ``healthy`` (engine processes) is alive only while it says so.
 """
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ _STATS_EVERY = 0.1  # seconds between stats snapshots while busy (stats() walks 
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """No engine can take or finish the request now (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class QueueFullError(RuntimeError):
@@ -95,11 +101,14 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)  # engine processes stop with the loop
+        if close is not None:
+            close()
 
     @property
     def alive(self) -> bool:
         return (self._thread.is_alive() and self.error is None and not self._stop.is_set()
-                and not self.draining)
+                and not self.draining and getattr(self.engine, "healthy", True))
 
     def stats(self) -> dict:
         """The snapshot taken after a recent step (never touches the engine)."""
@@ -176,6 +185,9 @@ class AsyncEngine:
         if self.draining:
             raise EngineDeadError("the server is shutting down")
         if not self.alive:
+            if self._thread.is_alive() and self.error is None:  # an engine process restarts
+                raise EngineDeadError("the engine is restarting; retry shortly",
+                                      getattr(self.engine, "retry_after", 5))
             raise EngineDeadError("the engine is not running")
         if self.max_queue is not None:
             waiting = int(self._stats.get("num_waiting", 0)) + self._added_since_snapshot
@@ -245,6 +257,8 @@ class AsyncEngine:
                     raise item
                 if getattr(item, "error", None) is not None:
                     stream.finished = True
+                    if item.retryable:
+                        raise EngineDeadError(item.error)
                     raise RequestFailedError(item.error)
                 if item.finished:
                     stream.finished = True

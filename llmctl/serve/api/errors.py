@@ -67,9 +67,9 @@ def timed_out(seconds: float) -> APIError:
                     "timeout_error", code="request_timeout")
 
 
-def unavailable(message: str) -> APIError:
+def unavailable(message: str, retry_after: int = 5) -> APIError:
     return APIError(503, message, "server_error", code="unavailable",
-                    headers={"Retry-After": "5"})
+                    headers={"Retry-After": str(retry_after)})
 
 
 def internal(message: str) -> APIError:

@@ -19,6 +19,22 @@ from llmctl.errors import MissingDependencyError
 
 _ANY_OBJECT = {"type": "object"}
 
+# The factory of this process, where grammars arriving from another process compile
+# (an engine process: llmctl.serve.proc.child). A compiled grammar pickles as its text,
+# since llguidance's tokenizer wrapper does not pickle and is per process anyway.
+_PROCESS_FACTORY: GrammarFactory | None = None
+
+
+def install_process_factory(factory: GrammarFactory) -> None:
+    global _PROCESS_FACTORY
+    _PROCESS_FACTORY = factory
+
+
+def _unpickle_grammar(grammar: str) -> CompiledGrammar:
+    if _PROCESS_FACTORY is None:
+        raise RuntimeError("a grammar arrived in a process without a grammar factory")
+    return CompiledGrammar(_PROCESS_FACTORY, grammar)
+
 
 class GrammarFactory:
     """Holds the tokenizer wrapper (built once per server) and compiles grammars."""
@@ -67,6 +83,9 @@ class CompiledGrammar:
 
     def new_constraint(self) -> JsonConstraint:
         return self.factory.constraint(self.grammar)
+
+    def __reduce__(self):
+        return _unpickle_grammar, (self.grammar,)
 
     def __repr__(self) -> str:
         return f"CompiledGrammar({len(self.grammar)} chars)"

@@ -81,11 +81,17 @@ _SCHEDULING = {
     "--aging-seconds": "aging belongs to the built-in engine's fair scheduling: drop the flag "
                        "or serve without --engine",
 }
+_SUPERVISION = {
+    flag: f"{flag} supervises llmctl's own engine processes; a hand-off engine runs its own "
+          "(vLLM: --data-parallel-size for replicas): drop the flag"
+    for flag in ("--replicas", "--max-rss", "--engine-step-timeout", "--engine-process",
+                 "--no-engine-process")}
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING},
+    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION},
     "trtllm": {
         "--auth-file": _NO_TENANTS,
         **_SCHEDULING,
+        **_SUPERVISION,
         "--api-key": "trtllm-serve has no API key option: put an authenticating proxy in "
                      "front of it, or serve with --engine vllm or the built-in engine",
         "--served-model-name": "trtllm-serve 1.2 serves the model under its path: drop the "

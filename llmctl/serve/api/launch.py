@@ -3,7 +3,9 @@
 MODEL is opened by the first model source (:mod:`llmctl.serve.sources`) that claims it:
 an engine directory from ``llmctl build-engine`` once :mod:`llmctl.engines` is imported
 (it registers itself; the CLI imports it), otherwise a checkpoint on the paged torch
-engine.
+engine. By default it is opened in engine processes (:mod:`llmctl.serve.proc`), so a
+crash in the engine ends its requests, not the server; ``engine_process=False`` keeps
+the engine in this process (tests that reach into it, debugging).
 """
 
 from __future__ import annotations
@@ -32,16 +34,26 @@ class ServeOptions:
     log_level: str = "info"
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request spans; None: off
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    engine_process: bool = True  # the engine in supervised processes (llmctl.serve.proc)
+    supervision: Any = None  # llmctl.serve.proc.engine.Supervision; None: its defaults
 
 
 def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
     """The engine for MODEL, the name /v1/models shows, and aliases clients may send."""
-    from llmctl.serve.sources import open_model
+    if opts.engine_process:
+        from llmctl.serve.proc.engine import ProcessEngine, Supervision
 
-    opened = open_model(opts.model, opts.engine_kwargs)
+        engine = ProcessEngine(opts.model, opts.engine_kwargs, opts.supervision or Supervision(),
+                               log_level=opts.log_level).start()
+        name, aliases = engine.name, engine.aliases
+    else:
+        from llmctl.serve.sources import open_model
+
+        opened = open_model(opts.model, opts.engine_kwargs)
+        engine, name, aliases = opened.engine, opened.name, opened.aliases
     if opts.served_model_name:
-        return opened.engine, opts.served_model_name, ()
-    return opened.engine, opened.name, opened.aliases
+        return engine, opts.served_model_name, ()
+    return engine, name, aliases
 
 
 def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:

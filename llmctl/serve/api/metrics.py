@@ -61,7 +61,24 @@ class _EngineGauges:
         for phase, seconds in (stats.get("step_phase_seconds") or {}).items():
             phases.add_metric([self._model, phase], float(seconds))
         yield phases
+        yield from self._supervisor(stats)
         yield from self._utilization(stats)
+
+    def _supervisor(self, stats: dict):
+        """Engine processes (llmctl.serve.proc): absent when the engine runs in-process."""
+        from prometheus_client.core import CounterMetricFamily
+
+        if "engine_restarts" not in stats:
+            return
+        restarts = CounterMetricFamily(PREFIX + "engine_restarts", "Engine process restarts "
+                                       "(a crash, a hung step, --max-rss).",
+                                       labels=["model_name"])
+        restarts.add_metric([self._model], float(stats["engine_restarts"]))
+        yield restarts
+        up = GaugeMetricFamily(PREFIX + "engine_replicas_up", "Engine processes ready to take "
+                               "requests.", labels=["model_name"])
+        up.add_metric([self._model], float(stats.get("engine_replicas_up", 0)))
+        yield up
 
     def _utilization(self, stats: dict):
         """FLOPs, bytes and busy seconds by phase since start (counters: ``llmctl bench``

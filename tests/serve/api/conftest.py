@@ -29,7 +29,10 @@ class Running:
 
 
 def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=None,
-                 served_model_name="tiny", auth_file=None, **engine_kwargs) -> Running:
+                 served_model_name="tiny", auth_file=None, engine_process=False,
+                 supervision=None, **engine_kwargs) -> Running:
+    """In-process engine by default: tests reach into it (EngineGate). With
+    ``engine_process`` the engine runs in supervised processes (llmctl.serve.proc)."""
     import uvicorn
 
     from llmctl.serve.api.app import create_app
@@ -40,7 +43,8 @@ def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=Non
     opts = ServeOptions(model=model, served_model_name=served_model_name, api_key=api_key,
                         auth_file=None if auth_file is None else str(auth_file),
                         max_queue=max_queue, request_timeout=request_timeout,
-                        engine_kwargs=kwargs)
+                        engine_kwargs=kwargs, engine_process=engine_process,
+                        supervision=supervision)
     server, engine = build_server(opts)
     engine.start()
     port = free_port()

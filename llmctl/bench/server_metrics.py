@@ -21,6 +21,8 @@ COUNTERS = {
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
     "prompt_tokens": "prompt_tokens",
     "generation_tokens": "generation_tokens",
+    # llmctl serve's supervisor (llmctl.serve.proc): a restart during a run is a finding
+    "engine_restarts": "engine_restarts",
     # llmctl serve's engine meter (llmctl.perf.meter): FLOPs, bytes, busy seconds by phase
     **{f"{phase}_{field}": f"{phase}_{field}" for phase in ("prefill", "decode")
        for field in ("flops", "bytes", "busy_seconds")},

@@ -9,9 +9,9 @@ parent -> child
 child -> parent
     ``("ready", ReadyInfo)``                         once, after the model loaded
     ``("startup_error", exception)``                 instead of ready; then exit 1
-    ``("step", outputs, stats | None)``              after every step (the heartbeat)
+    ``("step", outputs, stats | None)``              after every step (the heartbeat);
+                                                     stats every 0.1 s and when idle
     ``("rejected", request_id, message)``            add_request refused it here
-    ``("stats", stats)``                             when the engine goes idle
 
 The child never outlives its parent: a closed pipe (the parent exited or was killed)
 ends the loop. It ignores SIGINT, which a terminal's Ctrl-C sends to the whole process
@@ -141,8 +141,7 @@ def _serve(conn, engine, fault: _Fault) -> None:
     steps = 0
     last_stats = 0.0
     while True:
-        busy = engine.has_unfinished_requests()
-        if not busy and not conn.poll(IDLE_POLL):
+        if not engine.has_unfinished_requests() and not conn.poll(IDLE_POLL):
             continue
         while conn.poll():
             message = conn.recv()
@@ -158,14 +157,14 @@ def _serve(conn, engine, fault: _Fault) -> None:
             elif kind == "stop":
                 return
         if not engine.has_unfinished_requests():
-            if busy:  # went idle: the parent's snapshot shows an empty engine
-                conn.send(("stats", engine.stats()))
             continue
         outputs = engine.step()  # an exception here is an engine fault: the process dies
         steps += 1
         now = time.monotonic()
         stats = None
-        if now - last_stats > STATS_EVERY:
+        # the step that empties the engine always carries its stats: a client reading
+        # /metrics right after its last response sees every token counted
+        if now - last_stats > STATS_EVERY or not engine.has_unfinished_requests():
             stats, last_stats = engine.stats(), now
         conn.send(("step", outputs, stats))
         fault.after_step(steps)

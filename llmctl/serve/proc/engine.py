@@ -293,8 +293,6 @@ class ProcessEngine:
                     self._requests.pop(out.request_id, None)
                     self.router.finished(out.request_id, ok=out.error is None)
             outputs.extend(step_outputs)
-        elif kind == "stats":
-            replica.stats = message[1]
         elif kind == "rejected":
             _, request_id, reason = message
             placed = self._requests.pop(request_id, None)

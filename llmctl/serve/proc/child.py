@@ -45,6 +45,10 @@ class ChildSpec:
 
     model: str
     engine_kwargs: dict[str, Any]
+    # the model source that claimed MODEL in the parent (llmctl.serve.sources), pickled by
+    # reference to its class: the child opens MODEL with it, so sources registered by
+    # packages above this one (engine directories) work without this layer importing them
+    source: Any = None
     replica: int = 0
     generation: int = 0  # restarts of this replica so far
     cpus: tuple[int, ...] | None = None  # pin to these CPUs (replicas split the machine)
@@ -97,10 +101,10 @@ def _setup(spec: ChildSpec) -> None:
 
 
 def _open(spec: ChildSpec):
-    import llmctl.engines  # noqa: F401 - registers engine directories as a model source
-    from llmctl.serve.sources import open_model
+    from llmctl.serve.sources import source_for
 
-    opened = open_model(spec.model, spec.engine_kwargs)
+    source = spec.source if spec.source is not None else source_for(spec.model)
+    opened = source.open(spec.model, spec.engine_kwargs)
     engine = opened.engine
     try:  # response_format grammars arrive as text; this process compiles its own
         from llmctl.serve.api.grammar import GrammarFactory, install_process_factory

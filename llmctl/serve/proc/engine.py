@@ -39,6 +39,7 @@ from llmctl.serve.proc.replica import Replica, State
 from llmctl.serve.proc.router import NoReplicaError, Router, RouterConfig
 from llmctl.serve.proc.stats import merge_stats
 from llmctl.serve.request_checks import check_request
+from llmctl.serve.sources import source_for
 
 log = logging.getLogger("llmctl.serve")
 
@@ -119,9 +120,11 @@ class ProcessEngine:
         self.supervision = supervision
         shares = split_cpus(supervision.replicas, usable_cpus(), engine_kwargs.get("num_threads"))
         fault = os.environ.get(FAULT_ENV) or None
+        source = source_for(model)  # cheap (a stat, a manifest): the child opens with it
         self.replicas = [
             Replica(i, ChildSpec(model=model, engine_kwargs={**engine_kwargs, "num_threads": n},
-                                 replica=i, cpus=share, fault=fault, log_level=log_level))
+                                 source=source, replica=i, cpus=share, fault=fault,
+                                 log_level=log_level))
             for i, (share, n) in enumerate(shares)]
         block_size = int(engine_kwargs.get("block_size") or 16)
         self.router = Router(len(self.replicas), router or RouterConfig(block_size=block_size))

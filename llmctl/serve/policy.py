@@ -48,6 +48,16 @@ could be pushed back out by every interactive arrival; with it, displaced once, 
 back already aged and then runs to its end. Aging does not lift the base class here,
 so no two requests can displace each other in turn.
 
+Short steps while a higher class is active (fair only): a request waits for the step in
+flight and then for its own, and a step's length is mostly its prompt tokens (a step of
+``max_num_batched_tokens`` prompt tokens is several decode steps long). So while a class
+is *active* -- it has a request waiting, or one arrived in the last
+``ACTIVE_SECONDS`` -- sequences at a lower level get at most ``GUARD_TOKENS`` prompt
+tokens per step between them, and none while a request of the active class waits (its
+own step then carries only the running decodes and the higher class's prompts). Decodes
+are never held back. The cost falls on the lower classes' prompt throughput, and only
+while a higher class is active.
+
 Aging ranks a request for admission; it does not make room. A flood of one class that
 waits longer than ``aging_seconds`` competes with the class above it by fair share
 only, so set ``aging_seconds`` above the queueing you accept for that class (rate
@@ -58,7 +68,8 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from llmctl.serve.sequence import Request, Sequence, SequenceStatus
@@ -71,6 +82,19 @@ DEFAULT_CLASS = "standard"
 PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
 _NOBODY = object()  # no tenant has left the queue yet (None is the anonymous tenant)
+# fair: a class stays active this long after its last arrival (an interactive user's
+# next request usually comes within seconds), and lower levels then share this many
+# prompt tokens per step (a few decode steps' worth of time on a small model)
+ACTIVE_SECONDS = 5.0
+GUARD_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class PrefillCap:
+    """At most ``tokens`` prompt tokens this step, between the sequences ``applies`` to."""
+
+    applies: Callable[[Sequence], bool]
+    tokens: int
 
 
 class SchedulingPolicy(Protocol):
@@ -85,6 +109,8 @@ class SchedulingPolicy(Protocol):
     def displaced(self, seq: Sequence) -> None: ...
 
     def admission_key(self, priority: int, priority_class: str | None) -> tuple: ...
+
+    def prefill_cap(self, waiting: list[Sequence], now: float) -> PrefillCap | None: ...
 
     def enqueue(self, seq: Sequence) -> None: ...
 
@@ -115,6 +141,9 @@ class FCFSPolicy:
 
     def admission_key(self, priority: int, priority_class: str | None) -> tuple:
         return (priority,)
+
+    def prefill_cap(self, waiting: list[Sequence], now: float) -> PrefillCap | None:
+        return None
 
     def enqueue(self, seq: Sequence) -> None:
         pass
@@ -153,6 +182,7 @@ class FairPolicy:
         self._last_left: object = _NOBODY  # the last tenant whose waiting count hit 0
         self._charged: dict[int, int] = {}  # seq_id -> token positions already charged
         self._displaced: set[int] = set()  # seq_ids once preempted for a waiting request
+        self._last_arrival: dict[int, float] = {}  # class rank -> its latest request's arrival
         self._warned: set[str] = set()
 
     # --- classes and levels --------------------------------------------------------
@@ -189,6 +219,16 @@ class FairPolicy:
 
     def admission_key(self, priority: int, priority_class: str | None) -> tuple:
         return (self.rank(priority_class),)
+
+    def prefill_cap(self, waiting: list[Sequence], now: float) -> PrefillCap | None:
+        """Lower levels' prompt tokens while a higher class is active (module docstring)."""
+        levels = [self.level(seq.request, now) for seq in waiting]
+        active = [r for r, t in self._last_arrival.items() if now - t < ACTIVE_SECONDS]
+        top = min(levels + active, default=None)
+        if top is None:
+            return None
+        tokens = 0 if top in levels else GUARD_TOKENS
+        return PrefillCap(lambda seq: self.level(seq.request, now) > top, tokens)
 
     def _prompt_cost(self, seq: Sequence) -> float:
         """What admitting ``seq`` will charge its tenant first: its prompt tokens not yet
@@ -246,6 +286,10 @@ class FairPolicy:
     # --- bookkeeping ---------------------------------------------------------------
     def enqueue(self, seq: Sequence) -> None:
         tenant = seq.request.tenant
+        if seq.status is SequenceStatus.WAITING:  # a new request, not a preempted one
+            rank = self.rank(seq.request.priority_class)
+            self._last_arrival[rank] = max(self._last_arrival.get(rank, 0.0),
+                                           seq.request.arrival_time)
         if not self._waiting.get(tenant) and seq.status is SequenceStatus.WAITING:
             # VTC's lift, for a new request only: a preempted one was being served, so
             # its tenant was not idle

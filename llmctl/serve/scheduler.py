@@ -18,6 +18,10 @@ draft tokens, and at most ``max_num_seqs`` sequences run at once.
    prefix. Admission stops at the first that does not fit (no overtaking), and leaves a
    small watermark of free blocks so running sequences can grow.
 
+A policy may also cap the prompt tokens some sequences take in a step (fair: lower
+classes while a higher one is active): those sequences' prompt chunks are cut to what
+the cap has left, or skipped when nothing is left (decodes are never capped).
+
 Order is the policy's business (:mod:`llmctl.serve.policy`): "fcfs" ranks by
 ``priority`` then arrival, "fair" by class, aging and each tenant's share. A policy may
 also name running sequences that the head of the queue can displace: before step 1,
@@ -122,6 +126,17 @@ class Scheduler:
         chunked = self.enable_chunked_prefill
         if self.waiting and self.running:
             self._make_room(out)
+        cap = self.policy.prefill_cap(self.waiting, self.clock())
+        capped = cap.tokens if cap is not None else 0
+
+        def allowed(seq: Sequence, num_new: int) -> int:
+            """``num_new`` prompt tokens of ``seq`` cut to the cap (0: not this step)."""
+            nonlocal capped
+            if cap is None or not cap.applies(seq):
+                return num_new
+            take = min(num_new, capped) if chunked else (num_new if num_new <= capped else 0)
+            capped -= take
+            return take
 
         pressure = False  # a running sequence found no blocks: admit nobody this step
         i = 0
@@ -137,6 +152,9 @@ class Scheduler:
                 else:
                     i += 1
                     continue
+            if uncomputed > 1 and (uncomputed := allowed(seq, uncomputed)) == 0:
+                i += 1  # a prompt chunk the cap holds back; the sequence keeps its blocks
+                continue
             if spec < len(seq.spec_token_ids):
                 del seq.spec_token_ids[spec:]
             num_new = uncomputed + spec
@@ -171,6 +189,8 @@ class Scheduler:
                 if not chunked:
                     break
                 num_new = budget
+            if (num_new := allowed(seq, num_new)) == 0:
+                break  # the order is by level: the rest are capped too
             new_blocks = bm.blocks_needed(len(cached) * bm.block_size + num_new) - len(cached)
             if self.running and bm.num_free_blocks - new_blocks < self.watermark_blocks:
                 break

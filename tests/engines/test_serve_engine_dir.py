@@ -63,6 +63,21 @@ def test_models_endpoint_names_the_engine_directory(served_onnx, onnx_fp32):
     assert data[0]["max_model_len"] == served_onnx.server.config.max_model_len
 
 
+def test_an_engine_directory_in_an_engine_process(onnx_fp32, reference):
+    """The engine process registers engine directories as the CLI does (llmctl.engines),
+    and the same aliases and tokens come back through the pipe."""
+    want, tokenizer = reference
+    running = start_server(str(onnx_fp32), served_model_name=None, num_threads=1,
+                           max_num_batched_tokens=16, engine_process=True)
+    try:
+        data = httpx.get(running.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in data] == ["onnx-fp32", str(onnx_fp32)]
+        for prompt, ids in zip(PROMPTS, want):
+            _check(_complete(running.url, prompt)["choices"][0], ids, tokenizer)
+    finally:
+        running.stop()
+
+
 def test_greedy_over_http_equals_offline_engine_on_source(served_onnx, reference):
     want, tokenizer = reference
     for prompt, ids in zip(PROMPTS, want):

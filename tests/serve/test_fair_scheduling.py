@@ -113,6 +113,64 @@ def test_a_sequence_is_displaced_at_most_once():
     assert batch[2] not in out.preempted and batch[2].status is SequenceStatus.RUNNING
 
 
+def test_lower_prompts_are_held_back_while_a_higher_class_waits_then_capped_while_active():
+    """A standard prompt chunks at the full budget alone; once an interactive request
+    waits, the step carries the interactive prompt and the running decode only; while the
+    interactive class stays active (ACTIVE_SECONDS after its arrival) standard prompts
+    get GUARD_TOKENS per step between them; after that, the full budget again."""
+    from llmctl.serve.policy import ACTIVE_SECONDS, GUARD_TOKENS
+
+    clock = Clock(10.0)
+    sched = make(1000, clock=clock, budget=256)
+    decode = make_seq(4, cls="standard", tenant="A", arrival=10.0, rid="d")
+    sched.add(decode)
+    run_step(sched)  # d's prompt; it decodes from now on
+    long = make_seq(600, cls="standard", tenant="A", arrival=10.0, rid="long")
+    sched.add(long)
+    out = run_step(sched)
+    assert {i.seq.request.request_id: i.num_new_tokens for i in out.scheduled} == {
+        "d": 1, "long": 255}
+    clock.t = 11.0
+    inter = make_seq(20, cls="interactive", tenant="B", arrival=11.0, rid="i")
+    sched.add(inter)
+    out = run_step(sched)  # i waits at the start of the step: no standard prompt tokens
+    assert {i.seq.request.request_id: i.num_new_tokens for i in out.scheduled} == {
+        "d": 1, "i": 20}
+    out = run_step(sched)  # i decodes; the class is active: standard prompts share the cap
+    assert {i.seq.request.request_id: i.num_new_tokens for i in out.scheduled} == {
+        "d": 1, "long": GUARD_TOKENS, "i": 1}
+    clock.t = 11.0 + ACTIVE_SECONDS
+    out = run_step(sched)
+    assert {i.seq.request.request_id: i.num_new_tokens for i in out.scheduled} == {
+        "d": 1, "long": 254, "i": 1}
+
+
+def test_no_cap_under_fcfs_or_with_one_class():
+    clock = Clock(10.0)
+    for sched in (make(1000, fair=False, clock=clock, budget=256),
+                  make(1000, clock=clock, budget=256)):
+        first = make_seq(600, cls="standard", tenant="A", arrival=10.0, rid="a")
+        sched.add(first)
+        run_step(sched)
+        sched.add(make_seq(20, cls="standard", tenant="B", arrival=10.0, rid="b"))
+        out = run_step(sched)  # one class: nobody is below anybody
+        assert sum(i.num_new_tokens for i in out.scheduled) == 256
+
+
+def test_an_aged_request_is_not_capped():
+    """A batch request aged to the top level competes as a top-level one."""
+    clock = Clock(0.0)
+    sched = Scheduler(BlockManager(1000, 4), max_num_seqs=8, max_num_batched_tokens=256,
+                      enable_chunked_prefill=True, watermark=0.0,
+                      policy=FairPolicy(aging_seconds=10), clock=clock)
+    old = make_seq(300, cls="batch", tenant="A", arrival=0.0, rid="old")
+    sched.add(old)
+    clock.t = 25.0  # waited 2.5 x aging: level 0
+    sched.add(make_seq(8, cls="interactive", tenant="B", arrival=25.0, rid="i"))
+    out = run_step(sched)  # same level, earlier arrival: old goes first, uncapped
+    assert {i.seq.request.request_id: i.num_new_tokens for i in out.scheduled} == {"old": 256}
+
+
 # --- the engine on the tiny model ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine_for(tiny_llama):

@@ -304,8 +304,8 @@ def render_markdown(report: dict) -> str:
     for name, path in cfg.get("variants", {}).items():
         lines[-1:-1] = [f"Server llmctl-{name}: llmctl on `{path}`, the same limits.", ""]
     for name, flags in cfg.get("flag_variants", {}).items():
-        lines[-1:-1] = [f"Server llmctl-{name}: llmctl with `{' '.join(flags)}`, the same "
-                        "limits.", ""]
+        lines[-1:-1] = [(f"Server llmctl-{name}: llmctl with `{' '.join(flags)}`, the same "
+                         "limits."), ""]
     summary = report["results"]["medians"]
     for name, w in cfg["workloads"].items():
         rate = ("all at once" if w["request_rate"] == "inf"

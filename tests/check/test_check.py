@@ -117,9 +117,12 @@ def test_matrix_end_to_end_cache_lineage_and_speed_gates(tiny_llama, home, tmp_p
     assert seen.text.splitlines()[0] == "llmctl check" and "PASS: 2 of 2" in seen.text
 
     # Nothing changed: quantize and eval are reused, speed is measured again. Against the
-    # first run as baseline, a generous speed gate passes on the rounds' ratio bound.
+    # first run as baseline, a generous speed gate passes on the rounds' ratio bound:
+    # a fifth, as the failing case below is five times -- six requests on a tiny model
+    # vary by ~2x between runs on a busy 2-core machine, and the bound is lower still
+    # (one full-suite run gave a bound of 0.498 for a point ratio of 0.898).
     pipe.write_text(pipeline_text(tiny_llama, w8, [
-        "mean_kld<=1.0001*baseline", "bench.chat.output_throughput>=0.5*baseline"]))
+        "mean_kld<=1.0001*baseline", "bench.chat.output_throughput>=0.2*baseline"]))
     out2 = tmp_path / "run2"
     code, output = check(pipe, "-o", out2, "--baseline", out1 / "report.json")
     assert code == 0, output

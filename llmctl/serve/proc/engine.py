@@ -295,6 +295,9 @@ class ProcessEngine:
                 if out.finished:
                     self._requests.pop(out.request_id, None)
                     self.router.finished(out.request_id, ok=out.error is None)
+                elif out.outputs:  # its prompt is computed: what is left is its outputs
+                    self.router.progress(out.request_id, len(out.prompt_token_ids) + sum(
+                        len(c.token_ids) for c in out.outputs))
             outputs.extend(step_outputs)
         elif kind == "rejected":
             _, request_id, reason = message

@@ -7,7 +7,12 @@ their ``tokens``, lowered by :meth:`Router.progress` reports. :meth:`Router.pick
 
 1. Candidates: replicas that are up (the supervisor's word, :meth:`Router.set_up`) and
    whose :class:`~llmctl.serve.proc.breaker.CircuitBreaker` lets a request through
-   (closed, or half-open with its one probe not yet out). None: :class:`NoReplicaError`.
+   (closed, or half-open with its one probe not yet out). If the breakers eject every
+   replica that is up, those are the candidates all the same: ejection moves load to
+   healthier replicas, it never refuses work a live replica can take (Envoy's
+   ``max_ejection_percent`` keeps part of a pool in service for the same reason), so
+   failing requests -- a client's own bad ones included -- cannot turn the server away
+   from everybody. No replica up at all: :class:`NoReplicaError`.
 2. Affinity. Prompts that share their first blocks (a system prompt, a conversation's
    history) are cheaper on the replica that already holds those blocks in its prefix
    cache, and a prefix cache hits whole blocks only. So the key is the first
@@ -125,6 +130,8 @@ class Router:
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens!r}")
         candidates = [i for i, b in enumerate(self.breakers) if self._up[i] and b.would_allow()]
+        if not candidates:  # every live replica ejected: they serve anyway (docstring)
+            candidates = [i for i in range(self.num_replicas) if self._up[i]]
         if not candidates:
             wait = min(b.seconds_until_half_open() for b in self.breakers)
             raise NoReplicaError(retry_after=max(1.0, wait))

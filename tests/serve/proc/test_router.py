@@ -187,13 +187,28 @@ def test_a_failed_probe_ejects_again_for_twice_as_long():
     assert r.pick("b", NO_KEY, 1) == 0
 
 
-def test_no_replica_error_carries_retry_after():
+def test_when_every_live_replica_is_ejected_they_serve_anyway():
+    """Ejection moves load; it never refuses while a replica is up (a client's failing
+    requests must not turn the server away from everybody)."""
     r, clock = router(failure_threshold=1, open_seconds=5.0)
     r.pick("a", NO_KEY, 10)  # 0
     r.finished("a", ok=False)  # 0 open over [0, 5)
     clock.t = 2.0
     assert r.pick("b", NO_KEY, 10) == 1
     r.finished("b", ok=False)  # 1 open over [2, 7)
+    clock.t = 3.0
+    assert [x["state"] for x in r.snapshot()] == ["open", "open"]
+    assert r.pick("c", NO_KEY, 30) == 0  # least loaded of the live ones
+    assert r.pick("d", NO_KEY, 10) == 1
+    r.set_up(0, False)
+    assert r.pick("e", NO_KEY, 10) == 1  # the only one up
+
+
+def test_no_replica_error_carries_retry_after():
+    r, clock = router(open_seconds=5.0)
+    r.set_up(0, False)  # forced open over [0, 5)
+    clock.t = 2.0
+    r.set_up(1, False)  # forced open over [2, 7)
     clock.t = 3.0
     with pytest.raises(NoReplicaError) as caught:
         r.pick("c", NO_KEY, 10)

@@ -199,8 +199,11 @@ def check_serve_flags() -> None:
         raise SystemExit(2)
 
 
-def queue_seconds(bodies: list[bytes]) -> dict[str, float]:
-    """Trace id (hex) -> the server's ``queue`` span duration, from OTLP/HTTP bodies."""
+SPANS = ("queue", "prefill")  # arrival -> first scheduled -> first token, server side
+
+
+def span_seconds(bodies: list[bytes]) -> dict[str, dict[str, float]]:
+    """Trace id (hex) -> {span name: duration} for :data:`SPANS`, from OTLP/HTTP bodies."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
         ExportTraceServiceRequest,
     )
@@ -210,9 +213,19 @@ def queue_seconds(bodies: list[bytes]) -> dict[str, float]:
         for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
             for ss in rs.scope_spans:
                 for span in ss.spans:
-                    if span.name == "queue":
-                        out[span.trace_id.hex()] = (span.end_time_unix_nano
-                                                    - span.start_time_unix_nano) / 1e9
+                    if span.name in SPANS:
+                        out.setdefault(span.trace_id.hex(), {})[span.name] = (
+                            span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
+    return out
+
+
+def server_split(records: list, spans: dict[str, dict[str, float]]) -> dict:
+    """p50/p95 ms of each server span over ``records`` (where their TTFT went)."""
+    out = {"traced": sum(r.trace_id in spans for r in records)}
+    for name in SPANS:
+        values = [spans[r.trace_id][name] * 1e3 for r in records
+                  if r.trace_id in spans and name in spans[r.trace_id]]
+        out[name] = {"p50_ms": percentile(values, 50), "p95_ms": percentile(values, 95)}
     return out
 
 
@@ -435,11 +448,13 @@ def run_round(kind: str, rnd: int, args, model: str, lim: Limits, keys: dict[str
         by_tenant[tenant].append(rec)
     record["tenants"] = {name: tenant_summary(recs) for name, recs in by_tenant.items()}
     (probe,) = by_tenant["A-batch"]
-    queued = queue_seconds(SINK.take())  # the server has stopped: its spans are all out
-    record["probe"] = {"queue_s": queued.get(probe.trace_id or ""), "ttft_s": probe.ttft,
+    spans = span_seconds(SINK.take())  # the server has stopped: its spans are all out
+    record["probe"] = {"queue_s": spans.get(probe.trace_id or "", {}).get("queue"),
+                       "ttft_s": probe.ttft,
                        "e2e_s": probe.latency if probe.error is None else None,
                        "error": probe.error, "sent_at_s": opens,
-                       "trace_id": probe.trace_id, "traces_received": len(queued)}
+                       "trace_id": probe.trace_id, "traces_received": len(spans)}
+    record["tenants"]["B"]["server"] = server_split(by_tenant["B"], spans)
     record["raw"] = {name: raw_arrays(recs) for name, recs in by_tenant.items()
                      if name != "A"}
     record["raw"]["A"] = {"scheduled_times": [r.scheduled for r in by_tenant["A"]],
@@ -492,6 +507,18 @@ def render_markdown(report: dict) -> str:
                      f"{refused} | {probe} | {rec['load_before'][0]} / "
                      f"{rec['load_after'][0]} | {rec['foreign_cpu_cores']} |")
     ratio = v["b_p95_ttft_ratio"]
+    lines += ["", "Where B's TTFT goes, from the server's spans (queue: arrival to first "
+              "scheduled; prefill: first scheduled to first token; the rest of the client's "
+              "TTFT is HTTP, the API process and the pipe to the engine):", "",
+              "| round | kind | B traced | queue p50 / p95 ms | prefill p50 / p95 ms |",
+              "|---|---|---|---|---|"]
+    for rec in res["runs"]:
+        split = rec.get("tenants", {}).get("B", {}).get("server")
+        if split:
+            lines.append(f"| {rec['round']} | {rec['kind']} | {split['traced']} | "
+                         f"{_ms(split['queue']['p50_ms'])} / {_ms(split['queue']['p95_ms'])} | "
+                         f"{_ms(split['prefill']['p50_ms'])} / "
+                         f"{_ms(split['prefill']['p95_ms'])} |")
     lines += ["", "## Verdicts", "",
               (f"- B's p95 TTFT: {_ms(v['b_p95_ttft_ms_contention'])} ms under the flood vs "
                f"{_ms(v['b_p95_ttft_ms_baseline'])} ms alone (medians over rounds): "

@@ -22,6 +22,11 @@ A policy may also cap the prompt tokens some sequences take in a step (fair: low
 classes while a higher one is active): those sequences' prompt chunks are cut to what
 the cap has left, or skipped when nothing is left (decodes are never capped).
 
+Aging looks one step ahead: the policy ranks waiting sequences at ``now`` plus the time
+the last step took (at most ``MAX_LOOKAHEAD``), the start of the next scheduling point,
+so a request whose aging bound falls before that point is ranked as it will be then and
+is admitted at the last step that starts within its bound, not the first one after it.
+
 Order is the policy's business (:mod:`llmctl.serve.policy`): "fcfs" ranks by
 ``priority`` then arrival, "fair" by class, aging and each tenant's share. A policy may
 also name running sequences that the head of the queue can displace: before step 1,
@@ -40,6 +45,10 @@ from dataclasses import dataclass, field
 from llmctl.serve.block_manager import BlockManager
 from llmctl.serve.policy import FCFSPolicy, SchedulingPolicy
 from llmctl.serve.sequence import Sequence, SequenceStatus
+
+# seconds: the aging lookahead's cap (a step is well under a second on the models served
+# here; a longer gap between scheduling points is idling, not a step)
+MAX_LOOKAHEAD = 1.0
 
 
 @dataclass
@@ -80,6 +89,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._promised: Sequence | None = None  # admitted next: sequences were preempted for it
+        self._last_schedule: float | None = None  # clock() at the last schedule()
+        self._aging_now = 0.0  # when this step's ranking is evaluated (module docstring)
 
     # --- queues ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -120,13 +131,17 @@ class Scheduler:
 
     # --- the policy ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        step = 0.0 if self._last_schedule is None else now - self._last_schedule
+        self._last_schedule = now
+        self._aging_now = now + (step if 0.0 < step <= MAX_LOOKAHEAD else 0.0)
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         chunked = self.enable_chunked_prefill
         if self.waiting and self.running:
             self._make_room(out)
-        cap = self.policy.prefill_cap(self.waiting, self.clock())
+        cap = self.policy.prefill_cap(self.waiting, self._aging_now)
         capped = cap.tokens if cap is not None else 0
 
         def allowed(seq: Sequence, num_new: int) -> int:
@@ -212,7 +227,7 @@ class Scheduler:
 
     def _order(self) -> list[Sequence]:
         """The waiting sequences in the policy's order, a promised one first."""
-        order = self.policy.order(self.waiting, self.clock())
+        order = self.policy.order(self.waiting, self._aging_now)
         promised = self._promised
         if promised is not None:
             if promised.status is SequenceStatus.RUNNING or promised.finished:

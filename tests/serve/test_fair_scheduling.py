@@ -145,6 +145,25 @@ def test_lower_prompts_are_held_back_while_a_higher_class_waits_then_capped_whil
         "d": 1, "long": 254, "i": 1}
 
 
+@pytest.mark.parametrize("previous,first", [(18.5, "batch"), (None, "inter")])
+def test_aging_looks_one_step_ahead(previous, first):
+    """A batch request (aging 10 s: top level at 20 s) and a newer interactive one, one
+    admission per step. At 19.5 s, the last scheduling point having been 1 s earlier,
+    the next one is past the batch request's bound: it goes first (same level, earlier
+    arrival). With no earlier scheduling point the interactive one goes first."""
+    clock = Clock(0.0)
+    sched = Scheduler(BlockManager(1000, 4), max_num_seqs=1, max_num_batched_tokens=64,
+                      enable_chunked_prefill=True, watermark=0.0,
+                      policy=FairPolicy(aging_seconds=10), clock=clock)
+    if previous is not None:
+        clock.t = previous
+        assert sched.schedule().empty  # nothing waits yet; the point is recorded
+    sched.add(make_seq(8, cls="batch", tenant="X", arrival=0.0, rid="batch"))
+    sched.add(make_seq(8, cls="interactive", tenant="Y", arrival=19.0, rid="inter"))
+    clock.t = 19.5
+    assert [i.seq.request.request_id for i in run_step(sched).scheduled] == [first]
+
+
 def test_no_cap_under_fcfs_or_with_one_class():
     clock = Clock(10.0)
     for sched in (make(1000, fair=False, clock=clock, budget=256),

@@ -507,9 +507,9 @@ def render_markdown(report: dict) -> str:
                      f"{refused} | {probe} | {rec['load_before'][0]} / "
                      f"{rec['load_after'][0]} | {rec['foreign_cpu_cores']} |")
     ratio = v["b_p95_ttft_ratio"]
-    lines += ["", "Where B's TTFT goes, from the server's spans (queue: arrival to first "
+    lines += ["", ("Where B's TTFT goes, from the server's spans (queue: arrival to first "
               "scheduled; prefill: first scheduled to first token; the rest of the client's "
-              "TTFT is HTTP, the API process and the pipe to the engine):", "",
+              "TTFT is HTTP, the API process and the pipe to the engine):"), "",
               "| round | kind | B traced | queue p50 / p95 ms | prefill p50 / p95 ms |",
               "|---|---|---|---|---|"]
     for rec in res["runs"]:

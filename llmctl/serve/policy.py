@@ -54,9 +54,12 @@ flight and then for its own, and a step's length is mostly its prompt tokens (a 
 is *active* -- it has a request waiting, or one arrived in the last
 ``ACTIVE_SECONDS`` -- sequences at a lower level get at most ``GUARD_TOKENS`` prompt
 tokens per step between them, and none while a request of the active class waits (its
-own step then carries only the running decodes and the higher class's prompts). Decodes
-are never held back. The cost falls on the lower classes' prompt throughput, and only
-while a higher class is active.
+own step then carries only the running decodes and the higher class's prompts), and no
+new lower-level sequence starts while ``GUARD_SEQS`` of them run (those running finish;
+decodes are never held back). A step's decode rows cost time about linearly in rows on a
+compute-bound CPU step, so the steps a higher-class request waits for and runs in stay
+short. The cost falls on the lower classes' throughput, and only while a higher class is
+active.
 
 Aging ranks a request for admission; it does not make room. A flood of one class that
 waits longer than ``aging_seconds`` competes with the class above it by fair share
@@ -87,14 +90,17 @@ _NOBODY = object()  # no tenant has left the queue yet (None is the anonymous te
 # prompt tokens per step (a few decode steps' worth of time on a small model)
 ACTIVE_SECONDS = 5.0
 GUARD_TOKENS = 64
+GUARD_SEQS = 8  # lower-level sequences running at once while a higher class is active
 
 
 @dataclass(frozen=True)
 class PrefillCap:
-    """At most ``tokens`` prompt tokens this step, between the sequences ``applies`` to."""
+    """At most ``tokens`` prompt tokens this step, between the sequences ``applies`` to,
+    and no new one admitted while ``seqs`` of them run."""
 
     applies: Callable[[Sequence], bool]
     tokens: int
+    seqs: int = GUARD_SEQS
 
 
 class SchedulingPolicy(Protocol):

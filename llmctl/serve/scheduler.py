@@ -20,7 +20,8 @@ draft tokens, and at most ``max_num_seqs`` sequences run at once.
 
 A policy may also cap the prompt tokens some sequences take in a step (fair: lower
 classes while a higher one is active): those sequences' prompt chunks are cut to what
-the cap has left, or skipped when nothing is left (decodes are never capped).
+the cap has left, or skipped when nothing is left (decodes are never capped), and none
+of them is admitted while the cap's number of them runs.
 
 Aging looks one step ahead: the policy ranks waiting sequences at ``now`` plus the time
 the last step took (at most ``MAX_LOOKAHEAD``), the start of the next scheduling point,
@@ -193,9 +194,14 @@ class Scheduler:
 
         slots = self.max_num_seqs - len(self.running) - sum(s.pending_fork for s in self.running)
         order = self._order() if self.waiting and budget > 0 else []
+        capped_running = 0 if cap is None else sum(cap.applies(s) for s in self.running)
         for seq in order:
             if budget <= 0:
                 break
+            if cap is not None and cap.applies(seq):
+                if capped_running >= cap.seqs:
+                    break  # the order is by level: the rest are capped too
+                capped_running += 1
             if 1 + seq.pending_fork > slots and self.running:
                 break
             cached = bm.find_cached_prefix(seq)

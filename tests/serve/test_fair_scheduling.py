@@ -164,6 +164,23 @@ def test_aging_looks_one_step_ahead(previous, first):
     assert [i.seq.request.request_id for i in run_step(sched).scheduled] == [first]
 
 
+def test_no_new_lower_sequence_while_guard_seqs_run_and_a_higher_class_is_active():
+    from llmctl.serve.policy import ACTIVE_SECONDS, GUARD_SEQS
+
+    clock = Clock(10.0)
+    sched = make(1000, clock=clock, budget=512, max_seqs=32)
+    sched.add(make_seq(4, cls="interactive", tenant="B", arrival=10.0, rid="i"))
+    for k in range(12):
+        sched.add(make_seq(4, cls="standard", tenant="A", arrival=10.0, rid=f"a{k}"))
+    run_step(sched)  # i waits at the start: no standard prompt this step
+    run_step(sched)
+    running = [s.request.request_id for s in sched.running]
+    assert "i" in running and len(running) == 1 + GUARD_SEQS
+    clock.t = 10.0 + ACTIVE_SECONDS  # the class went quiet: the others start
+    run_step(sched)
+    assert len(sched.running) == 13
+
+
 def test_no_cap_under_fcfs_or_with_one_class():
     clock = Clock(10.0)
     for sched in (make(1000, fair=False, clock=clock, budget=256),

@@ -12,8 +12,8 @@ from typer._click.exceptions import UsageError as ClickUsageError
 from typer.core import TyperGroup
 
 # Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ("info", "generate", "quantize", "build_engine", "serve", "bench", "eval", "check",
-            "plan", "hw")
+COMMANDS = ("info", "generate", "quantize", "build_engine", "serve", "batch", "bench", "eval",
+            "check", "plan", "hw")
 
 
 class LlmctlGroup(TyperGroup):

@@ -40,7 +40,8 @@ AuthFile = Annotated[str | None, Opt(
                         "and limits (requests/tokens per minute, tokens per day, max_tokens); "
                         "reloaded on SIGHUP. Not with --api-key.", show_default=False)]
 MaxQueue = Annotated[int, Opt("--max-queue", min=1,
-                              help="Waiting requests before 429 + Retry-After.")]
+                              help="Waiting requests before 429 + Retry-After (per "
+                                   "priority class under --scheduling-policy fair).")]
 RequestTimeout = Annotated[float | None, Opt("--request-timeout", min=0.001,
                                              help="Seconds before a request gets 408.")]
 GracePeriod = Annotated[float, Opt("--grace-period", min=0.0,
@@ -98,6 +99,18 @@ EngineStepTimeout = Annotated[float, Opt(
 MaxRss = Annotated[str | None, Opt(
     "--max-rss", help="Resident memory per engine process (e.g. 8GiB) above which it drains "
                       "and restarts.", show_default=False)]
+EnableAutoToolChoice = Annotated[bool, Opt(
+    "--enable-auto-tool-choice", help='Allow tool_choice "auto" (the default when a chat '
+                                      "request has tools): the model calls tools by itself "
+                                      "and --tool-call-parser reads the calls (vLLM's flags).")]
+ToolCallParser = Annotated[Literal["hermes", "llama3_json"] | None, Opt(
+    "--tool-call-parser", help="The model's tool-call format for tool_choice auto: hermes "
+                               "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5) or "
+                               "llama3_json (a JSON call as the message: Llama 3.1+).",
+    show_default=False)]
+EngineNice = Annotated[int, Opt(
+    "--engine-nice", help="CPU niceness of the engine processes (0-19), so the API process "
+                          "runs first on shared cores.")]
 LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
 
 
@@ -105,7 +118,8 @@ def serve(
     ctx: typer.Context, model: ServeModelArg, host: Host = "127.0.0.1", port: Port = 8000,
     served_model_name: ServedName = None, engine: Engine = "llmctl",
     engine_python: EnginePython = None, tensor_parallel_size: TensorParallel = 1,
-    api_key: ApiKey = None, auth_file: AuthFile = None, max_queue: MaxQueue = 256, request_timeout: RequestTimeout = None,
+    api_key: ApiKey = None, auth_file: AuthFile = None, max_queue: MaxQueue = 256,
+    request_timeout: RequestTimeout = None,
     grace_period: GracePeriod = 10.0, dtype: DtypeOpt = "auto",
     kv_cache_memory: KvCacheMemory = "2GiB", block_size: BlockSize = 16,
     max_model_len: MaxModelLen = None, max_num_seqs: MaxNumSeqs = 64,
@@ -117,6 +131,8 @@ def serve(
     scheduling_policy: SchedulingPolicy = "fcfs", aging_seconds: AgingSeconds = 30.0,
     engine_process: EngineProcess = True, replicas: Replicas = 1,
     engine_step_timeout: EngineStepTimeout = 60.0, max_rss: MaxRss = None,
+    enable_auto_tool_choice: EnableAutoToolChoice = False,
+    tool_call_parser: ToolCallParser = None, engine_nice: EngineNice = 10,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""

@@ -11,7 +11,9 @@ runtime through :class:`~llmctl.engines.serve_runner.EngineRunner`. What differs
   ``kv_cache_memory`` with the runtime's cache dtype, so the block manager bounds the
   runtime's per-sequence caches (they hold the same bytes per token) without the pool
   ever being allocated;
-- ``max_model_len`` is capped at the length the engine was built for;
+- ``max_model_len`` is capped at the length the engine was built for, and at the
+  smallest sliding window of the model (the runtimes compute full attention, which is
+  the windowed attention up to there);
 - prefix caching is off (a cached prefix would claim K/V the runtime never computed),
   and a draft *model* is refused (it needs the paged runner); ``ngram`` works.
 
@@ -115,8 +117,10 @@ class EngineDirLLMEngine(LLMEngine):
             raise ConfigError(
                 f"{engine.path}: config.json says vocab_size {spec.vocab_size}, the runtime "
                 f"produces {engine.vocab_size} logits", f"rebuild: {engine.manifest.build.command}")
-        self.max_model_len = self._check_max_len(
-            config, min(spec.max_position_embeddings, engine.max_len))
+        # the runtimes attend fully: with sliding windows, exact up to the smallest one
+        limit = min(spec.max_position_embeddings, engine.max_len,
+                    spec.window_free_len or engine.max_len)
+        self.max_model_len = self._check_max_len(config, limit)
         self.tokenizer = engine.tokenizer
         plan = plan_kv_cache(
             num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,

@@ -125,11 +125,20 @@ class StaticDecoder(nn.Module):
 
 def build_static_decoder(model_dir, dtype: torch.dtype, max_len: int):
     """(decoder, spec) for a float HF checkpoint directory."""
+    from llmctl.errors import UnsupportedArchitectureError
     from llmctl.models.loading import load_model
     from llmctl.serve.model import ModelSpec
     from llmctl.serve.rope import rope_cos_sin
 
     spec = ModelSpec.from_dir(model_dir)
+    window = spec.window_free_len
+    if window is not None and max_len > window:
+        # this decoder attends fully: exact only while no window has anything to cut
+        raise UnsupportedArchitectureError(
+            f"{model_dir} attends through a sliding window of {window} tokens; the static "
+            f"decoder computes full attention, exact only up to {window}, not {max_len}",
+            f"build with --max-seq-len {window}, or serve the checkpoint itself (the paged "
+            "engine honours sliding windows)")
     hf = load_model(model_dir, "float32")
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     cos, sin = rope_cos_sin(spec.rope, spec.head_dim, spec.max_position_embeddings, max_len)

@@ -63,7 +63,7 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPI
 SYMBOLS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _PAGED_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-               _F32, _PTR, _INT]
+               _F32, _PTR, _INT, _I64]
 ARGTYPES = {
     "paged_attention_f32": _PAGED_ARGS,
     "paged_attention_bf16": _PAGED_ARGS,
@@ -79,7 +79,7 @@ ARGTYPES = {
     "gemm_bf16_available": [],
     "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
     "prefill_attention_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
-                               _F32, _PTR, _I64, _INT],
+                               _F32, _PTR, _I64, _INT, _I64],
     "prefill_attention_available": [],
     "rope_kv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                      _PTR, _INT],
@@ -149,10 +149,12 @@ def paged_attention_kernel(device: torch.device, dtype: torch.dtype):
     """The native kernel for this cache device and dtype, or None (use the torch path).
 
     The returned callable takes ``(q, layer_cache, block_tables, context_lens, q_len,
-    scale)``: ``q [B * q_len, heads, d]`` (rows of one token may be strided apart, each
-    head's ``d`` values contiguous), ``layer_cache [2, blocks, block_size, kv_heads, d]``
-    contiguous, ``block_tables [B, max_blocks]`` and ``context_lens [B]`` int64 (context
-    including this step's tokens); it returns float32 ``[B * q_len, heads * d]``.
+    scale, window=0)``: ``q [B * q_len, heads, d]`` (rows of one token may be strided
+    apart, each head's ``d`` values contiguous), ``layer_cache [2, blocks, block_size,
+    kv_heads, d]`` contiguous, ``block_tables [B, max_blocks]`` and ``context_lens [B]``
+    int64 (context including this step's tokens), ``window`` a sliding window (0: none;
+    the query at ``p`` sees keys ``p - window + 1 .. p``, and blocks wholly before the
+    first query's window are never read); it returns float32 ``[B * q_len, heads * d]``.
     """
     if torch.device(device).type != "cpu" or dtype not in SYMBOLS:
         return None
@@ -162,7 +164,8 @@ def paged_attention_kernel(device: torch.device, dtype: torch.dtype):
     fn = getattr(lib, SYMBOLS[dtype])
 
     def run(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, q_len: int, scale: float) -> torch.Tensor:
+            context_lens: torch.Tensor, q_len: int, scale: float,
+            window: int = 0) -> torch.Tensor:
         tokens, heads, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
@@ -171,7 +174,7 @@ def paged_attention_kernel(device: torch.device, dtype: torch.dtype):
         fn(q.data_ptr(), layer_cache[0].data_ptr(), layer_cache[1].data_ptr(),
            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
            block_tables.shape[0], q_len, q.stride(0), heads, kv_heads, d, block_size,
-           scale, out.data_ptr(), torch.get_num_threads())
+           scale, out.data_ptr(), torch.get_num_threads(), window)
         return out
 
     return run
@@ -180,11 +183,12 @@ def paged_attention_kernel(device: torch.device, dtype: torch.dtype):
 def prefill_attention_kernel(device: torch.device, dtype: torch.dtype):
     """:file:`csrc/prefill_attention.cpp` for a bf16 CPU step, or None.
 
-    The callable takes ``(q, k, v, num_seqs, q_len, scale)``: ``q [B * q_len, heads,
-    d]``, ``k, v [B * q_len, kv_heads, d]`` (token rows may be strided apart, each
+    The callable takes ``(q, k, v, num_seqs, q_len, scale, window=0)``: ``q [B * q_len,
+    heads, d]``, ``k, v [B * q_len, kv_heads, d]`` (token rows may be strided apart, each
     token's heads contiguous), the causal attention of B fresh sequences of ``q_len``
-    tokens; it returns bf16 ``[B * q_len, heads * d]``, or None for a shape it does not
-    take (head_dim other than 64/128), which the caller runs on its other path.
+    tokens (with ``window`` > 0: query ``i`` sees keys ``i - window + 1 .. i``); it
+    returns bf16 ``[B * q_len, heads * d]``, or None for a shape it does not take
+    (head_dim other than 64/128), which the caller runs on its other path.
     """
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return None
@@ -197,7 +201,7 @@ def prefill_attention_kernel(device: torch.device, dtype: torch.dtype):
         return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, q_len: int,
-            scale: float) -> torch.Tensor | None:
+            scale: float, window: int = 0) -> torch.Tensor | None:
         q, k, v = packed(q), packed(k), packed(v)
         if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
             return None
@@ -207,7 +211,7 @@ def prefill_attention_kernel(device: torch.device, dtype: torch.dtype):
         out = torch.empty((tokens, heads * d), dtype=torch.bfloat16)
         status = fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
                     num_seqs, q_len, heads, k.shape[1], d, scale, out.data_ptr(), heads * d,
-                    torch.get_num_threads())
+                    torch.get_num_threads(), window)
         return out if status == 0 else None
 
     return run

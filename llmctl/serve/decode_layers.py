@@ -10,6 +10,8 @@ transitions and tensor allocations per layer (about 1 ms of a SmolLM2 batch-1 to
 3-4 ms of a 64-row step: development A/B in one process, 6 rounds alternating, step
 median 62.5 vs 65.9 ms, same tokens).
 
+Sliding windows: each layer's window goes to its attention call (``Step.window``).
+
 It applies when every matrix of every layer has a small-batch form (a bf16 weight in
 :file:`csrc/gemm_bf16.cpp`'s layout, or int4/int8 codes in the VNNI layout), no bias,
 no q/k norm, bfloat16 activations and cache, and the step is one attention group of
@@ -50,7 +52,7 @@ class Step(ctypes.Structure):
                 ("block_tables", _PTR), ("max_blocks", _I64), ("context_lens", _PTR),
                 ("block_size", _I64), ("scale", _F32), ("eps", _F32), ("x", _PTR), ("h", _PTR),
                 ("qkv", _PTR), ("attn", _PTR), ("attn_f", _PTR), ("proj", _PTR),
-                ("gate_up", _PTR), ("act", _PTR), ("num_threads", _INT)]
+                ("gate_up", _PTR), ("act", _PTR), ("num_threads", _INT), ("window", _I64)]
 
 
 def matrix(layer) -> tuple[Matrix, int] | None:
@@ -79,6 +81,9 @@ class DecodeLayers:
         self._fn = fn
         self._matrices = matrices  # kept alive: the C side holds pointers into them
         following = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
+        # each layer's sliding window (0: none), set in the Step before its call
+        windows = spec.layer_windows or (None,) * len(model.layers)
+        self._windows = [w or 0 for w in windows]
         # the per-layer arguments that never change, bound once (this is the decode loop)
         self._layer_args = [
             (*(ctypes.byref(m) for m in mats), layer.post_norm.data_ptr(), nxt.data_ptr())
@@ -140,7 +145,8 @@ class DecodeLayers:
         # kv_cache [layers, 2, ...] contiguous: layer i's K and V at fixed byte offsets
         half = kv_cache.stride(1) * kv_cache.element_size()
         k_ptr = kv_cache.data_ptr()
-        for qkv, o, gate_up, down, post, nxt in self._layer_args:
+        for (qkv, o, gate_up, down, post, nxt), window in zip(self._layer_args, self._windows):
+            st.window = window
             fn(ref, qkv, o, gate_up, down, k_ptr, k_ptr + half, post, nxt)
             k_ptr += 2 * half
         return h

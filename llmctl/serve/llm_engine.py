@@ -26,6 +26,8 @@ API (what the HTTP server drives)::
   its logits before sampling and ends it when complete; such sequences get no draft
   tokens (speculative decoding would have to mask and advance the grammar through
   every draft position and roll it back on rejection; skipping drafts is simply exact).
+  ``params.logit_bias`` is added to the logits next to the mask; biased sequences get
+  no drafts either (verification reads the unbiased logits).
 - Prompt log-probs (``params.prompt_logprobs``): the runner also returns the rows of
   the prompt positions of that request, and its prompt skips the prefix cache until
   they are all collected. Runners without ``execute_with_prompt`` (engine directories)
@@ -79,7 +81,7 @@ import torch
 from llmctl.errors import ConfigError, UsageError
 from llmctl.perf.meter import StepMeter, step_load
 from llmctl.serve.admission import RateMeter, expected_tokens
-from llmctl.serve.block_manager import BlockManager
+from llmctl.serve.block_manager import DROPPED, BlockManager
 from llmctl.serve.config import EngineConfig, make_engine_config
 from llmctl.serve.detokenizer import IncrementalDetokenizer
 from llmctl.serve.kv_cache import KVCachePlan, allocate_kv_cache, available_memory, plan_kv_cache
@@ -178,8 +180,10 @@ class LLMEngine:
         self.spec = self.target.spec
         self.kv_plan = self.target.plan
         log.info("%s", self.kv_plan.describe())
+        # blocks out of every layer's sliding window are released as sequences grow
         self.block_manager = _PromptAwareBlockManager(
-            self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching)
+            self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching,
+            sliding_window=self.spec.kv_window)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
@@ -546,9 +550,10 @@ class LLMEngine:
         seqs, limits = [], []
         for seq in self.scheduler.running:
             params = seq.params
-            # constrained sequences are not drafted for (see the module docstring)
+            # constrained or biased sequences are not drafted for (see the module
+            # docstring): draft verification compares against the unbiased logits
             if seq.num_uncomputed_tokens != 1 or params.needs_penalties or seq.pending_fork \
-                    or seq.constraint is not None or seq.no_drafts:
+                    or seq.constraint is not None or params.logit_bias or seq.no_drafts:
                 continue
             limit = min(params.max_tokens - seq.num_output_tokens - 1,
                         self.max_model_len - seq.num_tokens - 1)
@@ -780,21 +785,31 @@ class LLMEngine:
         most this one goes before a new request of this priority and class. Any thread."""
         return self.scheduler.policy.admission_key(priority, priority_class)
 
-    def _queued_work(self, fraction: float) -> list[tuple[tuple, float]]:
+    def queue_key(self, priority_class: str | None) -> tuple:
+        """The queue (``stats()["queued_requests"]``: (key, count) pairs) the server's
+        queue limit counts for a new request of this class. Any thread."""
+        return self.scheduler.policy.queue_key(priority_class)
+
+    def _queued_work(self, fraction: float
+                     ) -> tuple[list[tuple[tuple, float]], list[tuple[tuple, int]]]:
         """Tokens the waiting requests (and those added, not yet taken in) will still
-        compute, by :meth:`admission_key` (:func:`llmctl.serve.admission.expected_tokens`)."""
+        compute, by :meth:`admission_key` (:func:`llmctl.serve.admission.expected_tokens`),
+        and how many they are, by :meth:`queue_key`."""
         with self._lock:
             added = [item for kind, item in self._inbox if kind == "add"]
         seqs = [*self.scheduler.waiting, *(request.seqs[0] for request in added)]
         policy = self.scheduler.policy
         work: dict[tuple, float] = {}
+        count: dict[tuple, int] = {}
         for seq in seqs:
             req = seq.request
             key = policy.admission_key(req.priority, req.priority_class)
             output = (req.params.max_tokens - seq.num_output_tokens) * (1 + seq.pending_fork)
             work[key] = work.get(key, 0.0) + expected_tokens(seq.num_uncomputed_tokens, output,
                                                              fraction)
-        return sorted(work.items())
+            queue = policy.queue_key(req.priority_class)
+            count[queue] = count.get(queue, 0) + 1
+        return sorted(work.items()), sorted(count.items())
 
     def stats(self) -> dict:
         bm = self.block_manager
@@ -803,6 +818,7 @@ class LLMEngine:
         c = self.counters
         drafts = c["spec_draft_tokens"]
         rate = self.rate_meter.estimate()
+        work, count = self._queued_work(rate.output_fraction if rate else 1.0)
         return {
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
@@ -826,7 +842,8 @@ class LLMEngine:
                                                    "dtype", None), "unknown"),
             # deadline admission (llmctl.serve.admission): None until measured
             "admission_rate": rate,
-            "queued_work": self._queued_work(rate.output_fraction if rate else 1.0),
+            "queued_work": work,
+            "queued_requests": count,  # the queue limit's input (AsyncEngine)
         }
 
     def _kv_slots(self) -> tuple[int, int]:
@@ -835,6 +852,8 @@ class LLMEngine:
         bs = self.block_manager.block_size
         for seq in self.scheduler.running:
             for i, block_id in enumerate(seq.block_table):
+                if block_id == DROPPED:
+                    continue
                 n = min(bs, max(0, seq.num_computed_tokens - i * bs))
                 if n > filled.get(block_id, -1):
                     filled[block_id] = n

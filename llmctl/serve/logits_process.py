@@ -17,6 +17,12 @@ sequence preempted by recompute re-runs its prompt and output through the model,
 those tokens were accepted once, when they were sampled, and are not fed again.
 
 The engine knows only this protocol (no grammar library imports).
+
+OpenAI's ``logit_bias`` is applied at the same point (:func:`apply_logit_bias`): added
+to the raw logits before penalties, temperature and filters, as vLLM's sampler does
+(its step 5b, "logit processors which are not argmax-invariant", after the allowed-token
+whitelist and before penalties); log-probs are computed from the logits before either,
+as vLLM's default ``logprobs_mode="raw_logprobs"`` does.
 """
 
 from __future__ import annotations
@@ -62,4 +68,25 @@ def apply_constraints(logits: torch.Tensor, constraints: list[LogitsConstraint |
     for row, constraint in enumerate(constraints):
         if constraint is not None:
             constraint.mask(out[row])
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]
+                     ) -> torch.Tensor:
+    """``logits`` (``[rows, vocab]``) plus each row's ``{token id: bias}``, in float32.
+
+    Returns a new tensor when any row is biased (the caller's logits also feed logprobs),
+    else ``logits`` itself. float32 because a bias of +-100 on bf16 logits would round the
+    biased logit to a multiple of 0.5 (bf16 keeps 8 significant bits).
+    """
+    if not any(biases):
+        return logits
+    import torch
+
+    out = logits.to(torch.float32, copy=True)
+    for row, bias in enumerate(biases):
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=out.device)
+            values = torch.tensor(list(bias.values()), dtype=out.dtype, device=out.device)
+            out[row].index_add_(0, ids, values)
     return out

@@ -2,13 +2,18 @@
 
 One decoder covers llama, mistral, qwen2 and qwen3: they differ in data, not code
 (:data:`FAMILIES`): qkv biases (qwen2 always, llama/qwen3 when ``attention_bias``),
-an RMSNorm over each head of q and k before RoPE (qwen3), tied embeddings.
+an RMSNorm over each head of q and k before RoPE (qwen3), tied embeddings, and which
+layers attend through a sliding window (:data:`WINDOW_RULES`, as transformers reads the
+config: mistral's ``sliding_window`` covers every layer; qwen2/qwen3 window only with
+``use_sliding_window``, the layers ``layer_types`` names "sliding_attention", by default
+those with index >= ``max_window_layers``). A windowed layer's query at position ``p``
+sees keys ``p - W + 1 .. p`` (transformers' ``kv_idx > q_idx - sliding_window``).
 
 Per layer, for the flat stream of this step's ``T`` tokens::
 
     h = RMSNorm(x);  q, k, v = split(h @ W_qkv)            # fused q/k/v projection
     q, k = RoPE(q), RoPE(k) at each token's position;  cache[slot] = k, v
-    x = x + W_o · attention(q, cache via block tables)      # GQA, causal
+    x = x + W_o · attention(q, cache via block tables)      # GQA, causal (windowed)
     h = RMSNorm(x);  g, u = split(h @ W_gate_up)            # fused gate/up
     x = x + W_down · (silu(g) * u)                          # SwiGLU
 
@@ -20,6 +25,7 @@ the per-call overhead of modules is a measurable share of a decode step.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,17 +39,70 @@ from llmctl.serve.cpu_kernels import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.decode_layers import DecodeLayers
 from llmctl.serve.rope import apply_rope, rope_freqs, rope_parameters
 
-# model_type -> features: a bool, or the config key that switches the feature on.
+log = logging.getLogger("llmctl.serve")
+
+# model_type -> features: a bool, or the config key that switches the feature on;
+# "windows": the rule of WINDOW_RULES that reads its sliding windows.
 FAMILIES: dict[str, dict[str, bool | str]] = {
-    "llama": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "qk_norm": False},
-    "mistral": {"qkv_bias": False, "o_bias": False, "qk_norm": False},
-    "qwen2": {"qkv_bias": True, "o_bias": False, "qk_norm": False},
-    "qwen3": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "qk_norm": True},
+    "llama": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "qk_norm": False,
+              "windows": "none"},
+    "mistral": {"qkv_bias": False, "o_bias": False, "qk_norm": False, "windows": "every_layer"},
+    "qwen2": {"qkv_bias": True, "o_bias": False, "qk_norm": False, "windows": "layer_types"},
+    "qwen3": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "qk_norm": True,
+              "windows": "layer_types"},
 }
 
 
 def _feature(config: dict, value: bool | str) -> bool:
     return bool(config.get(value, False)) if isinstance(value, str) else value
+
+
+def _no_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
+    # transformers' Llama has no sliding window: a ``sliding_window`` key in its config is
+    # not read there either (the engine runs what the reference runs)
+    if config.get("sliding_window"):
+        log.warning("config.json sets sliding_window=%s for model_type %r, whose "
+                    "transformers implementation attends fully: so does the engine",
+                    config["sliding_window"], config.get("model_type"))
+    return (None,) * num_layers
+
+
+def _every_layer(config: dict, num_layers: int) -> tuple[int | None, ...]:
+    # MistralModel masks every layer with config.sliding_window (null: full attention)
+    return (_window(config.get("sliding_window")),) * num_layers
+
+
+def _by_layer_type(config: dict, num_layers: int) -> tuple[int | None, ...]:
+    # Qwen2Config: sliding_window only counts with use_sliding_window; layer_types, when
+    # absent, is "sliding_attention" for i >= max_window_layers (transformers' default 28)
+    window = _window(config.get("sliding_window")) if config.get("use_sliding_window") \
+        else None
+    types = config.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= config.get("max_window_layers", 28)
+        else "full_attention" for i in range(num_layers)]
+    unknown = set(types) - set(LAYER_TYPES)
+    if len(types) != num_layers or unknown:
+        raise UnsupportedArchitectureError(
+            f"config.json's layer_types {types} do not name one of "
+            f"{', '.join(LAYER_TYPES)} per layer ({num_layers})",
+            "the engine runs full and sliding-window attention layers only")
+    return tuple(window if LAYER_TYPES[t] else None for t in types)
+
+
+def _window(value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UnsupportedArchitectureError(
+            f"config.json's sliding_window {value!r} is not a positive token count",
+            "fix the checkpoint's config.json")
+    return value
+
+
+# layer_types entry -> whether the layer attends through the sliding window
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+WINDOW_RULES = {"none": _no_windows, "every_layer": _every_layer,
+                "layer_types": _by_layer_type}
 
 
 @dataclass(frozen=True)
@@ -69,6 +128,25 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     quantization_config: dict | None = field(default=None, hash=False)
     torch_dtype: str | None = None
+    # per layer: the sliding window W (the query at p sees keys p - W + 1 .. p) or None
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def kv_window(self) -> int | None:
+        """Keys further back than this from every future query are never read again: the
+        largest window when every layer has one; None (keep everything) when any layer
+        attends fully."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
+
+    @property
+    def window_free_len(self) -> int | None:
+        """The longest context on which every window is no restriction (the smallest
+        window), None without windows: a runtime computing full attention is exact up
+        to here."""
+        return min((w for w in self.layer_windows if w is not None), default=None)
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelSpec:
@@ -86,10 +164,7 @@ class ModelSpec:
                 f"it runs: {', '.join(FAMILIES)}")
         heads = config["num_attention_heads"]
         max_pos = config.get("max_position_embeddings", 2048)
-        window = config.get("sliding_window")
-        if window and config.get("use_sliding_window", model_type == "mistral"):
-            # inside the window sliding attention is full attention: cap the context there
-            max_pos = min(max_pos, window)
+        layers = config["num_hidden_layers"]
         if eos is None:
             eos = _as_tuple(config.get("eos_token_id"))
         return cls(
@@ -97,7 +172,7 @@ class ModelSpec:
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
@@ -112,6 +187,7 @@ class ModelSpec:
             eos_token_ids=eos,
             quantization_config=config.get("quantization_config"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+            layer_windows=WINDOW_RULES[family["windows"]](config, layers),
         )
 
 
@@ -192,6 +268,7 @@ class LlamaModel:
         freqs = self.freqs[positions].unsqueeze(1) if rope_kv is None else None
         qk_size = self.q_size + self.kv_size
         slots = meta.slot_mapping
+        windows = spec.layer_windows or (None,) * len(self.layers)
         ops = self.norm_act
         # x is the residual stream, updated in place; each norm also adds the residual
         # branch that precedes it (the last layer's MLP output goes into the final norm)
@@ -218,7 +295,7 @@ class LlamaModel:
                     q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
                 layer_cache[0].view(-1, nkv, d).index_copy_(0, slots, k)
                 layer_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
-            attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
+            attn = paged_attention(q, k, v, layer_cache, meta, self.scale, windows[i])
             h = ops.add_rms_norm(x, layer.o(attn.to(x.dtype)), layer.post_norm, eps)
             mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm

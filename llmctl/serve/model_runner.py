@@ -83,6 +83,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.group_heads = model.spec.num_heads // model.spec.num_kv_heads
+        # the layers' sliding windows (a gathered group gets a mask for each), and the
+        # largest when every layer has one: keys before it are never gathered
+        self.windows = sorted({w for w in model.spec.layer_windows if w})
+        self.kv_window = model.spec.kv_window
         self.kernel = paged_attention_kernel(self.device, kv_cache.dtype)
         self.prefill = prefill_attention_kernel(self.device, kv_cache.dtype)
 
@@ -158,11 +162,16 @@ class ModelRunner:
                 start = len(tokens)
                 for item in bucket:
                     add(item)
+                first_block = 0
+                if self.kv_window is not None:  # the earliest key any query of it reads
+                    first_block = max(0, min(i.seq.num_computed_tokens for i in bucket)
+                                      - self.kv_window + 1) // bs
                 groups.append(build_paged_group(
                     start, q_len, [i.seq.num_computed_tokens + q_len for i in bucket],
                     [i.seq.block_table for i in bucket], block_size=bs,
                     num_blocks=self.kv_cache.shape[2], group_heads=self.group_heads,
-                    device=self.device, dtype=self.kv_cache.dtype))
+                    device=self.device, dtype=self.kv_cache.dtype, windows=self.windows,
+                    first_block=first_block))
 
         dev = self.device
         meta = AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),

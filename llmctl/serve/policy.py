@@ -30,7 +30,8 @@ class). Three rules, in this precedence:
    et al., "Fairness in Serving Large Language Models", OSDI 2024, arXiv:2401.00588).
    Each tenant has a counter of the tokens computed for it, each prompt token costing 1
    and each output token 2 (w_p = 1, w_q = 2 as in the paper's evaluation: an output
-   token is the dearer one), divided by the tenant's weight; the tenant with the smallest counter goes next.
+   token is the dearer one), divided by the tenant's weight; the tenant with the
+   smallest counter goes next.
    A tenant that has nothing waiting and sends a request has its counter lifted to the
    smallest counter among the tenants that are waiting (to the counter of the last
    tenant that left the queue, when nobody waits): an idle tenant banks no credit and a
@@ -46,31 +47,43 @@ scheduling picks ``max(running, key=(priority, arrival))``), and each sequence a
 once. The once keeps aging's promise: without it a batch request that aging admitted
 could be pushed back out by every interactive arrival; with it, displaced once, it comes
 back already aged and then runs to its end. Aging does not lift the base class here,
-so no two requests can displace each other in turn.
+so no two requests can displace each other in turn. One exception makes the aging bound
+a bound: a *due* request (a lower class's that has waited its whole
+``rank * aging_seconds``) that finds no slot may also displace, once each, running
+sequences below the top class of tenants served more than its own (a larger VTC
+counter), newest first. Fair share already puts it ahead of those tenants; this only
+spares it waiting for one of their sequences to end. The counters order the pair, so
+two tenants cannot take turns.
 
 Short steps while a higher class is active (fair only): a request waits for the step in
 flight and then for its own, and a step's length is mostly its prompt tokens (a step of
 ``max_num_batched_tokens`` prompt tokens is several decode steps long). So while a class
 is *active* -- it has a request waiting, or one arrived in the last
-``ACTIVE_SECONDS`` -- sequences at a lower level get at most ``GUARD_TOKENS`` prompt
-tokens per step between them, and none while a request of the active class waits (its
-own step then carries only the running decodes and the higher class's prompts), and no
-new lower-level sequence starts while ``GUARD_SEQS`` of them run (those running finish;
+``ACTIVE_SECONDS`` -- sequences of a lower base class get at most ``GUARD_TOKENS``
+prompt tokens per step between them, and none while a request of the active class
+waits (its own step then carries only the running decodes and the higher class's
+prompts), and no new one starts while ``GUARD_SEQS`` of them run (those running finish;
 decodes are never held back). A step's decode rows cost time about linearly in rows on a
 compute-bound CPU step, so the steps a higher-class request waits for and runs in stay
-short. The cost falls on the lower classes' throughput, and only while a higher class is
-active.
+short. The guard goes by base class, not level: a flood whose requests wait past their
+aging bound still runs inside the guard, else its aged requests would make every step
+long again. Nobody starves: a due request whose tenant has nothing running inside the
+guard goes past it (one per tenant), so every tenant progresses however many of another
+tenant's requests are due. The cost falls on the lower classes' throughput, and only
+while a higher class is active.
 
-Aging ranks a request for admission; it does not make room. A flood of one class that
-waits longer than ``aging_seconds`` competes with the class above it by fair share
-only, so set ``aging_seconds`` above the queueing you accept for that class (rate
-limits and deadline admission keep a flood's queue short).
+Aging ranks a request for admission; it makes room for one due sequence per tenant, not
+for a class. A flood of one class that waits longer than ``aging_seconds`` competes with
+the class above it by fair share and inside the guard, so set ``aging_seconds`` above
+the queueing you accept for that class (rate limits and deadline admission keep a
+flood's queue short).
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -85,10 +98,14 @@ DEFAULT_CLASS = "standard"
 PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
 _NOBODY = object()  # no tenant has left the queue yet (None is the anonymous tenant)
-# fair: a class stays active this long after its last arrival (an interactive user's
-# next request usually comes within seconds), and lower levels then share this many
-# prompt tokens per step (a few decode steps' worth of time on a small model)
-ACTIVE_SECONDS = 5.0
+# fair: a class stays active this long after its last arrival, and lower classes then
+# share this many prompt tokens per step (a few decode steps' worth of time on a small
+# model). 30 s spans a user's think time between turns: at 5 s, a class sending 0.5
+# requests/s found the guard lifted (and a step of a full prompt budget, ~10 decode
+# steps long, in flight) for e^-2.5 = 8% of its requests, which is its p95
+# (tenant_contention). The guard costs the lower classes a share of their throughput
+# (GUARD_SEQS running, GUARD_TOKENS per step), not their progress.
+ACTIVE_SECONDS = 30.0
 GUARD_TOKENS = 64
 GUARD_SEQS = 8  # lower-level sequences running at once while a higher class is active
 
@@ -110,13 +127,17 @@ class SchedulingPolicy(Protocol):
 
     def order(self, waiting: list[Sequence], now: float) -> list[Sequence]: ...
 
-    def preemptible(self, head: Sequence, running: list[Sequence]) -> list[Sequence]: ...
+    def preemptible(self, head: Sequence, running: list[Sequence],
+                    now: float) -> list[Sequence]: ...
 
     def displaced(self, seq: Sequence) -> None: ...
 
     def admission_key(self, priority: int, priority_class: str | None) -> tuple: ...
 
-    def prefill_cap(self, waiting: list[Sequence], now: float) -> PrefillCap | None: ...
+    def queue_key(self, priority_class: str | None) -> tuple: ...
+
+    def prefill_cap(self, waiting: list[Sequence], running: list[Sequence],
+                    now: float) -> PrefillCap | None: ...
 
     def enqueue(self, seq: Sequence) -> None: ...
 
@@ -139,7 +160,8 @@ class FCFSPolicy:
     def order(self, waiting: list[Sequence], now: float) -> list[Sequence]:
         return list(waiting)
 
-    def preemptible(self, head: Sequence, running: list[Sequence]) -> list[Sequence]:
+    def preemptible(self, head: Sequence, running: list[Sequence],
+                    now: float) -> list[Sequence]:
         return []
 
     def displaced(self, seq: Sequence) -> None:
@@ -148,7 +170,13 @@ class FCFSPolicy:
     def admission_key(self, priority: int, priority_class: str | None) -> tuple:
         return (priority,)
 
-    def prefill_cap(self, waiting: list[Sequence], now: float) -> PrefillCap | None:
+    def queue_key(self, priority_class: str | None) -> tuple:
+        """One queue: the limit counts every waiting request (``priority`` is the
+        client's to choose, so it cannot buy a queue of its own)."""
+        return ()
+
+    def prefill_cap(self, waiting: list[Sequence], running: list[Sequence],
+                    now: float) -> PrefillCap | None:
         return None
 
     def enqueue(self, seq: Sequence) -> None:
@@ -226,15 +254,48 @@ class FairPolicy:
     def admission_key(self, priority: int, priority_class: str | None) -> tuple:
         return (self.rank(priority_class),)
 
-    def prefill_cap(self, waiting: list[Sequence], now: float) -> PrefillCap | None:
-        """Lower levels' prompt tokens while a higher class is active (module docstring)."""
-        levels = [self.level(seq.request, now) for seq in waiting]
+    def queue_key(self, priority_class: str | None) -> tuple:
+        """A queue per class (classes come from the operator's tenant table): a flood of
+        one class cannot fill the queue against another."""
+        return (self.rank(priority_class),)
+
+    def due(self, request: Request, now: float) -> bool:
+        """A lower class's request that has waited its whole aging bound."""
+        return self.rank(request.priority_class) > 0 and self.level(request, now) == 0
+
+    def prefill_cap(self, waiting: list[Sequence], running: list[Sequence],
+                    now: float) -> PrefillCap | None:
+        """Lower base classes' prompt tokens and sequences while a higher class is active,
+        one due sequence per tenant excepted (module docstring)."""
+        ranks = [self.rank(seq.request.priority_class) for seq in waiting]
         active = [r for r, t in self._last_arrival.items() if now - t < ACTIVE_SECONDS]
-        top = min(levels + active, default=None)
+        top = min(ranks + active, default=None)
         if top is None:
             return None
-        tokens = 0 if top in levels else GUARD_TOKENS
-        return PrefillCap(lambda seq: self.level(seq.request, now) > top, tokens)
+        tokens = 0 if top in ranks else GUARD_TOKENS
+        inside = Counter(seq.request.tenant for seq in running
+                         if self.rank(seq.request.priority_class) > top)
+        # one due sequence per tenant with nothing running inside the guard goes past it:
+        # that tenant's first in its own order (a running one keeps the pass while alone)
+        firsts: dict[str | None, tuple] = {}
+        for seq in waiting:
+            req = seq.request
+            if (self.rank(req.priority_class) > top and not inside[req.tenant]
+                    and self.due(req, now)):
+                key = (req.priority, req.arrival_time, req.serial, seq.index, seq.seq_id)
+                if req.tenant not in firsts or key < firsts[req.tenant]:
+                    firsts[req.tenant] = key
+        passes = {key[-1] for key in firsts.values()}
+
+        def applies(seq: Sequence) -> bool:
+            req = seq.request
+            if self.rank(req.priority_class) <= top:
+                return False
+            if seq.status is SequenceStatus.RUNNING:
+                return not (self.due(req, now) and inside[req.tenant] == 1)
+            return seq.seq_id not in passes
+
+        return PrefillCap(applies, tokens)
 
     def _prompt_cost(self, seq: Sequence) -> float:
         """What admitting ``seq`` will charge its tenant first: its prompt tokens not yet
@@ -277,13 +338,22 @@ class FairPolicy:
         # ties on (level, counter): the earlier head, then submission order (unique)
         return (level, counter, arrival, serial, index, tenant)
 
-    def preemptible(self, head: Sequence, running: list[Sequence]) -> list[Sequence]:
-        """Running sequences ``head`` may displace, best victim first: strictly lower base
-        class, never displaced before, newest of the lowest class first (``running`` is
-        sorted by :meth:`key`)."""
-        rank = self.rank(head.request.priority_class)
-        return [s for s in reversed(running) if self.rank(s.request.priority_class) > rank
-                and s.seq_id not in self._displaced]
+    def preemptible(self, head: Sequence, running: list[Sequence],
+                    now: float) -> list[Sequence]:
+        """Running sequences ``head`` may displace, best victim first (``running`` is
+        sorted by :meth:`key`), none displaced before: those of a strictly lower base
+        class, newest of the lowest class first; then, if ``head`` is due, those below the
+        top class of tenants with a larger counter than its tenant's, newest first."""
+        def rank(seq: Sequence) -> int:
+            return self.rank(seq.request.priority_class)
+
+        fresh = [s for s in reversed(running) if s.seq_id not in self._displaced]
+        victims = [s for s in fresh if rank(s) > rank(head)]
+        if self.due(head.request, now):
+            owed = self.counters.get(head.request.tenant, 0.0)
+            victims += [s for s in fresh if 0 < rank(s) <= rank(head)
+                        and self.counters.get(s.request.tenant, 0.0) > owed]
+        return victims
 
     def displaced(self, seq: Sequence) -> None:
         """``seq`` was preempted for a waiting request: it will not be again."""

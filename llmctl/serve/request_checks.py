@@ -22,6 +22,10 @@ def check_request(request_id: str, ids: list[int], params: SamplingParams, *,
     if any(t < 0 or t >= vocab_size for t in ids):
         raise UsageError(f"request {request_id!r} has token ids outside [0, {vocab_size})",
                          "encode the prompt with this model's tokenizer")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise UsageError(f"logit_bias names token {max(params.logit_bias)}, outside the "
+                         f"vocabulary [0, {vocab_size})",
+                         "bias token ids of this model's tokenizer")
     if params.prompt_logprobs is not None and not prompt_logprobs:
         raise UsageError("this engine's runner cannot return prompt log-probs",
                          "serve the checkpoint instead of the engine directory, or do "

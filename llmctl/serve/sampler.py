@@ -1,8 +1,9 @@
 """From logits to tokens: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
 
-Order (that of HF ``generate``'s processors): a structured-output constraint masks the
-raw logits, then penalties, temperature, top-k, top-p, min-p. Greedy rows take the
-argmax of the masked, penalised logits. Logprobs stay those of the raw logits.
+Order (that of HF ``generate``'s processors): ``logit_bias`` is added to the raw logits
+and a structured-output constraint masks them, then penalties, temperature, top-k,
+top-p, min-p. Greedy rows take the argmax of the biased, masked, penalised logits.
+Logprobs stay those of the raw logits (vLLM's default, ``raw_logprobs``).
 
 Sampling uses the exponential race: ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` is a
 draw from ``p`` (the Gumbel-max trick in another form), so a seeded request draws its
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmctl.serve.logits_process import apply_constraints
+from llmctl.serve.logits_process import apply_constraints, apply_logit_bias
 from llmctl.serve.sampling_params import SamplingParams
 from llmctl.serve.sequence import Sequence
 
@@ -157,6 +158,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row (row ``r`` belongs to ``seqs[r]``)."""
         params = [s.params for s in seqs]
+        logits = apply_logit_bias(logits, [p.logit_bias for p in params])
         logits = apply_constraints(logits, [s.constraint for s in seqs])
         processed = self.processed_logits(logits, params, seqs)
         greedy = processed.argmax(dim=-1)

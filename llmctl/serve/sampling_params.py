@@ -26,6 +26,9 @@ the HTTP layer maps requests onto this one-to-one:
   prefix cache (a cached block has no logits to report).
 - ``logits_constraint`` (a :class:`~llmctl.serve.logits_process.ConstraintFactory`)
   restricts every completion to what it allows, e.g. a JSON schema's language.
+- ``logit_bias`` (OpenAI's): token id -> a bias in ``[-100, 100]`` added to that token's
+  raw logit before anything else (``-100`` all but bans the token, ``+100`` all but forces
+  it); at most ``MAX_LOGIT_BIAS_ENTRIES`` tokens. Log-probs stay those of the raw logits.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from llmctl.serve.logits_process import ConstraintFactory
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 INT64_MAX = 2**63 - 1  # integer parameters become int64 tensors in the sampler
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's cap on the tokens one request may bias
 
 
 class SamplingParams(BaseModel):
@@ -62,6 +67,7 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     logits_constraint: Any = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -95,6 +101,21 @@ class SamplingParams(BaseModel):
     def _constraint(cls, value):
         if value is not None and not isinstance(value, ConstraintFactory):
             raise ValueError("must have a new_constraint() method (a ConstraintFactory)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value):
+        if not value:
+            return None  # an empty map biases nothing: the sampler skips the request
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}")
+        for token, bias in value.items():
+            if token < 0:
+                raise ValueError(f"token id {token} is negative")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"bias {bias} for token {token} is outside "
+                                 f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         return value
 
     @field_validator("stop_token_ids", mode="before")

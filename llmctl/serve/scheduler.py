@@ -21,7 +21,8 @@ draft tokens, and at most ``max_num_seqs`` sequences run at once.
 A policy may also cap the prompt tokens some sequences take in a step (fair: lower
 classes while a higher one is active): those sequences' prompt chunks are cut to what
 the cap has left, or skipped when nothing is left (decodes are never capped), and none
-of them is admitted while the cap's number of them runs.
+of them is admitted while the cap's number of them runs. A waiting sequence the cap
+holds back is passed over, not a stop: the cap is on it, not on those after it.
 
 Aging looks one step ahead: the policy ranks waiting sequences at ``now`` plus the time
 the last step took (at most ``MAX_LOOKAHEAD``), the start of the next scheduling point,
@@ -142,7 +143,7 @@ class Scheduler:
         chunked = self.enable_chunked_prefill
         if self.waiting and self.running:
             self._make_room(out)
-        cap = self.policy.prefill_cap(self.waiting, self._aging_now)
+        cap = self.policy.prefill_cap(self.waiting, self.running, self._aging_now)
         capped = cap.tokens if cap is not None else 0
 
         def allowed(seq: Sequence, num_new: int) -> int:
@@ -198,10 +199,9 @@ class Scheduler:
         for seq in order:
             if budget <= 0:
                 break
-            if cap is not None and cap.applies(seq):
-                if capped_running >= cap.seqs:
-                    break  # the order is by level: the rest are capped too
-                capped_running += 1
+            limited = cap is not None and cap.applies(seq)
+            if limited and capped_running >= cap.seqs:
+                continue  # one the cap does not hold may come later in the order
             if 1 + seq.pending_fork > slots and self.running:
                 break
             cached = bm.find_cached_prefix(seq)
@@ -211,7 +211,7 @@ class Scheduler:
                     break
                 num_new = budget
             if (num_new := allowed(seq, num_new)) == 0:
-                break  # the order is by level: the rest are capped too
+                continue
             new_blocks = bm.blocks_needed(len(cached) * bm.block_size + num_new) - len(cached)
             if self.running and bm.num_free_blocks - new_blocks < self.watermark_blocks:
                 break
@@ -225,6 +225,7 @@ class Scheduler:
             seq.transition(SequenceStatus.RUNNING)
             bisect.insort(self.running, seq, key=self.policy.key)
             slots -= 1 + seq.pending_fork
+            capped_running += limited
             out.copies.extend(copies)
             out.scheduled.append(ScheduledSeq(seq, num_new, 0))
             budget -= num_new
@@ -253,7 +254,7 @@ class Scheduler:
         """Preempt running sequences the policy lets the head of the queue displace,
         newest first, if (and only if) that frees enough slots and blocks to admit it."""
         head = self._order()[0]
-        victims = self.policy.preemptible(head, self.running)
+        victims = self.policy.preemptible(head, self.running, self._aging_now)
         if not victims or self._promised is not None:
             return
         bm = self.block_manager
@@ -261,8 +262,8 @@ class Scheduler:
         num_new = head.num_tokens - len(cached) * bm.block_size
         if self.enable_chunked_prefill:
             num_new = min(num_new, self.max_num_batched_tokens)
-        revived = sum(1 for b in cached if bm.blocks[b].ref_count == 0)
-        need = bm.blocks_needed(len(cached) * bm.block_size + num_new) - len(cached) + revived
+        need = bm.blocks_needed(len(cached) * bm.block_size + num_new) - len(cached) \
+            + bm.revivals(cached)
         slots = self.max_num_seqs - len(self.running) - sum(s.pending_fork for s in self.running)
         free = bm.num_free_blocks
         left = len(self.running)
@@ -278,7 +279,7 @@ class Scheduler:
             chosen.append(victim)
             slots += 1 + victim.pending_fork
             # blocks only it holds return to the pool (shared prefix blocks stay)
-            free += sum(1 for b in victim.block_table if bm.blocks[b].ref_count == 1)
+            free += bm.exclusive_blocks(victim)
             left -= 1
         if not chosen or not fits():
             return

@@ -86,7 +86,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "block_table", "status", "spec_token_ids",
-                 "num_cached_tokens", "num_hashed_blocks", "logprobs", "detok",
+                 "num_cached_tokens", "num_hashed_blocks", "chain_hash", "logprobs", "detok",
                  "first_token_time", "generator", "num_emitted",
                  "pending_fork", "constraint", "no_drafts", "_stop_reason")
 
@@ -102,6 +102,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
+        self.chain_hash = b""  # the prefix-cache hash of the last of them (b"": none)
         self.logprobs: list[dict] = []
         self.detok = None  # the IncrementalDetokenizer, attached by the engine
         self.first_token_time: float | None = None

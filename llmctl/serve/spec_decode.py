@@ -65,7 +65,7 @@ class _Shadow:
     """The draft model's view of a target sequence (duck-types what the runner reads)."""
 
     __slots__ = ("token_ids", "num_computed_tokens", "block_table", "spec_token_ids",
-                 "num_hashed_blocks", "num_cached_tokens", "base")
+                 "num_hashed_blocks", "chain_hash", "num_cached_tokens", "base")
 
     def __init__(self) -> None:
         self.base = 0  # target length when the drafts were proposed
@@ -74,6 +74,7 @@ class _Shadow:
         self.block_table: list[int] = []
         self.spec_token_ids: list[int] = []
         self.num_hashed_blocks = 0
+        self.chain_hash = b""
         self.num_cached_tokens = 0
 
     @property

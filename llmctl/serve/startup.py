@@ -63,6 +63,9 @@ class ServeSettings:
     replicas: int = 1
     engine_step_timeout: float = 60.0
     max_rss: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    engine_nice: int = 10
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 
@@ -95,6 +98,7 @@ def check(settings: ServeSettings) -> bool:
                          "use --speculative ngram, or serve the source checkpoint")
     if engine == "llmctl":
         supervision(settings)  # --replicas / --max-rss mistakes before anything loads
+    auto_tool_parser(settings)
     if settings.otlp_traces_endpoint and engine == "llmctl":
         from llmctl.serve.api.tracing import otlp_traces_url
 
@@ -102,14 +106,30 @@ def check(settings: ServeSettings) -> bool:
     return engine_dir
 
 
+def auto_tool_parser(settings: ServeSettings) -> str | None:
+    """The parser for tool_choice "auto", or None (vLLM's flags, and its rule: auto tool
+    choice needs a parser; a parser alone leaves "auto" off)."""
+    from llmctl.serve.api.tool_parsers import AUTO_PARSERS
+
+    name = settings.tool_call_parser
+    if name is not None and name not in AUTO_PARSERS:
+        raise UsageError(f"unknown --tool-call-parser {name!r}",
+                         f"choose one of: {', '.join(AUTO_PARSERS)}")
+    if settings.enable_auto_tool_choice and name is None:
+        raise UsageError("--enable-auto-tool-choice needs --tool-call-parser",
+                         f"add --tool-call-parser with one of: {', '.join(AUTO_PARSERS)}")
+    return name if settings.enable_auto_tool_choice else None
+
+
 def supervision(settings: ServeSettings):
     """How the engine processes are run (:class:`llmctl.serve.proc.engine.Supervision`)."""
     from llmctl.serve.config import parse_memory
     from llmctl.serve.proc.engine import Supervision, split_cpus, usable_cpus
 
-    if not settings.engine_process and (settings.replicas > 1 or settings.max_rss):
-        raise UsageError("--replicas and --max-rss need engine processes (not with "
-                         "--no-engine-process)",
+    if not settings.engine_process and (settings.replicas > 1 or settings.max_rss
+                                        or "engine_nice" in settings.given):
+        raise UsageError("--replicas, --max-rss and --engine-nice need engine processes "
+                         "(not with --no-engine-process)",
                          "drop --no-engine-process")
     max_rss = None
     if settings.max_rss:
@@ -120,7 +140,7 @@ def supervision(settings: ServeSettings):
         max_rss = int(size)
     split_cpus(settings.replicas, usable_cpus(), settings.threads)  # enough CPUs for them
     return Supervision(replicas=settings.replicas, step_timeout=settings.engine_step_timeout,
-                       max_rss=max_rss)
+                       max_rss=max_rss, nice=settings.engine_nice)
 
 
 def handoff_command(settings: ServeSettings) -> list[str]:
@@ -139,7 +159,9 @@ def handoff_command(settings: ServeSettings) -> list[str]:
         host=settings.host, port=settings.port, api_key=settings.api_key,
         max_model_len=settings.max_model_len, dtype=canonical_dtype(settings.dtype),
         python=settings.engine_python, tensor_parallel_size=settings.tensor_parallel_size,
-        otlp_traces_endpoint=settings.otlp_traces_endpoint)
+        otlp_traces_endpoint=settings.otlp_traces_endpoint,
+        enable_auto_tool_choice=settings.enable_auto_tool_choice,
+        tool_call_parser=settings.tool_call_parser)
     return HANDOFF_ENGINES[settings.engine](opts)
 
 
@@ -192,6 +214,9 @@ def serve(settings: ServeSettings, say: Callable[[str], None] = log.info) -> int
     from llmctl.serve.api.launch import ServeOptions, run_server
     from llmctl.serve.config import EngineConfig
 
+    if settings.tool_call_parser and not settings.enable_auto_tool_choice:
+        log.warning("--tool-call-parser %s without --enable-auto-tool-choice: tool_choice "
+                    '"auto" stays off', settings.tool_call_parser)
     kwargs = engine_kwargs(settings, engine_dir)
     # Checked before anything loads; a pydantic error names the field, which the CLI
     # reports as the option that set it (exit 2).
@@ -203,5 +228,6 @@ def serve(settings: ServeSettings, say: Callable[[str], None] = log.info) -> int
                         grace_period=settings.grace_period, log_level=settings.log_level,
                         otlp_traces_endpoint=settings.otlp_traces_endpoint, engine_kwargs=kwargs,
                         engine_process=settings.engine_process,
-                        supervision=supervision(settings))
+                        supervision=supervision(settings),
+                        auto_tool_parser=auto_tool_parser(settings))
     return run_server(opts)

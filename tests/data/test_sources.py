@@ -41,6 +41,15 @@ def test_bad_sources(tmp_path, monkeypatch):
         load_text_source("builtin:nope")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
+    # huggingface_hub and datasets read HF_HUB_OFFLINE once, at import: in the full suite
+    # an earlier test has imported them, the variable above comes too late and the load
+    # went to the network (23 s of connection retries, and a pass only while it fails).
+    # Offline in this process too, whatever was imported before.
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(OfflineError):
         load_text_source("hf:nosuch/dataset")
 

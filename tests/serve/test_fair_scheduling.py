@@ -181,6 +181,64 @@ def test_no_new_lower_sequence_while_guard_seqs_run_and_a_higher_class_is_active
     assert len(sched.running) == 13
 
 
+def test_a_flood_past_its_aging_bound_stays_inside_the_guard_but_one_due_per_tenant_passes():
+    """Twelve standard requests of tenant A waited far past their aging bound (10 s) when
+    an interactive request arrives. The guard goes by base class: A's first due request
+    passes it (its tenant has nothing inside), then only GUARD_SEQS more of A start.
+    A due batch request of another tenant passes too; a batch request not yet due
+    does not (yet); once the interactive class goes quiet the rest of A start."""
+    from llmctl.serve.policy import ACTIVE_SECONDS, GUARD_SEQS
+
+    clock = Clock(100.0)
+    sched = Scheduler(BlockManager(1000, 4), max_num_seqs=32, max_num_batched_tokens=512,
+                      enable_chunked_prefill=True, watermark=0.0,
+                      policy=FairPolicy(aging_seconds=10), clock=clock)
+    for k in range(12):
+        sched.add(make_seq(4, cls="standard", tenant="A", arrival=float(k), rid=f"a{k}"))
+    sched.add(make_seq(4, cls="interactive", tenant="B", arrival=100.0, rid="i"))
+    out = run_step(sched)  # i waits: no capped prompt; a0 passes the guard
+    assert {i.seq.request.request_id for i in out.scheduled} == {"i", "a0"}
+    for t in (100.5, 101.0):
+        clock.t = t
+        run_step(sched)
+    running = sorted(s.request.request_id for s in sched.running)
+    assert running == sorted(["i", "a0"] + [f"a{k}" for k in range(1, 1 + GUARD_SEQS)])
+    sched.add(make_seq(4, cls="batch", tenant="P", arrival=80.0, rid="probe"))  # due at 100
+    sched.add(make_seq(4, cls="batch", tenant="Q", arrival=95.0, rid="young"))
+    clock.t = 101.5
+    out = run_step(sched)
+    assert [i.seq.request.request_id for i in out.scheduled if i.num_new_tokens > 1] == \
+        ["probe"]
+    clock.t = 100.0 + ACTIVE_SECONDS
+    run_step(sched)  # A's class is now the top one: all of A runs; young, due by now, too
+    assert sched.waiting == [] and len(sched.running) == 1 + 12 + 2
+
+
+def test_a_due_request_displaces_a_flood_sequence_when_no_slot_is_free():
+    """Two slots held by tenant A's standard sequences (decoding; A has the larger
+    counter). A batch request of tenant P (aging bound 2 x 10 s) waits: before its bound
+    it displaces nothing; at its bound it displaces A's newest and runs."""
+    clock = Clock(0.0)
+    sched = Scheduler(BlockManager(1000, 4), max_num_seqs=2, max_num_batched_tokens=64,
+                      enable_chunked_prefill=True, watermark=0.0,
+                      policy=FairPolicy(aging_seconds=10), clock=clock)
+    flood = [make_seq(8, cls="standard", tenant="A", arrival=0.0, rid=f"a{k}")
+             for k in range(2)]
+    for seq in flood:
+        sched.add(seq)
+    run_step(sched)
+    sched.add(make_seq(8, cls="batch", tenant="P", arrival=0.0, rid="probe"))
+    clock.t = 10.0
+    out = run_step(sched)  # not due: waits for a slot
+    assert out.preempted == [] and {s.request.request_id for s in sched.running} == \
+        {"a0", "a1"}
+    clock.t = 20.0
+    out = run_step(sched)
+    assert out.preempted == [flood[1]]
+    assert [i.seq.request.request_id for i in out.scheduled if i.num_new_tokens > 1] == \
+        ["probe"]
+
+
 def test_no_cap_under_fcfs_or_with_one_class():
     clock = Clock(10.0)
     for sched in (make(1000, fair=False, clock=clock, budget=256),

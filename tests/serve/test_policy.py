@@ -136,27 +136,53 @@ def test_order_is_deterministic_whatever_the_input_order():
 
 
 def test_preemptible_is_strictly_lower_base_class_newest_first_and_only_once():
-    policy = FairPolicy(aging_seconds=1)
+    policy = FairPolicy(aging_seconds=100)
     running = sorted([make_seq("std-old", cls="standard", arrival=0),
                       make_seq("batch-old", cls="batch", arrival=0),
                       make_seq("batch-new", cls="batch", arrival=5),
                       make_seq("inter", cls="interactive", arrival=6)], key=policy.key)
     head = make_seq("i2", cls="interactive", arrival=7)
-    assert ids(policy.preemptible(head, running)) == ["batch-new", "batch-old", "std-old"]
-    # an aged batch request (level 0 by now) still displaces only lower base classes
-    aged = make_seq("b2", cls="batch", arrival=-100)
-    assert policy.preemptible(aged, running) == []
-    assert ids(policy.preemptible(make_seq("s2", cls="standard"), running)) == \
+    assert ids(policy.preemptible(head, running, now=7)) == \
+        ["batch-new", "batch-old", "std-old"]
+    # a batch request waited longer than aging: same counters, so nothing of its own class
+    aged = make_seq("b2", cls="batch", arrival=-300)
+    assert policy.due(aged.request, 7) and policy.preemptible(aged, running, now=7) == []
+    assert ids(policy.preemptible(make_seq("s2", cls="standard"), running, now=7)) == \
         ["batch-new", "batch-old"]
     policy.displaced(running[-1])  # batch-new
-    assert ids(policy.preemptible(head, running)) == ["batch-old", "std-old"]
+    assert ids(policy.preemptible(head, running, now=7)) == ["batch-old", "std-old"]
+
+
+def test_a_due_request_may_displace_tenants_served_more_than_its_own_below_the_top_class():
+    """Aging bound 2 x 10 s for batch. Before it, a batch request displaces nothing; at it,
+    any running sequence below the top class of a tenant whose counter is above its own
+    tenant's, newest first -- never the interactive class, never a tenant served less,
+    never one displaced before."""
+    policy = FairPolicy(aging_seconds=10)
+    policy.counters.update({"flood": 5000.0, "light": 10.0, "probe": 100.0})
+    running = sorted([make_seq("f-old", tenant="flood", cls="standard", arrival=0),
+                      make_seq("f-new", tenant="flood", cls="standard", arrival=4),
+                      make_seq("light", tenant="light", cls="batch", arrival=1),
+                      make_seq("fi", tenant="flood", cls="interactive", arrival=3)],
+                     key=policy.key)
+    probe = make_seq("probe", tenant="probe", cls="batch", arrival=0)
+    assert not policy.due(probe.request, 19.9) and \
+        policy.preemptible(probe, running, now=19.9) == []
+    assert policy.due(probe.request, 20.0)
+    assert ids(policy.preemptible(probe, running, now=20.0)) == ["f-new", "f-old"]
+    policy.displaced(next(s for s in running if s.request.request_id == "f-new"))
+    assert ids(policy.preemptible(probe, running, now=20.0)) == ["f-old"]
+    # the flood's own due request gets nothing from the tenants served less than it
+    due_flood = make_seq("f-due", tenant="flood", cls="standard", arrival=0)
+    assert policy.preemptible(due_flood, running, now=20.0) == \
+        [s for s in reversed(running) if s.request.request_id == "light"]
 
 
 def test_fcfs_keeps_the_waiting_order_and_never_preempts():
     policy = FCFSPolicy()
     seqs = [make_seq("b", priority=1), make_seq("a", priority=0, arrival=3)]
     assert policy.order(seqs, now=0) == seqs
-    assert policy.preemptible(seqs[0], seqs) == []
+    assert policy.preemptible(seqs[0], seqs, now=0) == []
     assert policy.key(seqs[1]) < policy.key(seqs[0])
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,13 @@ from llmctl.serve.api.render import (
 )
 from llmctl.serve.api.tenancy import Grant, Tenancy
 from llmctl.serve.api.tenants import TenantTable
+from llmctl.serve.api.tools import (
+    ToolPlan,
+    ToolRequestError,
+    plan_tools,
+    template_tools,
+    warn_if_template_ignores_tools,
+)
 from llmctl.serve.proc.engine import EngineUnavailableError
 
 log = logging.getLogger("llmctl.serve")
@@ -68,6 +76,9 @@ class ServerConfig:
     extra_model_names: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
     peaks: Any = None  # llmctl.perf.peaks.Peaks for /metrics' MFU/MBU gauges; None: unknown
+    # tool_choice "auto": the tool_parsers.AUTO_PARSERS name (--enable-auto-tool-choice
+    # --tool-call-parser NAME); None: "auto" is refused, as vLLM does
+    auto_tool_parser: str | None = None
 
 
 @dataclass
@@ -80,6 +91,7 @@ class _Job:
     stream: Any = None
     echo: str | None = None  # the prompt text, put before each choice's text (echo=true)
     trace: Any = None  # the request's RequestTrace (llmctl.serve.api.tracing) when tracing
+    tools: ToolPlan = field(default_factory=ToolPlan)  # chat: how its choices are read
 
 
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
@@ -106,31 +118,36 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-class Server:
-    """Request handling shared by both endpoints; the routes are thin wrappers."""
+def require_object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise errors.bad_request("the request body must be a JSON object")
+    return body
 
-    def __init__(self, engine: AsyncEngine, tokenizer, config: ServerConfig,
-                 grammar_factory=None, tracing=None) -> None:
-        self.engine = engine
-        self.tracing = tracing  # llmctl.serve.api.tracing.Tracing; None: off
+
+def response_id(jobs: list[_Job]) -> str:
+    """The response's id: its engine requests' ids without the prompt index."""
+    return jobs[0].request_id.rsplit("-", 1)[0]
+
+
+class Frontend:
+    """OpenAI bodies in, engine requests out, and engine outputs back to OpenAI bodies,
+    with neither HTTP nor an engine in it: the server and ``llmctl batch``
+    (:mod:`llmctl.serve.api.batch`) share it, so a batch line gets what the HTTP API
+    would answer."""
+
+    def __init__(self, tokenizer, config: ServerConfig, grammar_factory=None) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.grammars = grammar_factory
-        self.metrics = ServerMetrics(config.model_name, engine.stats, config.peaks)
-        table = config.tenants
-        if table is None and config.api_key:
-            table = TenantTable.single_key(config.api_key)
-        self.tenancy = Tenancy(table, self.metrics, self.served_names, config.auth_file)
 
     @property
     def served_names(self) -> tuple[str, ...]:
         return (self.config.model_name, *self.config.extra_model_names)
 
     # --- parsing -------------------------------------------------------------------
-    async def parse(self, request: Request, model_cls):
-        """The request body validated as ``model_cls`` (or as the class it picks, given
-        the body), its ``model`` one this server serves."""
-        body = await self._body(request)
+    def validate(self, body: dict, model_cls):
+        """``body`` validated as ``model_cls`` (or as the class it picks, given the body),
+        its ``model`` one this server serves."""
         if not isinstance(model_cls, type):
             model_cls = model_cls(body)
         try:
@@ -140,21 +157,7 @@ class Server:
             raise errors.bad_request(message, param) from None
         if parsed.model is not None and parsed.model not in self.served_names:
             raise errors.model_not_found(parsed.model, self.config.model_name)
-        self.tenancy.check_model(tenant_of(request), parsed.model or self.config.model_name)
         return parsed
-
-    @staticmethod
-    async def _body(request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw, parse_constant=_reject_constant)  # no NaN / Infinity
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise errors.bad_request(f"malformed JSON body: {exc}") from None
-        except RecursionError:
-            raise errors.bad_request("malformed JSON body: nested too deeply") from None
-        if not isinstance(body, dict):
-            raise errors.bad_request("the request body must be a JSON object")
-        return body
 
     def encode_completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         prompts = []
@@ -187,10 +190,12 @@ class Server:
         special tokens (the template writes them) unless the request asks for more."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise errors.bad_request("this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
-        extra = {"continue_final_message": True} if getattr(
+        messages = [m.for_template() for m in req.messages]
+        extra: dict[str, Any] = {"continue_final_message": True} if getattr(
             req, "continue_final_message", False) else {}
+        if tools := template_tools(req):
+            extra["tools"] = tools
+            warn_if_template_ignores_tools(self.tokenizer)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
@@ -215,8 +220,9 @@ class Server:
 
     def sampling_params(self, req, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None,
-                        cap: int | None = None):
-        """``cap``: the tenant's max_tokens per request, bounding an unset max_tokens."""
+                        cap: int | None = None, overrides: dict[str, Any] | None = None):
+        """``cap``: the tenant's max_tokens per request, bounding an unset max_tokens;
+        ``overrides``: SamplingParams fields set by a feature (a ToolPlan's)."""
         from llmctl.errors import UsageError
         from llmctl.serve.sampling_params import SamplingParams
 
@@ -236,6 +242,13 @@ class Server:
             extra["logits_constraint"] = self._grammar(req)
         if prompt_logprobs is not None:
             extra["prompt_logprobs"] = prompt_logprobs
+        if bias := req.logit_bias_ids:
+            if (top := max(bias)) >= self.config.vocab_size:
+                raise errors.bad_request(f"logit_bias: token id {top} is outside the "
+                                         f"vocabulary (0..{self.config.vocab_size - 1})",
+                                         "logit_bias")
+            extra["logit_bias"] = bias
+        extra.update(overrides or {})
         try:  # protocol.py has checked every field; this is the engine's own last word
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
@@ -245,6 +258,12 @@ class Server:
                 repetition_penalty=req.repetition_penalty, logprobs=logprobs, **extra)
         except UsageError as exc:
             raise errors.bad_request(exc.message) from None
+
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
+        try:
+            return plan_tools(req, self.grammars, self.config.auto_tool_parser)
+        except ToolRequestError as exc:
+            raise errors.bad_request(str(exc), exc.param) from None
 
     def _grammar(self, req):
         """The request's compiled grammar (a ConstraintFactory); a bad schema is a 400."""
@@ -271,6 +290,92 @@ class Server:
 
     def _token_names(self, req):
         return TokenIdNames() if req.return_tokens_as_token_ids else self.tokenizer
+
+    def completion_jobs(self, req: CompletionRequest, prompts: list[list[int]],
+                        cap: int | None = None) -> tuple[list[_Job], Any]:
+        """One engine request per prompt and their shared sampling parameters."""
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        # One parameter set for all prompts: checked against the longest, which also
+        # bounds an unset max_tokens for every prompt. Echo without generation still
+        # samples one token (the engine needs a step to end on; vLLM does the same).
+        longest = max(len(ids) for ids in prompts)
+        max_tokens = 1 if req.prompt_only else req.max_tokens
+        params = self.sampling_params(req, longest, max_tokens, req.logprobs,
+                                      req.logprobs if req.echo else None, cap)
+        jobs = [_Job(f"{rid}-{i}", ids, i * req.n,
+                     echo=self.echo_text(text) if req.echo else None)
+                for i, (text, ids) in enumerate(zip(req.prompts(), prompts))]
+        return jobs, params
+
+    def chat_jobs(self, req: ChatCompletionRequest, ids: list[int], cap: int | None = None,
+                  tools: ToolPlan | None = None) -> tuple[list[_Job], Any]:
+        """``tools``: the request's plan when already made (:meth:`tool_plan`)."""
+        tools = tools if tools is not None else self.tool_plan(req)
+        params = self.sampling_params(req, len(ids), req.token_limit, req.num_logprobs,
+                                      cap=cap, overrides=tools.sampling_overrides())
+        return [_Job(f"chatcmpl-{uuid.uuid4().hex}-0", ids, 0, tools=tools)], params
+
+    def choice_updates(self, req, job: _Job, out, started: set[int]
+                       ) -> Iterator[tuple[int, Update]]:
+        """What one engine output adds to each of its choices, shaped, as (choice index,
+        update); ``started`` holds the choices that already had an update."""
+        for upd in updates_from_output(out):
+            index = job.choice_offset + upd.index
+            upd = self._shape(req, job, out, upd, index not in started)
+            started.add(index)
+            yield index, upd
+
+    def response(self, kind: str, req, jobs: list[_Job], choices: dict[int, Choice]) -> dict:
+        """The non-streaming response body once every choice is complete."""
+        ordered = [choices[i] for i in sorted(choices)]
+        if jobs[0].tools.active:  # chat with tools: calls out of each choice's text
+            for c in ordered:
+                reader = jobs[0].tools.new_choice()
+                _, _, c.finish_reason = reader.update(c.text, c.finish_reason or "length")
+                c.text, c.tool_calls = reader.content, reader.tool_calls
+        prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
+        usage = usage_block(prompt_tokens, sum(c.num_tokens for c in ordered))
+        created = int(time.time())
+        names = self._token_names(req)
+        rid = response_id(jobs)
+        if kind == "chat":
+            return chat_response(rid, created, self.config.model_name, ordered, usage, names)
+        return completion_response(rid, created, self.config.model_name, ordered, usage,
+                                   names)
+
+
+class Server(Frontend):
+    """Request handling shared by both endpoints; the routes are thin wrappers."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer, config: ServerConfig,
+                 grammar_factory=None, tracing=None) -> None:
+        super().__init__(tokenizer, config, grammar_factory)
+        self.engine = engine
+        self.tracing = tracing  # llmctl.serve.api.tracing.Tracing; None: off
+        self.metrics = ServerMetrics(config.model_name, engine.stats, config.peaks)
+        table = config.tenants
+        if table is None and config.api_key:
+            table = TenantTable.single_key(config.api_key)
+        self.tenancy = Tenancy(table, self.metrics, self.served_names, config.auth_file)
+
+    # --- parsing -------------------------------------------------------------------
+    async def parse(self, request: Request, model_cls):
+        """The request body validated as ``model_cls`` (or as the class it picks, given
+        the body), its ``model`` one this server serves and the tenant may use."""
+        parsed = self.validate(await self._body(request), model_cls)
+        self.tenancy.check_model(tenant_of(request), parsed.model or self.config.model_name)
+        return parsed
+
+    @staticmethod
+    async def _body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw, parse_constant=_reject_constant)  # no NaN / Infinity
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise errors.bad_request(f"malformed JSON body: {exc}") from None
+        except RecursionError:
+            raise errors.bad_request("malformed JSON body: nested too deeply") from None
+        return require_object(body)
 
     # --- running -------------------------------------------------------------------
     def _submit(self, jobs: list[_Job], params, priority: int, grant: Grant) -> None:
@@ -347,7 +452,7 @@ class Server:
             if jobs[0].trace is not None:
                 jobs[0].trace.close(exc)
             raise
-        rid = jobs[0].request_id.rsplit("-", 1)[0]
+        rid = response_id(jobs)
         if req.stream:
             return StreamingResponse(
                 self._stream(kind, rid, req, jobs, include_usage, grant),
@@ -401,10 +506,7 @@ class Server:
                 generated[job.request_id] = sum(len(c.token_ids) for c in out.outputs)
                 if trace is not None:
                     trace.observe(job.request_id, out)
-                for upd in updates_from_output(out):
-                    index = job.choice_offset + upd.index
-                    upd = self._shape(req, job, out, upd, index not in started)
-                    started.add(index)
+                for index, upd in self.choice_updates(req, job, out, started):
                     if upd.token_ids:
                         first_token.setdefault(job.request_id, time.monotonic())
                     yield index, upd
@@ -430,14 +532,7 @@ class Server:
                 choices.setdefault(index, Choice(index)).add(upd)
         finally:
             await updates.aclose()
-        ordered = [choices[i] for i in sorted(choices)]
-        prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
-        usage = usage_block(prompt_tokens, sum(c.num_tokens for c in ordered))
-        created = int(time.time())
-        names = self._token_names(req)
-        if kind == "chat":
-            return chat_response(rid, created, self.config.model_name, ordered, usage, names)
-        return completion_response(rid, created, self.config.model_name, ordered, usage, names)
+        return self.response(kind, req, jobs, choices)
 
     async def _stream(self, kind, rid, req, jobs, include_usage,
                       grant: Grant) -> AsyncIterator[str]:
@@ -446,6 +541,7 @@ class Server:
         sent_role: set[int] = set()
         names = self._token_names(req)
         completion_tokens = 0
+        readers: dict[int, Any] = {}  # chat with tools: each choice's ChoiceTools
         updates = self._updates(req, jobs, grant)
         try:
             async for index, upd in updates:
@@ -453,7 +549,12 @@ class Server:
                 if kind == "chat":
                     first = index not in sent_role
                     sent_role.add(index)
-                    chunk = chat_chunk(rid, created, model, index, upd, first, names)
+                    calls = None
+                    if jobs[0].tools.active:
+                        reader = readers.setdefault(index, jobs[0].tools.new_choice())
+                        text, calls, reason = reader.update(upd.text, upd.finish_reason)
+                        upd = dataclasses.replace(upd, text=text, finish_reason=reason)
+                    chunk = chat_chunk(rid, created, model, index, upd, first, names, calls)
                 else:
                     chunk = completion_chunk(rid, created, model, index, upd, names)
                 yield _sse(chunk)
@@ -575,18 +676,8 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
     async def completions(request: Request):
         req = await server.parse(request, CompletionRequest)
         prompts = server.encode_completion_prompts(req)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        # One parameter set for all prompts: checked against the longest, which also
-        # bounds an unset max_tokens for every prompt. Echo without generation still
-        # samples one token (the engine needs a step to end on; vLLM does the same).
-        longest = max(len(ids) for ids in prompts)
         cap = server.tenancy.max_tokens_cap(tenant_of(request), req.max_tokens, "max_tokens")
-        max_tokens = 1 if req.prompt_only else req.max_tokens
-        params = server.sampling_params(req, longest, max_tokens, req.logprobs,
-                                        req.logprobs if req.echo else None, cap)
-        jobs = [_Job(f"{rid}-{i}", ids, i * req.n,
-                     echo=server.echo_text(text) if req.echo else None)
-                for i, (text, ids) in enumerate(zip(req.prompts(), prompts))]
+        jobs, params = server.completion_jobs(req, prompts, cap)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await server.run("completion", req, jobs, params, request, include_usage)
 
@@ -601,14 +692,12 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await server.parse(request, ChatCompletionRequest)
+        tools = server.tool_plan(req)
         ids = server.encode_chat(req)
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         cap = server.tenancy.max_tokens_cap(tenant_of(request), req.token_limit, param)
-        params = server.sampling_params(req, len(ids), req.token_limit, req.num_logprobs,
-                                        cap=cap)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs, params = server.chat_jobs(req, ids, cap, tools)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await server.run("chat", req, [_Job(f"{rid}-0", ids, 0)], params, request,
-                                include_usage)
+        return await server.run("chat", req, jobs, params, request, include_usage)
 
     return app

@@ -82,8 +82,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
-        self._added_since_snapshot = 0
         self._added_work: list[tuple[tuple, float]] = []  # (admission key, tokens) since then
+        self._added_queues: list[tuple] = []  # their queue keys (the queue limit's)
         self._stats: dict = {}
         self._stats_time = 0.0
         self._fail_request: BaseException | None = None
@@ -124,8 +124,8 @@ class AsyncEngine:
         with self._lock:  # no submit in between: each is in the engine's stats or added after
             self._stats = dict(self.engine.stats())
             self._stats_time = time.monotonic()
-            self._added_since_snapshot = 0
             self._added_work = []
+            self._added_queues = []
 
     def _deliver(self, request_id: str, item: Any, final: bool) -> None:
         self._deliver_many([(request_id, item, final)])
@@ -158,7 +158,11 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()  # raises only on an engine fault: fatal
-                if time.monotonic() - self._stats_time > _STATS_EVERY:
+                # the step that empties the engine is snapshotted before its outputs go
+                # out: a client reading /metrics right after its last response (a bench's
+                # closing scrape) sees every token counted, not the idle snapshot before
+                if (not self.engine.has_unfinished_requests()
+                        or time.monotonic() - self._stats_time > _STATS_EVERY):
                     self._snapshot()
                 self._deliver_many([(out.request_id, out, out.finished) for out in outputs])
         except BaseException as exc:  # the engine or the loop broke: the server is unhealthy
@@ -189,17 +193,21 @@ class AsyncEngine:
                 raise EngineDeadError("the engine is restarting; retry shortly",
                                       getattr(self.engine, "retry_after", 5))
             raise EngineDeadError("the engine is not running")
-        if self.max_queue is not None:
-            waiting = int(self._stats.get("num_waiting", 0)) + self._added_since_snapshot
-            if waiting >= self.max_queue:
-                raise QueueFullError(f"{waiting} requests are waiting (--max-queue "
-                                     f"{self.max_queue})")
 
     def _admit(self, prompt_token_ids: list[int], params, priority: int,
                priority_class: str | None, deadline: float | None) -> tuple[tuple, float]:
         """Raise :class:`DeadlineError` if the request cannot finish by ``deadline``; else
         its admission key and expected tokens (queued from now on). Under ``_lock``."""
         key = self.engine.admission_key(priority, priority_class)
+        queue = self.engine.queue_key(priority_class)
+        if self.max_queue is not None:
+            # this request's queue: its class's under "fair" (a flood of one class cannot
+            # fill the queue against another), everything under "fcfs"
+            waiting = dict(self._stats.get("queued_requests") or ()).get(queue, 0) \
+                + self._added_queues.count(queue)
+            if waiting >= self.max_queue:
+                raise QueueFullError(f"{waiting} requests are waiting in this request's queue "
+                                     f"(--max-queue {self.max_queue})")
         rate = self._stats.get("admission_rate")
         fraction = rate.output_fraction if rate is not None else 1.0
         max_tokens = params.max_tokens
@@ -238,8 +246,8 @@ class AsyncEngine:
             self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
                                     arrival_time=time.time(), **who)
             self._streams[request_id] = stream
-            self._added_since_snapshot += 1
             self._added_work.append(work)
+            self._added_queues.append(self.engine.queue_key(who.get("priority_class")))
         self._wake.set()
         return stream
 

@@ -31,6 +31,8 @@ class HandoffOptions:
     tensor_parallel_size: int = 1
     python: str | None = None  # the interpreter of the engine's own venv
     otlp_traces_endpoint: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # hermes / llama3_json: vLLM has the same names
     extra_args: tuple[str, ...] = ()
 
 
@@ -65,6 +67,10 @@ def vllm_command(opts: HandoffOptions) -> list[str]:
     if opts.otlp_traces_endpoint:  # vLLM's own flag (its protocol: OTEL_EXPORTER_OTLP_TRACES_
         # PROTOCOL, gRPC unless set to http/protobuf; the child inherits our environment)
         cmd += ["--otlp-traces-endpoint", opts.otlp_traces_endpoint]
+    if opts.enable_auto_tool_choice:
+        cmd += ["--enable-auto-tool-choice"]
+    if opts.tool_call_parser:
+        cmd += ["--tool-call-parser", opts.tool_call_parser]
     return cmd + list(opts.extra_args)
 
 
@@ -98,6 +104,9 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
                                "flag and send the path as `model`",
         "--otlp-traces-endpoint": "trtllm-serve 1.2 has no OTLP export: trace with --engine "
                                   "vllm or the built-in engine",
+        **{flag: "trtllm-serve 1.2 has no tool-call parsing option: serve with --engine "
+                 "vllm or the built-in engine for tool_choice auto"
+           for flag in ("--enable-auto-tool-choice", "--tool-call-parser")},
     },
 }
 

@@ -36,6 +36,7 @@ class ServeOptions:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     engine_process: bool = True  # the engine in supervised processes (llmctl.serve.proc)
     supervision: Any = None  # llmctl.serve.proc.engine.Supervision; None: its defaults
+    auto_tool_parser: str | None = None  # tool_choice "auto" (llmctl.serve.api.tool_parsers)
 
 
 def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
@@ -69,6 +70,21 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
         log.info("tracing: a span per request to %s", tracing.url)
     engine, name, aliases = _build_engine(opts)
     tokenizer = engine.tokenizer
+    vocab_size, grammars = vocab_and_grammars(engine)
+    config = ServerConfig(model_name=name, max_model_len=engine.max_model_len,
+                          vocab_size=vocab_size, api_key=opts.api_key, tenants=tenants,
+                          auth_file=opts.auth_file,
+                          request_timeout=opts.request_timeout, extra_model_names=aliases,
+                          peaks=_peaks(), auto_tool_parser=opts.auto_tool_parser)
+    async_engine = AsyncEngine(engine, max_queue=opts.max_queue,
+                               request_timeout=opts.request_timeout)
+    return Server(async_engine, tokenizer, config, grammars, tracing), async_engine
+
+
+def vocab_and_grammars(engine) -> tuple[int, Any]:
+    """The vocabulary token ids are checked against, and the structured-output grammar
+    factory (None when llguidance is missing: response_format is then refused)."""
+    tokenizer = engine.tokenizer
     # The embedding may be padded beyond the tokenizer; token ids are checked against it.
     vocab_size = max(len(tokenizer), engine.spec.vocab_size)
     grammars = None
@@ -78,14 +94,7 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
         grammars = GrammarFactory(tokenizer, vocab_size)
     except Exception as exc:  # noqa: BLE001 - structured output is optional
         log.warning("response_format disabled: %s", exc)
-    config = ServerConfig(model_name=name, max_model_len=engine.max_model_len,
-                          vocab_size=vocab_size, api_key=opts.api_key, tenants=tenants,
-                          auth_file=opts.auth_file,
-                          request_timeout=opts.request_timeout, extra_model_names=aliases,
-                          peaks=_peaks())
-    async_engine = AsyncEngine(engine, max_queue=opts.max_queue,
-                               request_timeout=opts.request_timeout)
-    return Server(async_engine, tokenizer, config, grammars, tracing), async_engine
+    return vocab_size, grammars
 
 
 def _peaks():

@@ -6,6 +6,12 @@ argument"); the vLLM extensions that benchmark tools send (``top_k``, ``min_p``,
 defines that llmctl does not implement are listed in ``UNSUPPORTED`` and refused with
 a message saying so, rather than silently ignored.
 
+``logit_bias`` maps token ids (JSON object keys, so strings of integers) to a bias in
+``[-100, 100]``, at most 300 of them (OpenAI's limits); the server checks the ids against
+the vocabulary. Chat requests may carry function ``tools`` and a ``tool_choice``
+(:mod:`llmctl.serve.api.tools` turns them into a template argument, a grammar or a
+parser), and messages carry ``tool_calls`` (assistant) and ``tool_call_id`` (tool).
+
 ``echo`` (completions) returns the prompt before the completion and, with ``logprobs``,
 the prompt tokens' log-probs (the first is null); ``max_tokens: 0`` is allowed with it
 (prompt only, what lm-eval's loglikelihood requests send). ``return_tokens_as_token_ids``
@@ -24,9 +30,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from llmctl.serve.sampling_params import INT64_MAX, SEED_MAX, SEED_MIN
+from llmctl.serve.sampling_params import (
+    INT64_MAX,
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS_ENTRIES,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -34,6 +53,8 @@ MAX_PROMPTS = 1024  # prompts in one completions request (lists of strings or of
 MAX_STOP = 64  # stop strings
 MAX_STOP_TOKEN_IDS = 1024
 MAX_MESSAGES = 4096  # chat messages
+MAX_TOOLS = 128  # function tools in one request (OpenAI's limit)
+MAX_TOOL_CALLS = 128  # tool calls in one assistant message
 
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
@@ -114,12 +135,33 @@ class _SamplingFields(_Strict):
             raise ValueError(f"at most {MAX_STOP} stop strings, got {len(value)}")
         return value
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_count(cls, value):
+        if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens may be biased, "
+                             f"got {len(value)}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_entries(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():  # "-1", "1.5", "a": not a token id
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer)")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"bias {bias!r} for token {key} is out of range; allowed: "
+                                 f"-100 <= bias <= 100")
+        return value
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
     @model_validator(mode="after")
     def _checks(self):
         if isinstance(self.stop, list) and any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by llmctl")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -188,12 +230,37 @@ class TextPart(_Strict):
     text: str
 
 
+# OpenAI's rule for function names (and vLLM's templates rely on plain names too)
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionCallParam(_Strict):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallParam(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(BaseModel):
     # ``name`` and tool fields are passed to the template; other keys are refused.
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = Field(None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id belongs to tool messages")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -202,6 +269,57 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' conventions)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # templates (Hermes, Qwen2.5, Llama 3.1) write arguments with ``tojson``: they
+            # expect an object, so JSON text is parsed first (as vLLM does); text that is
+            # not JSON is passed on as it is
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name,
+                              "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls]
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDef(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+_TOOL_CHOICES = ("none", "auto", "required")
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -209,7 +327,23 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value):
+        """One clear message instead of one per member of the union."""
+        if isinstance(value, dict):
+            try:
+                return NamedToolChoice.model_validate(value)
+            except ValidationError:
+                pass
+        elif value is None or value in _TOOL_CHOICES:
+            return value
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", '
+                         '"function": {"name": NAME}}')
 
     @model_validator(mode="after")
     def _chat(self):
@@ -218,6 +352,28 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_tokens == 0:
             raise ValueError("max_tokens must be at least 1")
         return self
+
+    @model_validator(mode="after")
+    def _tools(self):
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"tools: the function name {dup!r} appears twice")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools: list the functions in tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, "
+                             f"which is not in tools ({', '.join(names)})")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named: OpenAI's default is auto when tools are given."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice or "auto"
+        return "named" if isinstance(choice, NamedToolChoice) else choice
 
     @property
     def token_limit(self) -> int | None:

@@ -77,6 +77,7 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[Any] = field(default_factory=list)
     wants_logprobs: bool = False
+    tool_calls: list[dict[str, Any]] | None = None  # chat: the calls read out of ``text``
 
     def add(self, upd: Update) -> None:
         self.text += upd.text
@@ -139,13 +140,20 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], usa
                   tokenizer=None) -> dict[str, Any]:
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        "choices": [{"index": c.index, "message": chat_message(c.text, c.tool_calls),
                      "finish_reason": c.finish_reason,
                      "logprobs": chat_logprobs(c.logprobs, tokenizer)
                      if c.wants_logprobs and tokenizer is not None else None}
                     for c in choices],
         "usage": usage,
     }
+
+
+def chat_message(content: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """OpenAI's assistant message: with tool calls, content is null when empty."""
+    if not tool_calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, upd: Update,
@@ -157,10 +165,15 @@ def completion_chunk(rid: str, created: int, model: str, index: int, upd: Update
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, upd: Update, first: bool,
-               tokenizer=None) -> dict[str, Any]:
+               tokenizer=None, tool_calls: list[dict[str, Any]] | None = None
+               ) -> dict[str, Any]:
+    """``tool_calls``: the chunk's call deltas (index, then id, type and name once, then
+    pieces of arguments), as OpenAI streams them."""
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
     if upd.text or first:
-        delta["content"] = upd.text
+        delta["content"] = upd.text if upd.text or tool_calls is None else None
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": index, "delta": delta, "finish_reason": upd.finish_reason,
                          "logprobs": chat_logprobs(upd.logprobs, tokenizer)

@@ -35,7 +35,7 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* 
                           const int64_t* bt, int64_t max_blocks, const int64_t* ctx,
                           int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                          float scale, float* out, int num_threads);
+                          float scale, float* out, int num_threads, int64_t window);
 void add_rms_norm_bf16(uint16_t* x, const uint16_t* residual, const uint16_t* weight,
                        uint16_t* out, int64_t rows, int64_t cols, float eps, int num_threads);
 void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
@@ -69,6 +69,7 @@ struct Step {  // what every layer of one step shares
   uint16_t* gate_up;  // scratch [m, gate_up n]
   uint16_t* act;  // scratch [m, gate_up n / 2]
   int num_threads;
+  int64_t window;  // this layer's sliding window, 0: none (set before each layer's call)
 };
 
 static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Step& st) {
@@ -92,7 +93,7 @@ void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
                st.num_threads);
   paged_attention_bf16(st.qkv, k_cache, v_cache, st.block_tables, st.max_blocks,
                        st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
-                       st.block_size, st.scale, st.attn_f, st.num_threads);
+                       st.block_size, st.scale, st.attn_f, st.num_threads, st.window);
   for (int64_t i = 0; i < st.m * q_size; ++i) st.attn[i] = float_to_bf16(st.attn_f[i]);
   apply(*o, st.attn, st.proj, st);
   add_rms_norm_bf16(st.x, st.proj, post_norm, st.h, st.m, st.hidden, st.eps, st.num_threads);

@@ -8,7 +8,11 @@
 // query positions, share every K/V row loaded: GQA costs no extra memory traffic.
 //
 // Causality: query i (of q_len) of a sequence with ctx tokens sits at position
-// ctx - q_len + i and sees keys j <= ctx - q_len + i.
+// ctx - q_len + i and sees keys j <= ctx - q_len + i; with a sliding window W > 0 also
+// only j >= ctx - q_len + i - W + 1 (transformers' kv_idx > q_idx - W). A work item's
+// walk starts at its first query's first key (rounded down to a 16-key tile, which stays
+// inside that key's block), so blocks before every window are never read: the engine
+// drops them from the block tables.
 //
 // Three implementations, picked by dispatch(): AVX512-BF16 for a bf16 cache (both
 // products on vdpbf16ps, two passes), AVX-512 float32 math for float32 or bf16 without
@@ -57,6 +61,7 @@ struct Call {
   float scale;
   float* out;
   int num_threads;
+  int64_t window;  // sliding window, 0: none
 
   int64_t group() const { return num_heads / num_kv_heads; }  // query heads per KV head
   int64_t rows() const { return group() * q_len; }              // rows of one work item
@@ -76,6 +81,10 @@ struct Item {
         ctx(call.context_lens[seq]), g(call.group()), table(call.block_tables + seq * call.max_blocks) {}
 
   int64_t last_key(int64_t r) const { return ctx - c.q_len + r / g; }
+  int64_t first_key(int64_t r) const {
+    return c.window > 0 ? std::max<int64_t>(0, last_key(r) - c.window + 1) : 0;
+  }
+  int64_t first_tile() const { return first_key(0) / 16 * 16; }  // row 0 sees the least
   const T* q_row(int64_t r) const {
     return c.q + (seq * c.q_len + r / g) * c.q_stride + (kvh * g + r % g) * c.head_dim;
   }
@@ -90,14 +99,16 @@ struct Item {
 };
 
 // Per-thread state of the online softmax over one work item's rows: the queries scaled
-// to float32, accumulators, running max m and sum l, and the last key each row sees.
+// to float32, accumulators, running max m and sum l, and the first and last key each
+// row sees.
 struct OnlineRows {
   int64_t rows, d;
   std::vector<float> qf, acc, m, l;
-  std::vector<int64_t> limit;
+  std::vector<int64_t> first, limit;
 
   OnlineRows(int64_t rows, int64_t d)
-      : rows(rows), d(d), qf(rows * d), acc(rows * d), m(rows), l(rows), limit(rows) {}
+      : rows(rows), d(d), qf(rows * d), acc(rows * d), m(rows), l(rows), first(rows),
+        limit(rows) {}
 
   template <typename T>
   void start(const Item<T>& it, float scale) {
@@ -107,6 +118,7 @@ struct OnlineRows {
 #pragma omp simd
       for (int64_t x = 0; x < d; ++x) dst[x] = load(src, x) * scale;
       limit[r] = it.last_key(r);
+      first[r] = it.first_key(r);
       m[r] = -INFINITY;
       l[r] = 0.f;
     }
@@ -138,12 +150,12 @@ void attend(const Call<T>& c) {
     for (int64_t index = 0; index < c.items(); ++index) {
       const Item<T> it(c, index);
       st.start(it, c.scale);
-      for (int64_t pos = 0; pos < it.ctx; ++pos) {
+      for (int64_t pos = it.first_key(0); pos < it.ctx; ++pos) {
         const int64_t off = it.kv_offset(pos);
         to_float(c.k_cache + off, kf.data(), d);
         to_float(c.v_cache + off, vf.data(), d);
         for (int64_t r = 0; r < st.rows; ++r) {
-          if (pos > st.limit[r]) continue;
+          if (pos > st.limit[r] || pos < st.first[r]) continue;
           const float* qr = st.qf.data() + r * d;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -213,7 +225,7 @@ void attend_avx512(const Call<T>& c) {
     for (int64_t index = 0; index < c.items(); ++index) {
       const Item<T> it(c, index);
       st.start(it, c.scale);
-      for (int64_t start = 0; start < it.ctx; start += 16) {
+      for (int64_t start = it.first_tile(); start < it.ctx; start += 16) {
         const int64_t nk = it.ctx - start < 16 ? it.ctx - start : 16;
         const int64_t base = it.kv_offset(start);
         if (start + 16 < it.ctx) {
@@ -233,14 +245,17 @@ void attend_avx512(const Call<T>& c) {
           }
         }
         for (int64_t r = 0; r < st.rows; ++r) {
-          if (st.limit[r] < start) {
+          if (st.limit[r] < start || st.first[r] >= start + nk) {
             // no visible key in this tile: no weight for any of its values
             _mm512_storeu_ps(probs.data() + r * 16, _mm512_setzero_ps());
             continue;
           }
           const int64_t visible = st.limit[r] - start + 1;  // keys t < visible are seen
           const int64_t valid = visible < nk ? visible : nk;
-          const __mmask16 live = static_cast<__mmask16>((1u << valid) - 1u);
+          // keys t < skip are before the row's window
+          const int64_t skip = st.first[r] > start ? st.first[r] - start : 0;
+          const __mmask16 live =
+              static_cast<__mmask16>(((1u << valid) - 1u) & ~((1u << skip) - 1u));
           const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, scores.data() + r * 16);
           const float bm = _mm512_reduce_max_ps(s);
           const float nm = bm > st.m[r] ? bm : st.m[r];
@@ -342,19 +357,21 @@ void attend_bf16(const Call<uint16_t>& c) {
     for (int64_t index = 0; index < c.items(); ++index) {
       const Item<uint16_t> it(c, index);
       const int64_t ctx = it.ctx;
-      const int64_t tiles = (ctx + 15) / 16;
+      const int64_t tiles = (ctx + 15) / 16, t0 = it.first_tile() / 16;
       auto tile_base = [&](int64_t tile) { return it.kv_offset(tile * 16); };
 
-      // pass 1: scores, -inf where a query may not look (causality, past the context)
-      for (int64_t tile = 0; tile < tiles; ++tile) {
+      // pass 1: scores, -inf where a query may not look (causality, the window, past the
+      // context); tiles before t0 are outside every row's window and never touched
+      for (int64_t tile = t0; tile < tiles; ++tile) {
         const int64_t start = tile * 16;
         const int64_t nk = std::min<int64_t>(ctx - start, 16);
         const uint16_t* kt = c.k_cache + tile_base(tile);
         if (tile + 1 < tiles) prefetch_rows(c.k_cache + tile_base(tile + 1), stride, d);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t visible = it.last_key(r) - start + 1;  // keys t < visible are seen
+          const int64_t skip = std::max<int64_t>(0, it.first_key(r) - start);  // before the window
           float* sr = scores.data() + r * padded + start;
-          if (visible <= 0) {
+          if (visible <= 0 || skip >= 16) {
             _mm512_storeu_ps(sr, _mm512_set1_ps(-INFINITY));
             continue;
           }
@@ -373,7 +390,8 @@ void attend_bf16(const Call<uint16_t>& c) {
             part[t] = acc_t;
           }
           const int64_t valid = std::min(visible, nk);
-          const __mmask16 live = static_cast<__mmask16>((1u << valid) - 1u);
+          const __mmask16 live =
+              static_cast<__mmask16>(((1u << valid) - 1u) & ~((1u << skip) - 1u));
           _mm512_storeu_ps(sr, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
                                                   _mm512_mul_ps(reduce16(part),
                                                                 _mm512_set1_ps(c.scale))));
@@ -384,12 +402,12 @@ void attend_bf16(const Call<uint16_t>& c) {
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = scores.data() + r * padded;
         __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t tile = 0; tile < tiles; ++tile)
+        for (int64_t tile = t0; tile < tiles; ++tile)
           mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + tile * 16));
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
         __m512 lv = _mm512_setzero_ps();
         uint32_t* pr = pairs.data() + r * padded / 2;
-        for (int64_t tile = 0; tile < tiles; ++tile) {
+        for (int64_t tile = t0; tile < tiles; ++tile) {
           const __m512 sv = _mm512_loadu_ps(sr + tile * 16);
           // -inf lanes: exp_ps clamps them to ~1e-38; zero them exactly
           const __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
@@ -404,7 +422,7 @@ void attend_bf16(const Call<uint16_t>& c) {
 
       // pass 2: P.V, V rows interleaved in pairs (a zero row pads an odd tail)
       acc.zero();
-      for (int64_t tile = 0; tile < tiles; ++tile) {
+      for (int64_t tile = t0; tile < tiles; ++tile) {
         const int64_t start = tile * 16;
         const int64_t nk = std::min<int64_t>(ctx - start, 16);
         const uint16_t* vt = c.v_cache + tile_base(tile);
@@ -482,23 +500,24 @@ void dispatch(const Call<uint16_t>& c) {
 
 extern "C" {
 
-// The layouts are Call's.
+// The layouts are Call's; window 0: full causal attention.
 void paged_attention_f32(const float* q, const float* k, const float* v, const int64_t* bt,
                          int64_t max_blocks, const int64_t* ctx, int64_t num_seqs, int64_t q_len,
                          int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, float* out,
-                         int num_threads) {
+                         int num_threads, int64_t window) {
   dispatch(Call<float>{q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
-                       num_kv_heads, head_dim, block_size, scale, out, num_threads});
+                       num_kv_heads, head_dim, block_size, scale, out, num_threads, window});
 }
 
 void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                           const int64_t* bt, int64_t max_blocks, const int64_t* ctx,
                           int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                          float scale, float* out, int num_threads) {
+                          float scale, float* out, int num_threads, int64_t window) {
   dispatch(Call<uint16_t>{q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
-                          num_kv_heads, head_dim, block_size, scale, out, num_threads});
+                          num_kv_heads, head_dim, block_size, scale, out, num_threads,
+                          window});
 }
 
 }  // extern "C"

@@ -15,11 +15,13 @@
 //     acc[16 columns]  += vdpbf16ps(p pair j broadcast, vp[j][16 columns])
 //   with the softmax between them on the row's scores (max, exp, sum in float32; the
 //   probabilities rounded to bfloat16 pairs for the second product, as FlashAttention
-//   and llmctl's paged kernel do). Query position i sees keys j <= i.
+//   and llmctl's paged kernel do). Query position i sees keys j <= i, and with a sliding
+//   window W > 0 only j >= i - W + 1 (transformers' kv_idx > q_idx - W).
 //
 // Work items: (sequence, KV head, block of 128 query positions), scheduled dynamically
 // over the threads, the blocks with the most keys first (48 items for 16 sequences of 128
-// tokens of SmolLM2; 48 for one of 2048). Each packs the keys and values its queries see.
+// tokens of SmolLM2; 48 for one of 2048). Each packs the keys and values its queries see:
+// from the first query's first key (rounded down to a 16-key tile) to its last query.
 // Output bf16 [T, out_stride], heads side by side.
 
 #include <algorithm>
@@ -51,19 +53,25 @@ struct Call {
   float scale;
   uint16_t* out;
   int64_t out_stride;
+  int64_t window;  // 0: none
 };
 
 constexpr int64_t kQueryBlock = 128;  // query positions per work item
 
 // Query positions [i0, i1) of one (sequence, KV head); D16 = head_dim / 16. The keys it
-// sees are 0 .. i1 - 1: only those are packed.
+// sees are kb .. i1 - 1 (kb: i0's first key, down to a tile): only those are packed, key
+// j at packed index j - kb.
 template <int D16>
 void item(const Call& c, int64_t seq, int64_t kvh, int64_t i0, int64_t i1,
           std::vector<uint32_t>& kp, std::vector<uint32_t>& vp, std::vector<float>& scores,
           std::vector<uint32_t>& probs) {
   constexpr int64_t d = 16 * D16;
-  const int64_t len = i1, padded = (len + 15) / 16 * 16, g = c.heads / c.kv_heads;
-  const int64_t t0 = seq * c.len;
+  auto first_key = [&](int64_t i) {
+    return c.window > 0 ? std::max<int64_t>(0, i - c.window + 1) : int64_t{0};
+  };
+  const int64_t kb = first_key(i0) / 16 * 16;
+  const int64_t len = i1 - kb, padded = (len + 15) / 16 * 16, g = c.heads / c.kv_heads;
+  const int64_t t0 = seq * c.len + kb;  // token row of packed key 0
   // pack K (keys in lanes) and V (pairs of keys), zero past the end
   kp.assign(static_cast<size_t>(d / 2 * padded), 0u);
   vp.assign(static_cast<size_t>(padded / 2 * d), 0u);
@@ -83,10 +91,11 @@ void item(const Call& c, int64_t seq, int64_t kvh, int64_t i0, int64_t i1,
   for (int64_t hh = 0; hh < g; ++hh) {
     const int64_t head = kvh * g + hh;
     for (int64_t i = i0; i < i1; ++i) {
-      const uint16_t* qr = c.q + (t0 + i) * c.q_stride + head * d;
-      const int64_t tiles = i / 16 + 1;  // keys 0..i
+      const uint16_t* qr = c.q + (seq * c.len + i) * c.q_stride + head * d;
+      // packed keys first - kb .. i - kb, in tiles tf .. last
+      const int64_t first = first_key(i) - kb, tf = first / 16, tiles = (i - kb) / 16 + 1;
       // scores, four tiles at a time (independent dot-product chains)
-      for (int64_t tile = 0; tile < tiles; tile += 4) {
+      for (int64_t tile = tf; tile < tiles; tile += 4) {
         const int64_t nt = std::min<int64_t>(4, tiles - tile);
         __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                        _mm512_setzero_ps()};
@@ -101,22 +110,28 @@ void item(const Call& c, int64_t seq, int64_t kvh, int64_t i0, int64_t i1,
         for (int64_t u = 0; u < nt; ++u)
           _mm512_storeu_ps(scores.data() + (tile + u) * 16, _mm512_mul_ps(s[u], scale));
       }
-      // keys past i: -inf (the last tile only)
-      const int64_t last = tiles - 1, valid = i - last * 16 + 1;
-      const __mmask16 live_last = static_cast<__mmask16>((1u << valid) - 1u);
-      {
-        float* sl = scores.data() + last * 16;
-        _mm512_storeu_ps(sl, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live_last,
+      // keys past i (the last tile) and before the window (tile tf): -inf
+      const int64_t last = tiles - 1, valid = i - kb - last * 16 + 1;
+      auto live = [&](int64_t tile) {
+        uint32_t bits = 0xFFFFu;
+        if (tile == last) bits &= (1u << valid) - 1u;
+        if (tile == tf) bits &= ~((1u << (first - tf * 16)) - 1u);
+        return static_cast<__mmask16>(bits);
+      };
+      for (int64_t tile : {tf, last}) {
+        float* sl = scores.data() + tile * 16;
+        _mm512_storeu_ps(sl, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live(tile),
                                                 _mm512_loadu_ps(sl)));
       }
       __m512 mv = _mm512_set1_ps(-INFINITY);
-      for (int64_t tile = 0; tile < tiles; ++tile)
+      for (int64_t tile = tf; tile < tiles; ++tile)
         mv = _mm512_max_ps(mv, _mm512_loadu_ps(scores.data() + tile * 16));
       const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
       __m512 lv = _mm512_setzero_ps();
-      for (int64_t tile = 0; tile < tiles; ++tile) {
+      for (int64_t tile = tf; tile < tiles; ++tile) {
         __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + tile * 16), m));
-        if (tile == last) p = _mm512_maskz_mov_ps(live_last, p);  // exact zeros past i
+        // exact zeros past i and before the window
+        if (tile == last || tile == tf) p = _mm512_maskz_mov_ps(live(tile), p);
         lv = _mm512_add_ps(lv, p);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + tile * 8),
                             (__m256i)_mm512_cvtneps_pbh(p));
@@ -125,15 +140,15 @@ void item(const Call& c, int64_t seq, int64_t kvh, int64_t i0, int64_t i1,
       // P.V over pairs of keys (a zero probability pads an odd end)
       __m512 acc[D16];
       for (int u = 0; u < D16; ++u) acc[u] = _mm512_setzero_ps();
-      const int64_t pairs = (i + 2) / 2;
-      for (int64_t j = 0; j < pairs; ++j) {
+      const int64_t pairs = (i - kb + 2) / 2;
+      for (int64_t j = tf * 8; j < pairs; ++j) {
         const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs[j]));
         const uint32_t* vr = vp.data() + j * d;
         for (int u = 0; u < D16; ++u)
           acc[u] = _mm512_dpbf16_ps(acc[u], pb, (__m512bh)_mm512_loadu_si512(vr + 16 * u));
       }
       const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-      uint16_t* dst = c.out + (t0 + i) * c.out_stride + head * d;
+      uint16_t* dst = c.out + (seq * c.len + i) * c.out_stride + head * d;
       for (int u = 0; u < D16; ++u)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * u),
                             to_bf16(_mm512_mul_ps(acc[u], inv)));
@@ -170,23 +185,24 @@ extern "C" {
 int prefill_attention_available(void) { return kSimd ? 1 : 0; }
 
 // q [num_seqs * len, q_stride], k/v [num_seqs * len, kv_stride] (heads side by side,
-// head_dim each), out [num_seqs * len, out_stride] bf16. head_dim 64 or 128; returns 0
+// head_dim each), out [num_seqs * len, out_stride] bf16, window 0 (causal) or a sliding
+// window. head_dim 64 or 128; returns 0
 // when it ran, -1 when this shape is not supported (the caller takes its other path).
 int prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
                            const uint16_t* v, int64_t kv_stride, int64_t num_seqs, int64_t len,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-                           uint16_t* out, int64_t out_stride, int num_threads) {
+                           uint16_t* out, int64_t out_stride, int num_threads, int64_t window) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (kv_heads <= 0 || heads % kv_heads != 0 || len <= 0) return -1;
+  if (kv_heads <= 0 || heads % kv_heads != 0 || len <= 0 || window < 0) return -1;
   const Call c{q, q_stride, k, v, kv_stride, num_seqs, len, heads, kv_heads, scale, out,
-               out_stride};
+               out_stride, window};
   if (head_dim == 64) { run<4>(c, num_threads); return 0; }
   if (head_dim == 128) { run<8>(c, num_threads); return 0; }
   return -1;
 #else
   (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)num_seqs, (void)len;
   (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)out, (void)out_stride;
-  (void)num_threads;
+  (void)num_threads, (void)window;
   return -1;
 #endif
 }

@@ -15,7 +15,8 @@ child -> parent
 
 The child never outlives its parent: a closed pipe (the parent exited or was killed)
 ends the loop. It ignores SIGINT, which a terminal's Ctrl-C sends to the whole process
-group: the parent decides when the engine stops (a graceful shutdown drains first).
+group, and SIGTERM, which a service manager sends to every process of the service: the
+parent decides when the engine stops (a graceful shutdown drains first).
 
 Faults for tests (``ChildSpec.fault``, from ``$LLMCTL_ENGINE_FAULT`` in the parent),
 applied by the first generation of replica 0 only so a restarted engine is healthy:
@@ -54,6 +55,7 @@ class ChildSpec:
     cpus: tuple[int, ...] | None = None  # pin to these CPUs (replicas split the machine)
     fault: str | None = None
     log_level: str = "info"
+    nice: int = 0  # added to the process's niceness (Supervision.nice) before any thread
 
 
 @dataclass(frozen=True)
@@ -94,10 +96,14 @@ class _Fault:
 
 def _setup(spec: ChildSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # see forkserver_init (spawn: set here)
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(levelname)s %(name)s[engine {spec.replica}]: %(message)s")
     if spec.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, spec.cpus)
+    if spec.nice and hasattr(os, "nice"):
+        # per thread on Linux: before torch starts its pool, whose threads inherit it
+        os.nice(spec.nice)
 
 
 def _open(spec: ChildSpec):

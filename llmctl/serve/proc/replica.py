@@ -23,7 +23,8 @@ from multiprocessing.connection import Connection
 from llmctl.serve.proc.child import ChildSpec, ReadyInfo, main
 
 # modules the forkserver imports once, so that each engine process starts with them
-_PRELOAD = ["llmctl.serve.proc.child", "llmctl.serve.llm_engine", "llmctl.serve.sources"]
+_PRELOAD = ["llmctl.serve.proc.forkserver_init", "llmctl.serve.proc.child",
+            "llmctl.serve.llm_engine", "llmctl.serve.sources"]
 _CONTEXT = None
 
 

@@ -73,9 +73,10 @@ def merge_stats(snapshots: list[dict]) -> dict:
     out["perf_dtype"] = snapshots[0].get("perf_dtype", "unknown")
     out["admission_rate"] = _rate([s["admission_rate"] for s in snapshots
                                    if s.get("admission_rate") is not None])
-    work: dict[tuple, float] = {}
-    for s in snapshots:
-        for key, tokens in s.get("queued_work") or ():
-            work[key] = work.get(key, 0.0) + tokens
-    out["queued_work"] = sorted(work.items())
+    for name in ("queued_work", "queued_requests"):  # (key, amount) pairs: add by key
+        total: dict[tuple, float] = {}
+        for s in snapshots:
+            for key, amount in s.get(name) or ():
+                total[key] = total.get(key, 0) + amount
+        out[name] = sorted(total.items())
     return out

@@ -1,6 +1,7 @@
 """Every error case returns its status and an OpenAI-shaped error body."""
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -25,7 +26,7 @@ def _error(resp, status):
     (b'{"prompt": []}', "prompt"),
     (b'{"prompt": [999999]}', "outside the vocabulary"),
     (b'{"prompt": "x", "max_tokens": 100000}', "context length"),
-    (b'{"prompt": "x", "logit_bias": {"1": 5}}', "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": {"1": 500}}', "logit_bias"),
 ])
 def test_bad_completion_bodies_are_400(served, body, needle):
     err = _error(httpx.post(served.url + "/v1/completions", content=body,
@@ -115,6 +116,56 @@ def test_api_key(tiny_llama):
         assert httpx.get(running.url + "/health").status_code == 200
     finally:
         running.stop()
+
+
+def test_the_queue_limit_is_per_class_under_fair(tiny_llama, tmp_path):
+    """One slot, --max-queue 1, the fair policy, two tenants: "flood" (batch class) and
+    "urgent" (interactive). With a flood request running and another waiting, a third of
+    the flood finds its class's queue full (429 queue_full), but an interactive request
+    does not: a flood of one class cannot fill the queue against another."""
+    import yaml
+
+    from llmctl.serve.api.tenants import hash_key
+
+    doc = {"tenants": {"flood": {"priority_class": "batch"},
+                       "urgent": {"priority_class": "interactive"}},
+           "keys": [{"key_sha256": hash_key("sk-flood"), "tenant": "flood"},
+                    {"key_sha256": hash_key("sk-urgent"), "tenant": "urgent"}]}
+    auth = tmp_path / "keys.yaml"
+    auth.write_text(yaml.safe_dump(doc))
+    running = start_server(str(tiny_llama), max_queue=1, max_num_seqs=1, auth_file=auth,
+                           scheduling_policy="fair")
+    url = running.url + "/v1/completions"
+    flood = {"Authorization": "Bearer sk-flood"}
+    urgent = {"Authorization": "Bearer sk-urgent"}
+
+    async def fire():
+        long = {"prompt": "x", "max_tokens": 400, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=60) as client:
+            first = asyncio.create_task(client.post(url, json=long, headers=flood))
+            await _until(lambda: running.engine.stats().get("num_running") == 1)
+            queued = asyncio.create_task(client.post(url, json=long, headers=flood))
+            await _until(lambda: dict(running.engine.stats().get("queued_requests") or ())
+                         .get((2,)) == 1)  # batch: rank 2
+            refused = await client.post(url, json={**long, "max_tokens": 1}, headers=flood)
+            answered = await client.post(url, json={**long, "max_tokens": 1}, headers=urgent)
+            return refused, answered, await first, await queued
+
+    try:
+        refused, answered, first, queued = asyncio.run(fire())
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert answered.status_code == 200, answered.text
+        assert first.status_code == 200 and queued.status_code == 200
+    finally:
+        running.stop()
+
+
+async def _until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 
 def test_queue_limit_gives_429_with_retry_after(tiny_llama):

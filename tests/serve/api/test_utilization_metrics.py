@@ -77,3 +77,40 @@ def test_the_server_exports_the_counters(served):
         time.sleep(0.05)
     for phase in ("prefill", "decode"):
         assert _metric(after, name.format(phase)) > _metric(before, name.format(phase))
+
+
+def test_metrics_read_right_after_the_last_response_count_every_token(tiny_llama):
+    """A bench scrapes /metrics the moment its last response ends (its closing scrape):
+    the step that empties the engine is snapshotted before its outputs are delivered.
+    Here the engine thread is held for 0.3 s after that step, as a descheduled thread
+    would be; delivering first, the closing read saw the idle snapshot (0 FLOPs)."""
+    import asyncio
+
+    from llmctl.serve.api.async_engine import AsyncEngine
+
+    engine = LLM(str(tiny_llama), kv_cache_memory="32MiB").engine
+    busy = engine.has_unfinished_requests
+
+    def descheduled_when_idle() -> bool:
+        if not (left := busy()):
+            time.sleep(0.3)
+        return left
+
+    engine.has_unfinished_requests = descheduled_when_idle
+    front = AsyncEngine(engine)
+    front.start()
+
+    async def run() -> dict:
+        stream = front.submit("r0", [5, 17, 33], SamplingParams(max_tokens=4, temperature=0,
+                                                                 ignore_eos=True))
+        async for _ in front.outputs("r0", stream):
+            pass
+        return front.stats()  # what /metrics renders, read at once
+
+    try:
+        stats = asyncio.run(run())
+    finally:
+        front.shutdown()
+    totals = stats["perf_totals"]
+    assert totals["prefill"].flops > 0 and totals["decode"].flops > 0
+    assert totals == engine.stats()["perf_totals"]

@@ -55,7 +55,8 @@ def test_cpus_split_in_contiguous_equal_shares():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"replicas": 0}, "--replicas"), ({"step_timeout": 0}, "--engine-step-timeout"),
-    ({"max_rss": 0}, "--max-rss")])
+    ({"max_rss": 0}, "--max-rss"), ({"nice": 20}, "--engine-nice"),
+    ({"nice": -1}, "--engine-nice")])
 def test_supervision_refuses_nonsense(kwargs, match):
     with pytest.raises(UsageError, match=match):
         Supervision(**kwargs)

@@ -74,6 +74,16 @@ def test_same_tokens_as_in_process_and_supervisor_metrics(tiny_llama, reference)
     running = start_server(str(tiny_llama), engine_process=True)
     try:
         assert _tokens(_complete(running.url)) == reference["plain"]
+        # a service manager's stop signals every process of the service (systemd's
+        # KillMode=control-group): the engine and its forkserver outlive SIGTERM, the API
+        # process decides when they stop (after draining its streams)
+        pid = _pids(running)[0]
+        forkserver = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        assert forkserver not in (os.getpid(), 1)
+        for target in (pid, forkserver):
+            os.kill(target, signal.SIGTERM)
+        time.sleep(0.5)
+        assert _pids(running) == [pid] and os.path.exists(f"/proc/{forkserver}")
         body = {**BODY, "max_tokens": 200, "stream": True}
         stream = Stream(running.url, "/v1/completions", body).finish()
         assert stream.status == 200 and stream.done
@@ -101,6 +111,7 @@ def test_sigkill_under_64_streams_ends_every_stream_and_recovers(tiny_llama, ref
             assert time.monotonic() < deadline, "the streams never started"
             time.sleep(0.005)
         pid = _pids(running)[0]
+        _assert_niced(pid, threads=2)  # two CPUs: torch's pool has a second thread
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         for s in streams:
@@ -212,6 +223,17 @@ def test_over_max_rss_the_engine_drains_then_restarts(tiny_llama, monkeypatch, r
         running.stop()
 
 
+def _assert_niced(pid: int, threads: int = 1) -> None:
+    """Every thread of the engine process (torch's pool included) runs at the default
+    --engine-nice 10 above this process."""
+    want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    tasks = os.listdir(f"/proc/{pid}/task")
+    # /proc/PID/task/TID/stat: field 19 is the niceness (the command name may hold spaces)
+    nice = {int(open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[16])
+            for t in tasks}
+    assert len(tasks) >= threads and nice == {want}
+
+
 def test_two_replicas_one_dies_the_other_serves(tiny_llama, reference):
     running = start_server(str(tiny_llama), engine_process=True,
                            supervision=Supervision(replicas=2))
@@ -219,6 +241,8 @@ def test_two_replicas_one_dies_the_other_serves(tiny_llama, reference):
         engine = running.engine.engine
         assert [r.spec.cpus for r in engine.replicas] == [
             (c,) for c in sorted(os.sched_getaffinity(0))[:2]]
+        for replica in engine.replicas:
+            _assert_niced(replica.pid)
         assert _tokens(_complete(running.url)) == reference["plain"]
         os.kill(engine.replicas[0].pid, signal.SIGKILL)
         # replica 1 serves at once: healthy throughout, same tokens

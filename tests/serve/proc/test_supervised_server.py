@@ -197,17 +197,21 @@ def test_hung_step_detection_time(tiny_llama, monkeypatch):
 
 
 def test_over_max_rss_the_engine_drains_then_restarts(tiny_llama, monkeypatch, reference):
-    """grow@32 keeps 32 MiB more per step: the engine passes --max-rss mid-request. The
-    request in flight still finishes whole (a drain, not a kill); then the engine restarts
-    and serves the next request."""
+    """grow@8 keeps 8 MiB more per step: the engine passes --max-rss (64 MiB over an idle
+    engine's RSS) within its first 8 steps of a 200-token request. The request in flight
+    still finishes whole (a drain, not a kill); then the engine restarts and serves the
+    next request. RSS is read every 20 ms here (1 s by default) so the drain starts at
+    once instead of after the request has grown for a second."""
+    from llmctl.serve.proc import engine as proc_engine
     from llmctl.serve.proc.engine import ProcessEngine
 
+    monkeypatch.setattr(proc_engine, "_RSS_EVERY", 0.02)
     probe = ProcessEngine(str(tiny_llama), {"kv_cache_memory": "64MiB"}).start()
     baseline = probe.replicas[0].rss_bytes()
     probe.close()
-    monkeypatch.setenv(FAULT_ENV, "grow@32")
+    monkeypatch.setenv(FAULT_ENV, "grow@8")
     running = start_server(str(tiny_llama), engine_process=True,
-                           supervision=Supervision(max_rss=baseline + (256 << 20)))
+                           supervision=Supervision(max_rss=baseline + (64 << 20)))
     try:
         pid = _pids(running)[0]
         body = {**BODY, "max_tokens": 200}

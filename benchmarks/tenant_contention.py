@@ -178,7 +178,8 @@ def verdicts(rounds: list[dict], aging_bound: float) -> dict:
                                       default=None),
             "probe_worst_e2e_s": max((p["e2e_s"] for p in probes if p["e2e_s"] is not None),
                                      default=None),
-            "probes_within_bound": None if not probes else not late}
+            "probes_within_bound": None if not probes else not late,
+            "probes_failed": [p["error"] for p in probes if p.get("error")]}
 
 
 # --- the server ----------------------------------------------------------------------------
@@ -538,7 +539,9 @@ def render_markdown(report: dict) -> str:
                + ("?" if v["probe_worst_ttft_s"] is None else f"{v['probe_worst_ttft_s']:.2f}")
                + " s, E2E "
                + ("?" if v["probe_worst_e2e_s"] is None else f"{v['probe_worst_e2e_s']:.2f}")
-               + " s: the step in flight, its prefill and decode come after the wait)."), "",
+               + " s: the step in flight, its prefill and decode come after the wait)"
+               + "".join(f"; a probe failed: {e}" for e in v.get("probes_failed", []))
+               + "."), "",
               "TTFT: send -> first streamed text chunk, client side (llmctl.bench.backends).",
               f"Logs and the auth files: `{cfg['log_dir']}`."]
     return "\n".join(lines) + "\n"

@@ -11,6 +11,8 @@ For a new request, from what the engine measured over its recent steps::
   those after which requests were still waiting: the rate at which a queue drains. Steps
   of a half-idle engine would understate it (a batch of one computes far fewer tokens per
   second than a full batch), and a low ``R`` would refuse requests that would have made it.
+- ``wait`` is at most the policy's bound on the request's wait (the fair policy's aging
+  bound for a class below the top: it is then scheduled before what is still ahead).
 - ``s`` is the mean seconds of those steps: a sequence gets one output token per step.
 - ``f`` is the fraction of ``max_tokens`` recently finished requests actually generated
   (1 until some finish): ``max_tokens`` is a ceiling, and most requests stop earlier.
@@ -58,8 +60,13 @@ class Refusal:
         return max(1, math.ceil(self.wait + self.run - max(self.left, 0.0)))
 
     def reason(self) -> str:
+        queue = self.ahead / self.rate
+        waits = (f"about {self.wait:.1f} s at the measured {self.rate:.0f} tokens/s"
+                 if self.wait >= queue else  # capped by the policy's bound (aging)
+                 f"{queue:.1f} s at the measured {self.rate:.0f} tokens/s, but it is "
+                 f"scheduled within {self.wait:.1f} s")
         return (f"cannot finish before its deadline: {self.ahead:.0f} tokens are queued ahead "
-                f"of it (about {self.wait:.1f} s at the measured {self.rate:.0f} tokens/s) and "
+                f"of it ({waits}) and "
                 f"it needs about {self.run:.1f} s itself, but {max(self.left, 0.0):.1f} s are "
                 f"left; retry in {self.retry_after} s, or ask for fewer tokens")
 
@@ -71,12 +78,15 @@ def expected_tokens(uncomputed: int, remaining_output: int, fraction: float) -> 
 
 
 def check_deadline(*, ahead: float, prompt_tokens: int, max_tokens: int, left: float,
-                   rate: ServiceRate | None) -> Refusal | None:
-    """A :class:`Refusal` if the request cannot finish in ``left`` seconds, else None."""
+                   rate: ServiceRate | None, wait_bound: float | None = None
+                   ) -> Refusal | None:
+    """A :class:`Refusal` if the request cannot finish in ``left`` seconds, else None.
+    ``wait_bound``: the policy starts the request within this many seconds whatever is
+    queued ahead (the fair policy's aging), so its wait is at most that."""
     if rate is None or ahead <= 0:
         return None
     r = rate.tokens_per_second
-    wait = ahead / r
+    wait = ahead / r if wait_bound is None else min(ahead / r, wait_bound)
     run = prompt_tokens / r + rate.output_fraction * max_tokens * rate.seconds_per_step
     if wait + run <= left:
         return None

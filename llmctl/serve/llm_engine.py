@@ -790,6 +790,11 @@ class LLMEngine:
         queue limit counts for a new request of this class. Any thread."""
         return self.scheduler.policy.queue_key(priority_class)
 
+    def wait_bound(self, priority_class: str | None) -> float | None:
+        """Seconds a new request of this class waits at most, whatever is queued ahead
+        (the fair policy's aging bound), or None. Any thread."""
+        return self.scheduler.policy.wait_bound(priority_class)
+
     def _queued_work(self, fraction: float
                      ) -> tuple[list[tuple[tuple, float]], list[tuple[tuple, int]]]:
         """Tokens the waiting requests (and those added, not yet taken in) will still

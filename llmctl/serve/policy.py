@@ -136,6 +136,8 @@ class SchedulingPolicy(Protocol):
 
     def queue_key(self, priority_class: str | None) -> tuple: ...
 
+    def wait_bound(self, priority_class: str | None) -> float | None: ...
+
     def prefill_cap(self, waiting: list[Sequence], running: list[Sequence],
                     now: float) -> PrefillCap | None: ...
 
@@ -174,6 +176,9 @@ class FCFSPolicy:
         """One queue: the limit counts every waiting request (``priority`` is the
         client's to choose, so it cannot buy a queue of its own)."""
         return ()
+
+    def wait_bound(self, priority_class: str | None) -> float | None:
+        return None  # a request waits for everything ahead of it
 
     def prefill_cap(self, waiting: list[Sequence], running: list[Sequence],
                     now: float) -> PrefillCap | None:
@@ -258,6 +263,13 @@ class FairPolicy:
         """A queue per class (classes come from the operator's tenant table): a flood of
         one class cannot fill the queue against another."""
         return (self.rank(priority_class),)
+
+    def wait_bound(self, priority_class: str | None) -> float | None:
+        """Seconds a request of this class waits at most whatever is queued ahead: below
+        the top class, its aging bound (then it is due: it passes the guard and may
+        displace a running sequence). Deadline admission caps its wait estimate here, or
+        a flood queued above a batch request would refuse it although aging lets it in."""
+        return self.aging_bound(priority_class) if self.rank(priority_class) > 0 else None
 
     def due(self, request: Request, now: float) -> bool:
         """A lower class's request that has waited its whole aging bound."""

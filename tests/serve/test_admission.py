@@ -33,6 +33,19 @@ def test_never_refused_without_a_rate_or_with_nothing_ahead():
                           rate=RATE) is None
 
 
+def test_the_policys_wait_bound_caps_the_wait():
+    # 1000 s of queue ahead, but the policy starts the request within 1 s (aging)
+    assert check_deadline(ahead=1e6, prompt_tokens=100, max_tokens=200, left=2.5,
+                          rate=RATE, wait_bound=1.0) is None  # 1.0 + 1.1 <= 2.5
+    refusal = check_deadline(ahead=1e6, prompt_tokens=100, max_tokens=200, left=2.0,
+                             rate=RATE, wait_bound=1.0)
+    assert refusal is not None and refusal.wait == 1.0 and refusal.retry_after == 1
+    assert "scheduled within 1.0 s" in refusal.reason()
+    # a bound above the queue's own time changes nothing
+    assert check_deadline(ahead=800, prompt_tokens=100, max_tokens=200, left=1.85,
+                          rate=RATE, wait_bound=60.0).wait == pytest.approx(0.8)
+
+
 def test_retry_after_counts_the_excess_and_a_past_deadline():
     refusal = check_deadline(ahead=5000, prompt_tokens=0, max_tokens=0, left=-3.0, rate=RATE)
     assert refusal.retry_after == 5  # the queue needs 5 s; the time already past is gone

@@ -432,6 +432,42 @@ def test_deadline_admission_refuses_what_the_queue_ahead_makes_late(engine_for, 
     assert urgent == ("accepted" if policy == "fair" else "refused")
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_deadline_admission_counts_a_lower_class_wait_only_up_to_its_aging_bound(
+        engine_for, policy):
+    """A batch request behind a standard queue: under fair, aging schedules it within
+    2 x aging_seconds whatever is queued, so the queue ahead counts only up to that (a
+    flood above it no longer gets the batch class refused); fcfs has no such bound."""
+    from llmctl.serve.api.async_engine import AsyncEngine, DeadlineError
+
+    engine = engine_for(scheduling_policy=policy, aging_seconds=0.25)
+    for _ in range(8):  # measured: 1000 tokens/s, 10 ms per step, in saturated steps
+        engine.rate_meter.record_step(10, 0.01, saturated=True)
+    release = held_engine(engine)
+    front = AsyncEngine(engine, request_timeout=2.0)
+    front.start()
+    params = SamplingParams(max_tokens=100, **GREEDY)
+    prompt = [5] * 100  # 200 tokens of work each; its own run: 0.1 + 100 x 0.01 s
+
+    async def submit_all():
+        for i in range(5):  # 1000 tokens queued: 1 s at the measured rate
+            front.submit(f"r{i}", prompt, params, tenant="A", priority_class="standard")
+        try:
+            front.submit("probe", prompt, params, tenant="C", priority_class="batch")
+            return "accepted"
+        except DeadlineError as exc:
+            return str(exc)
+        finally:
+            release.set()
+            front.shutdown()
+
+    outcome = asyncio.run(submit_all())
+    if policy == "fair":  # wait min(1.0, 2 x 0.25) + run 1.1 = 1.6 s <= 2 s
+        assert outcome == "accepted"
+    else:  # wait 1.0 + run 1.1 = 2.1 s > 2 s
+        assert "1000 tokens are queued ahead" in outcome
+
+
 def test_without_a_measured_rate_nothing_is_refused(engine_for):
     from llmctl.serve.api.async_engine import AsyncEngine
 

@@ -221,7 +221,8 @@ class AsyncEngine:
                 sum(w for k, w in self._added_work if k <= key)
             refusal = check_deadline(ahead=ahead, prompt_tokens=len(prompt_token_ids),
                                      max_tokens=max_tokens, left=deadline - time.time(),
-                                     rate=rate)
+                                     rate=rate,
+                                     wait_bound=self.engine.wait_bound(priority_class))
             if refusal is not None:
                 raise DeadlineError(refusal.reason(), refusal.retry_after)
         return key, own

@@ -222,6 +222,10 @@ class ProcessEngine:
         policy = self.info.policy
         return () if policy is None else policy.queue_key(priority_class)
 
+    def wait_bound(self, priority_class: str | None) -> float | None:
+        policy = self.info.policy
+        return None if policy is None else policy.wait_bound(priority_class)
+
     def stats(self) -> dict:
         out = merge_stats([r.stats for r in self.replicas if r.state is State.UP])
         out["engine_restarts"] = self.restarts

@@ -24,10 +24,14 @@ the cap has left, or skipped when nothing is left (decodes are never capped), an
 of them is admitted while the cap's number of them runs. A waiting sequence the cap
 holds back is passed over, not a stop: the cap is on it, not on those after it.
 
-Aging looks one step ahead: the policy ranks waiting sequences at ``now`` plus the time
-the last step took (at most ``MAX_LOOKAHEAD``), the start of the next scheduling point,
-so a request whose aging bound falls before that point is ranked as it will be then and
-is admitted at the last step that starts within its bound, not the first one after it.
+Aging looks one step ahead: the policy ranks waiting sequences at ``now`` plus the
+longest of the last ``LOOKAHEAD_STEPS`` gaps between scheduling points (each at most
+``MAX_LOOKAHEAD``), an upper estimate of when the next scheduling point comes, so a
+request whose aging bound falls before that point is ranked as it will be then and is
+admitted at a step that starts within its bound, not the first one after it. The
+longest recent gap, not the last: steps vary (a decode step, then one carrying prompt
+chunks), and ranking by the last one let a batch request under a flood start 3 ms past
+its 30 s bound when the next step was longer than the one before.
 
 Order is the policy's business (:mod:`llmctl.serve.policy`): "fcfs" ranks by
 ``priority`` then arrival, "fair" by class, aging and each tenant's share. A policy may
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +56,7 @@ from llmctl.serve.sequence import Sequence, SequenceStatus
 # seconds: the aging lookahead's cap (a step is well under a second on the models served
 # here; a longer gap between scheduling points is idling, not a step)
 MAX_LOOKAHEAD = 1.0
+LOOKAHEAD_STEPS = 8  # recent gaps between scheduling points the lookahead takes the max of
 
 
 @dataclass
@@ -93,6 +99,7 @@ class Scheduler:
         self._promised: Sequence | None = None  # admitted next: sequences were preempted for it
         self._last_schedule: float | None = None  # clock() at the last schedule()
         self._aging_now = 0.0  # when this step's ranking is evaluated (module docstring)
+        self._gaps: deque[float] = deque(maxlen=LOOKAHEAD_STEPS)  # recent steps' lengths
 
     # --- queues ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -134,9 +141,11 @@ class Scheduler:
     # --- the policy ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
-        step = 0.0 if self._last_schedule is None else now - self._last_schedule
+        gap = None if self._last_schedule is None else now - self._last_schedule
+        if gap is not None and 0.0 < gap <= MAX_LOOKAHEAD:  # a longer gap was idling
+            self._gaps.append(gap)
         self._last_schedule = now
-        self._aging_now = now + (step if 0.0 < step <= MAX_LOOKAHEAD else 0.0)
+        self._aging_now = now + max(self._gaps, default=0.0)
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager

@@ -145,18 +145,22 @@ def test_lower_prompts_are_held_back_while_a_higher_class_waits_then_capped_whil
         "d": 1, "long": 254, "i": 1}
 
 
-@pytest.mark.parametrize("previous,first", [(18.5, "batch"), (None, "inter")])
+@pytest.mark.parametrize("previous,first", [
+    ((18.5,), "batch"), ((), "inter"), ((17.9, 18.9, 19.3), "batch"),
+    ((16.0, 18.9, 19.3), "inter")])
 def test_aging_looks_one_step_ahead(previous, first):
     """A batch request (aging 10 s: top level at 20 s) and a newer interactive one, one
-    admission per step. At 19.5 s, the last scheduling point having been 1 s earlier,
-    the next one is past the batch request's bound: it goes first (same level, earlier
-    arrival). With no earlier scheduling point the interactive one goes first."""
+    admission per step. At 19.5 s, the longest recent gap between scheduling points
+    being 1 s, the next one may come past the batch request's bound: it goes first (same
+    level, earlier arrival); so it does when the last gap was 0.2 s but one before it
+    1 s. With no earlier scheduling point, or only gaps so short that the next point
+    comes before 20 s (a 2.9 s gap is idling, not a step), the interactive one goes first."""
     clock = Clock(0.0)
     sched = Scheduler(BlockManager(1000, 4), max_num_seqs=1, max_num_batched_tokens=64,
                       enable_chunked_prefill=True, watermark=0.0,
                       policy=FairPolicy(aging_seconds=10), clock=clock)
-    if previous is not None:
-        clock.t = previous
+    for t in previous:
+        clock.t = t
         assert sched.schedule().empty  # nothing waits yet; the point is recorded
     sched.add(make_seq(8, cls="batch", tenant="X", arrival=0.0, rid="batch"))
     sched.add(make_seq(8, cls="interactive", tenant="Y", arrival=19.0, rid="inter"))

@@ -11,8 +11,11 @@ For a new request, from what the engine measured over its recent steps::
   those after which requests were still waiting: the rate at which a queue drains. Steps
   of a half-idle engine would understate it (a batch of one computes far fewer tokens per
   second than a full batch), and a low ``R`` would refuse requests that would have made it.
-- ``wait`` is at most the policy's bound on the request's wait (the fair policy's aging
-  bound for a class below the top: it is then scheduled before what is still ahead).
+- Under a policy that ages requests (fair), ``wait`` is at most ``B + W_own / R``: after
+  its aging bound ``B`` a request of a lower class goes before the higher classes' work
+  still queued, but not before the work of its own class queued ahead of it (``W_own``).
+  So a batch request behind a flood of another class is admitted (it starts at ``B``),
+  while a flood's own requests still count each other.
 - ``s`` is the mean seconds of those steps: a sequence gets one output token per step.
 - ``f`` is the fraction of ``max_tokens`` recently finished requests actually generated
   (1 until some finish): ``max_tokens`` is a ceiling, and most requests stop earlier.
@@ -62,9 +65,9 @@ class Refusal:
     def reason(self) -> str:
         queue = self.ahead / self.rate
         waits = (f"about {self.wait:.1f} s at the measured {self.rate:.0f} tokens/s"
-                 if self.wait >= queue else  # capped by the policy's bound (aging)
-                 f"{queue:.1f} s at the measured {self.rate:.0f} tokens/s, but it is "
-                 f"scheduled within {self.wait:.1f} s")
+                 if self.wait >= queue else  # capped by the policy's aging
+                 f"{queue:.1f} s at the measured {self.rate:.0f} tokens/s, but with aging "
+                 f"it starts in about {self.wait:.1f} s")
         return (f"cannot finish before its deadline: {self.ahead:.0f} tokens are queued ahead "
                 f"of it ({waits}) and "
                 f"it needs about {self.run:.1f} s itself, but {max(self.left, 0.0):.1f} s are "
@@ -78,15 +81,17 @@ def expected_tokens(uncomputed: int, remaining_output: int, fraction: float) -> 
 
 
 def check_deadline(*, ahead: float, prompt_tokens: int, max_tokens: int, left: float,
-                   rate: ServiceRate | None, wait_bound: float | None = None
-                   ) -> Refusal | None:
+                   rate: ServiceRate | None, wait_bound: float | None = None,
+                   ahead_own: float = 0.0) -> Refusal | None:
     """A :class:`Refusal` if the request cannot finish in ``left`` seconds, else None.
-    ``wait_bound``: the policy starts the request within this many seconds whatever is
-    queued ahead (the fair policy's aging), so its wait is at most that."""
+    ``wait_bound``: after this many seconds only ``ahead_own`` (the work of its own class
+    queued ahead, part of ``ahead``) still goes before it (the fair policy's aging)."""
     if rate is None or ahead <= 0:
         return None
     r = rate.tokens_per_second
-    wait = ahead / r if wait_bound is None else min(ahead / r, wait_bound)
+    wait = ahead / r
+    if wait_bound is not None:
+        wait = min(wait, wait_bound + min(ahead_own, ahead) / r)
     run = prompt_tokens / r + rate.output_fraction * max_tokens * rate.seconds_per_step
     if wait + run <= left:
         return None

@@ -265,10 +265,11 @@ class FairPolicy:
         return (self.rank(priority_class),)
 
     def wait_bound(self, priority_class: str | None) -> float | None:
-        """Seconds a request of this class waits at most whatever is queued ahead: below
-        the top class, its aging bound (then it is due: it passes the guard and may
-        displace a running sequence). Deadline admission caps its wait estimate here, or
-        a flood queued above a batch request would refuse it although aging lets it in."""
+        """Seconds after which a request of this class goes before every higher class's
+        queued work (below the top class, its aging bound: it is then due, passes the
+        guard and may displace a running sequence); its own class's work ahead of it still
+        goes first. Deadline admission uses it (llmctl.serve.admission), or a flood queued
+        above a batch request would get it refused although aging lets it in."""
         return self.aging_bound(priority_class) if self.rank(priority_class) > 0 else None
 
     def due(self, request: Request, now: float) -> bool:

@@ -33,14 +33,18 @@ def test_never_refused_without_a_rate_or_with_nothing_ahead():
                           rate=RATE) is None
 
 
-def test_the_policys_wait_bound_caps_the_wait():
-    # 1000 s of queue ahead, but the policy starts the request within 1 s (aging)
+def test_aging_caps_the_wait_behind_other_classes_not_behind_its_own():
+    # 1000 s of another class's queue ahead, but aging starts the request within 1 s
     assert check_deadline(ahead=1e6, prompt_tokens=100, max_tokens=200, left=2.5,
                           rate=RATE, wait_bound=1.0) is None  # 1.0 + 1.1 <= 2.5
     refusal = check_deadline(ahead=1e6, prompt_tokens=100, max_tokens=200, left=2.0,
                              rate=RATE, wait_bound=1.0)
     assert refusal is not None and refusal.wait == 1.0 and refusal.retry_after == 1
-    assert "scheduled within 1.0 s" in refusal.reason()
+    assert "with aging it starts in about 1.0 s" in refusal.reason()
+    # its own class's work still goes first: 1.0 + 300 / 1000 s
+    assert check_deadline(ahead=1e6, prompt_tokens=100, max_tokens=200, left=2.0,
+                          rate=RATE, wait_bound=1.0,
+                          ahead_own=300).wait == pytest.approx(1.3)
     # a bound above the queue's own time changes nothing
     assert check_deadline(ahead=800, prompt_tokens=100, max_tokens=200, left=1.85,
                           rate=RATE, wait_bound=60.0).wait == pytest.approx(0.8)

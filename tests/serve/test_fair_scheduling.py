@@ -453,23 +453,29 @@ def test_deadline_admission_counts_a_lower_class_wait_only_up_to_its_aging_bound
     params = SamplingParams(max_tokens=100, **GREEDY)
     prompt = [5] * 100  # 200 tokens of work each; its own run: 0.1 + 100 x 0.01 s
 
-    async def submit_all():
-        for i in range(5):  # 1000 tokens queued: 1 s at the measured rate
-            front.submit(f"r{i}", prompt, params, tenant="A", priority_class="standard")
+    def outcome(request_id: str, priority_class: str) -> str:
         try:
-            front.submit("probe", prompt, params, tenant="C", priority_class="batch")
+            front.submit(request_id, prompt, params, tenant="C", priority_class=priority_class)
             return "accepted"
         except DeadlineError as exc:
             return str(exc)
+
+    async def submit_all():
+        try:
+            for i in range(5):  # 1000 tokens queued: 1 s at the measured rate
+                front.submit(f"r{i}", prompt, params, tenant="A", priority_class="standard")
+            return outcome("probe", "batch"), outcome("late", "standard")
         finally:
             release.set()
             front.shutdown()
 
-    outcome = asyncio.run(submit_all())
-    if policy == "fair":  # wait min(1.0, 2 x 0.25) + run 1.1 = 1.6 s <= 2 s
-        assert outcome == "accepted"
+    probe, late = asyncio.run(submit_all())
+    if policy == "fair":  # wait min(1.0, 2 x 0.25 + 0) + run 1.1 = 1.6 s <= 2 s
+        assert probe == "accepted"
     else:  # wait 1.0 + run 1.1 = 2.1 s > 2 s
-        assert "1000 tokens are queued ahead" in outcome
+        assert "1000 tokens are queued ahead" in probe
+    # its own class's queue is not aged past: min(1.0, 0.25 + 1.0) + 1.1 > 2 s
+    assert "1000 tokens are queued ahead" in late
 
 
 def test_without_a_measured_rate_nothing_is_refused(engine_for):

@@ -217,12 +217,13 @@ class AsyncEngine:
         own = expected_tokens(len(prompt_token_ids), max_tokens, fraction)
         if deadline is not None:
             queued = self._stats.get("queued_work") or ()
-            ahead = sum(w for k, w in queued if k <= key) + \
-                sum(w for k, w in self._added_work if k <= key)
-            refusal = check_deadline(ahead=ahead, prompt_tokens=len(prompt_token_ids),
+            work = [*queued, *self._added_work]
+            refusal = check_deadline(ahead=sum(w for k, w in work if k <= key),
+                                     prompt_tokens=len(prompt_token_ids),
                                      max_tokens=max_tokens, left=deadline - time.time(),
                                      rate=rate,
-                                     wait_bound=self.engine.wait_bound(priority_class))
+                                     wait_bound=self.engine.wait_bound(priority_class),
+                                     ahead_own=sum(w for k, w in work if k == key))
             if refusal is not None:
                 raise DeadlineError(refusal.reason(), refusal.retry_after)
         return key, own

@@ -93,20 +93,3 @@ def tiny_near_draft(tiny_llama, tmp_path_factory) -> Path:
              for k, v in weights.items()}
     save_file(noisy, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-@pytest.fixture(scope="session")
-def tiny_loras(tiny_llama, tmp_path_factory) -> dict[str, Path]:
-    """Three random PEFT adapters on the tiny llama: every projection (r=4), a subset with
-    rsLoRA (r=8), attention of one layer only (r=8): name -> adapter directory."""
-    from tests.lora_adapters import build_adapter
-
-    root = tmp_path_factory.mktemp("loras")
-    return {
-        "all4": build_adapter(tiny_llama, root / "all4", rank=4, alpha=8, seed=1),
-        "some8": build_adapter(tiny_llama, root / "some8", rank=8, alpha=4, seed=2,
-                               targets=["q_proj", "v_proj", "down_proj"], use_rslora=True),
-        "attn1": build_adapter(tiny_llama, root / "attn1", rank=8, alpha=16, seed=3,
-                               targets=["q_proj", "k_proj", "v_proj", "o_proj"],
-                               layers_to_transform=[1]),
-    }

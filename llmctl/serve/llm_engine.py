@@ -265,8 +265,9 @@ class LLMEngine:
                                   "engine directory cannot serve them",
                                   "serve the source checkpoint with --lora")
             return None
-        registry = LoRARegistry(self.spec, max_rank=config.max_lora_rank, dtype=model.dtype,
-                                device=self.device)
+        # float32 adapters whatever the model's dtype (llmctl.serve.lora_batch)
+        registry = LoRARegistry(self.spec, max_rank=config.max_lora_rank,
+                                dtype=torch.float32, device=self.device)
         for name, path in config.loras.items():
             adapter = registry.load(name, path)
             log.info("LoRA adapter %r: rank %d, scale %g, %.1f MiB (%s)", name, adapter.rank,

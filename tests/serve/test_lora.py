@@ -58,9 +58,11 @@ def _record_steps(llm, monkeypatch) -> list[list]:
 def test_logits_and_greedy_match_peft_with_adapters_and_base_in_one_batch(
         llm, tiny_llama, tiny_loras, monkeypatch):
     steps = _record_steps(llm, monkeypatch)
-    names = [None, "all4", "some8", "attn1", "all4"]
-    prompts = ["The file object", "The file object", "The file object", "The file object",
-               "In Python, a class is"]
+    # two prompt lengths: two attention groups in the prefill, each ordered by adapter, so
+    # "all4" has rows in both (gathered) and the span from "some8" to "attn1" holds the
+    # second group's base and "all4" rows (which its delta must leave alone)
+    names = [None, "all4", "some8", None, "attn1", "all4"]
+    prompts = ["The file object"] * 3 + ["In Python, a class is"] * 3
     outs = llm.generate(prompts, GREEDY, lora=names)
     # one batch: every step ran all five requests (the prefill and each decode)
     assert len(steps) == GREEDY.max_tokens
@@ -82,9 +84,10 @@ def test_logits_and_greedy_match_peft_with_adapters_and_base_in_one_batch(
         got = torch.stack(by_request[out.request_id])
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
         assert tokens == greedy[0, len(prompt):].tolist()
-        answers[name] = tokens
+        answers[name, out.prompt] = tuple(tokens)
     # the adapters matter: the same prompt answers differently under each
-    assert len({tuple(answers[n]) for n in (None, "all4", "some8", "attn1")}) == 4
+    assert len({answers[key] for key in answers if key[1] == prompts[0]}) == 3
+    assert len({answers[key] for key in answers if key[1] == prompts[3]}) == 3
 
 
 def test_base_only_steps_build_no_lora_batch(llm, monkeypatch):
@@ -199,3 +202,23 @@ def test_rank_limit_and_missing_files(tiny_loras, spec, tmp_path):
         load_adapter("gone", tmp_path / "nowhere", spec, max_rank=64)
     with pytest.raises(LoRAError, match="no adapter_config.json"):
         load_adapter("empty", tmp_path, spec, max_rank=64)
+
+
+def test_bfloat16_engine_applies_adapters(tiny_llama, tiny_loras, monkeypatch):
+    """bf16 weights and activations, float32 adapters (lora_batch): the prefill's logits
+    stay near PEFT's float32 ones, far nearer than the adapter moves them (bf16 rounding
+    differs between CPUs, so no exact equality: a bound relative to the adapter's own
+    effect, which a missing or misplaced adapter term would exceed)."""
+    llm = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="16MiB",
+              loras={"all4": str(tiny_loras["all4"])})
+    steps = _record_steps(llm, monkeypatch)
+    out = llm.generate(["The file object", "The file object"],
+                       SamplingParams(max_tokens=1, temperature=0), lora=[None, "all4"])
+    got = {name: row.float() for _, name, row in steps[0]}
+    ids = torch.tensor([out[0].prompt_token_ids])
+    with torch.no_grad():
+        base = _reference(str(tiny_llama), None)(ids).logits[0, -1]
+        adapted = _reference(str(tiny_llama), str(tiny_loras["all4"]))(ids).logits[0, -1]
+    effect = (adapted - base).abs().max().item()
+    assert (got["all4"] - adapted).abs().max().item() < 0.1 * effect
+    assert (got[None] - base).abs().max().item() < 0.1 * effect

@@ -77,10 +77,17 @@ def context_buckets(items: list[ScheduledSeq], spread: float = 2.0) -> list[list
 KERNEL_MAX_Q_LEN = 32
 
 
+def _adapter(item: ScheduledSeq):
+    """The LoRA adapter a scheduled sequence runs with (None: the base model, or a
+    sequence without a request: scoring's and the draft model's shadows)."""
+    request = getattr(item.seq, "request", None)
+    return None if request is None else request.lora
+
+
 def _by_adapter(items: list[ScheduledSeq]) -> list[ScheduledSeq]:
     """A group's sequences with each adapter's together (base first), so that its rows
     are one range (:mod:`llmctl.serve.lora_batch`); order within a group is free."""
-    return sorted(items, key=lambda i: getattr(i.seq.request.lora, "lora_id", 0))
+    return sorted(items, key=lambda i: getattr(_adapter(i), "lora_id", 0))
 
 
 class ModelRunner:
@@ -131,7 +138,7 @@ class ModelRunner:
         prompt_index: list[int] = []
         prompt_parts: list[tuple[ScheduledSeq, int, int]] = []  # (item, first token, rows)
         lora_runs: list[tuple[object, int, int]] = []  # (adapter, first row, end row)
-        adapters = self.with_lora and any(s.seq.request.lora is not None for s in scheduled)
+        adapters = self.with_lora and any(_adapter(s) is not None for s in scheduled)
         order = _by_adapter if adapters else list
 
         def add(item: ScheduledSeq) -> None:
@@ -150,7 +157,7 @@ class ModelRunner:
             if k:
                 tokens.extend(seq.spec_token_ids[:k])
             if adapters:
-                lora_runs.append((seq.request.lora, first_row, len(tokens)))
+                lora_runs.append((_adapter(item), first_row, len(tokens)))
             positions.extend(range(c, c + n))
             slots.extend(slot_ids(seq.block_table, c, c + n, bs))
             if c + n - k == seq.num_tokens:

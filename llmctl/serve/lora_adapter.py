@@ -32,12 +32,14 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmctl.errors import UsageError
-from llmctl.serve.model import ModelSpec
-from llmctl.serve.rope import interleave_rows
+
+if TYPE_CHECKING:  # torch only where tensors are made: the CLI checks --lora without it
+    import torch
+
+    from llmctl.serve.model import ModelSpec
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -157,10 +159,16 @@ def _shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
 
 
 def load_adapter(name: str, path: str | Path, spec: ModelSpec, *, max_rank: int,
-                 dtype: torch.dtype = torch.float32,
+                 dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu") -> LoRAAdapter:
-    """Read, check and lay out a PEFT adapter for a model of ``spec`` (module docstring)."""
+    """Read, check and lay out a PEFT adapter for a model of ``spec`` (module docstring);
+    ``dtype`` None: float32."""
+    import torch
     from safetensors import safe_open
+
+    from llmctl.serve.rope import interleave_rows
+
+    dtype = dtype or torch.float32
 
     where = Path(path).expanduser()
     if not where.is_dir():

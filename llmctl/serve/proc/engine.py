@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from llmctl.errors import ConfigError, UsageError
-from llmctl.serve.lora_adapter import LoRAError, LoRANotFoundError, load_adapter
 from llmctl.serve.outputs import RequestOutput
 from llmctl.serve.proc.child import ChildSpec, ReadyInfo
 from llmctl.serve.proc.replica import Replica, State
@@ -250,6 +249,8 @@ class ProcessEngine:
                 raise UsageError(f"request id {request_id!r} is already in use",
                                  "give every request a unique id")
             if lora is not None and lora not in self._loras:
+                from llmctl.serve.lora_adapter import LoRANotFoundError
+
                 raise LoRANotFoundError(f"no LoRA adapter named {lora!r} is loaded",
                                         f"loaded: {', '.join(self._loras) or 'none'}")
             while True:
@@ -280,6 +281,8 @@ class ProcessEngine:
         is the caller's error, not a replica's), then load it in every replica. A request
         naming it after this returns reaches a replica after the load (one pipe, in
         order)."""
+        from llmctl.serve.lora_adapter import LoRAError, load_adapter
+
         info = self.info
         if info.lora_spec is None:
             raise LoRAError("this engine cannot serve LoRA adapters (an engine directory's "
@@ -297,6 +300,8 @@ class ProcessEngine:
             self._tell_replicas(("load_lora", name, str(path)))
 
     def remove_lora(self, name: str) -> None:
+        from llmctl.serve.lora_adapter import LoRANotFoundError
+
         with self._lock:
             if self._loras.pop(name, None) is None:
                 raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded",

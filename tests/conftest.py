@@ -45,6 +45,23 @@ def tiny_llama_tied(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_loras(tiny_llama, tmp_path_factory) -> dict[str, Path]:
+    """Three random PEFT adapters on the tiny llama: every projection (r=4), a subset with
+    rsLoRA (r=8), attention of one layer only (r=8): name -> adapter directory."""
+    from tests.lora_adapters import build_adapter
+
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        "all4": build_adapter(tiny_llama, root / "all4", rank=4, alpha=8, seed=1),
+        "some8": build_adapter(tiny_llama, root / "some8", rank=8, alpha=4, seed=2,
+                               targets=["q_proj", "v_proj", "down_proj"], use_rslora=True),
+        "attn1": build_adapter(tiny_llama, root / "attn1", rank=8, alpha=16, seed=3,
+                               targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+                               layers_to_transform=[1]),
+    }
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf(tiny_llama, tmp_path_factory) -> Path:
     from llmctl.gguf.writer import export_gguf
 

@@ -19,7 +19,9 @@ from llmctl.cli.errors import guarded
 from llmctl.cli.options import DtypeOpt, JsonOpt
 from llmctl.cli.serve import (
     KvCacheMemory,
+    LoraOpt,
     MaxBatchedTokens,
+    MaxLoraRank,
     MaxModelLen,
     MaxNumSeqs,
     ServedName,
@@ -44,7 +46,8 @@ def batch(
     served_model_name: ServedName = None, dtype: DtypeOpt = "auto",
     kv_cache_memory: KvCacheMemory = "2GiB", max_model_len: MaxModelLen = None,
     max_num_seqs: MaxNumSeqs = 64, max_num_batched_tokens: MaxBatchedTokens = 512,
-    threads: Threads = None, window: Window = None, json_: JsonOpt = False,
+    threads: Threads = None, window: Window = None, lora: LoraOpt = None,
+    max_lora_rank: MaxLoraRank = 64, json_: JsonOpt = False,
 ) -> None:
     """Run an OpenAI Batch API input file on a model; resumable."""
     import llmctl.engines  # noqa: F401 - registers engine directories as a model source
@@ -61,6 +64,7 @@ def batch(
     settings = ServeSettings(model=model, dtype=dtype, kv_cache_memory=kv_cache_memory,
                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, threads=threads,
+                             lora=tuple(lora or ()), max_lora_rank=max_lora_rank,
                              given=frozenset(n for n in names if _given(ctx, n)))
     kwargs = engine_kwargs(settings, not isinstance(source_for(model), CheckpointSource))
     EngineConfig(model=model, **kwargs)  # a bad option fails before anything loads (exit 2)

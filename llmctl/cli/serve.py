@@ -111,6 +111,18 @@ ToolCallParser = Annotated[Literal["hermes", "llama3_json"] | None, Opt(
 EngineNice = Annotated[int, Opt(
     "--engine-nice", help="CPU niceness of the engine processes (0-19), so the API process "
                           "runs first on shared cores.")]
+LoraOpt = Annotated[list[str] | None, Opt(
+    "--lora", help="A PEFT LoRA adapter directory as NAME=PATH (repeatable); requests pick "
+                   "it with model=NAME and share batches with the base model and other "
+                   "adapters.", show_default=False)]
+MaxLoras = Annotated[int, Opt("--max-loras", min=1,
+                              help="Distinct LoRA adapters running at once (in one batch).")]
+MaxLoraRank = Annotated[int, Opt("--max-lora-rank", min=1,
+                                 help="Refuse LoRA adapters of a higher rank.")]
+EnableLoraRuntimeUpdates = Annotated[bool, Opt(
+    "--enable-lora-runtime-updates",
+    help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; "
+         "loading reads a server directory the client names).")]
 LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
 
 
@@ -133,10 +145,13 @@ def serve(
     engine_step_timeout: EngineStepTimeout = 60.0, max_rss: MaxRss = None,
     enable_auto_tool_choice: EnableAutoToolChoice = False,
     tool_call_parser: ToolCallParser = None, engine_nice: EngineNice = 10,
+    lora: LoraOpt = None, max_loras: MaxLoras = 4, max_lora_rank: MaxLoraRank = 64,
+    enable_lora_runtime_updates: EnableLoraRuntimeUpdates = False,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""
     settings = {k: v for k, v in locals().items() if k != "ctx"}
+    settings["lora"] = tuple(lora or ())
     import llmctl.engines  # noqa: F401 - registers engine directories as a model source
     from llmctl.serve.startup import ServeSettings
     from llmctl.serve.startup import serve as run

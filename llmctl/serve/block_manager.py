@@ -12,9 +12,10 @@ Only bookkeeping lives here (block ids, reference counts, hashes); the tensors a
   be in that state).
 - Prefix caching: once a block is full and computed it is registered under a chained
   hash, ``h_i = blake2b(h_{i-1} || token_ids_i)``, so a block's key names its whole
-  prefix. A lookup is confirmed by comparing the block's own token ids and its parent's
-  hash (vLLM moved to a cryptographic hash for the same reason: a server must not let
-  one client's crafted prompt collide with another's cached prefix).
+  prefix; ``h_{-1}`` is empty, or a LoRA adapter's salt for a request that runs one
+  (:func:`chain_root`). A lookup is confirmed by comparing the block's own token ids and
+  its parent's hash (vLLM moved to a cryptographic hash for the same reason: a server
+  must not let one client's crafted prompt collide with another's cached prefix).
 - Freed blocks keep their contents and stay findable until their memory is needed:
   the free pool is an LRU list; blocks without a hash go to its front (reused first),
   registered ones to its back, the tail of a sequence before its head (a prompt's
@@ -59,6 +60,14 @@ DROPPED = -1
 def block_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
     return hashlib.blake2b(parent + array.array("q", token_ids).tobytes(),
                            digest_size=16).digest()
+
+
+def chain_root(seq: Sequence) -> bytes:
+    """The parent of a sequence's first block: empty for the base model, the adapter's
+    salt for a LoRA request (the same tokens under another adapter have other K/V, so
+    they must never share blocks; vLLM adds its ``lora_int_id`` to the block hash)."""
+    lora = seq.request.lora
+    return b"" if lora is None else lora.cache_salt
 
 
 class Block:
@@ -136,9 +145,9 @@ class BlockManager:
         tokens = seq.token_ids
         chunks = [tuple(tokens[i * bs:(i + 1) * bs]) for i in range((len(tokens) - 1) // bs)]
         if self.sliding_window is not None:
-            return self._windowed_prefix(chunks)
+            return self._windowed_prefix(chunks, chain_root(seq))
         hits: list[int] = []
-        parent = b""
+        parent = chain_root(seq)
         for chunk in chunks:
             h = block_hash(parent, chunk)
             block_id = self._lookup(h, parent, chunk)
@@ -148,10 +157,10 @@ class BlockManager:
             parent = h
         return hits
 
-    def _windowed_prefix(self, chunks: list[tuple[int, ...]]) -> list[int]:
+    def _windowed_prefix(self, chunks: list[tuple[int, ...]], root: bytes) -> list[int]:
         """The longest prefix whose last ``window_blocks`` blocks are cached, or a shorter
         one cached from block 0 (see the module docstring)."""
-        parents, parent = [], b""
+        parents, parent = [], root
         for chunk in chunks:
             parents.append(parent)
             parent = block_hash(parent, chunk)
@@ -324,7 +333,7 @@ class BlockManager:
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         tokens = seq.token_ids
         table = seq.block_table
-        parent = seq.chain_hash
+        parent = seq.chain_hash if seq.num_hashed_blocks else chain_root(seq)
         for i in range(seq.num_hashed_blocks, full):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(parent, chunk)

@@ -119,6 +119,14 @@ class EngineConfig(BaseModel):
     aging_seconds: float = Field(30.0, gt=0)
     # a tenant's share of tokens relative to others (fair); unlisted tenants weigh 1
     tenant_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    # LoRA adapters served at start: name (what requests send as ``model``) -> PEFT
+    # directory (llmctl.serve.lora_adapter); more load at run time
+    loras: dict[str, str] = Field(default_factory=dict)
+    # distinct adapters among running sequences (so in one step): a step runs one small
+    # matmul pair per adapter and fused linear, so more adapters cost more per step
+    max_loras: int = Field(4, ge=1)
+    # adapters of a higher rank are refused at load
+    max_lora_rank: int = Field(64, ge=1)
 
     @field_validator("dtype", "kv_cache_dtype", mode="before")
     @classmethod

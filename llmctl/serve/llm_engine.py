@@ -18,6 +18,9 @@ API (what the HTTP server drives)::
   ``max_tokens=None`` means "up to the context length". Lower ``priority`` runs first.
   ``tenant`` and ``priority_class`` feed the "fair" scheduling policy
   (:mod:`llmctl.serve.policy`); ``deadline`` (wall time) is kept on the request.
+  ``lora`` names a loaded LoRA adapter (:meth:`add_lora`, ``config.loras``) the request
+  runs with; requests of different adapters and the base model share steps
+  (:mod:`llmctl.serve.lora_batch`). ``add_lora``/``remove_lora`` may come from any thread.
 - ``step()`` schedules, runs the model once and returns snapshots
   (:class:`~llmctl.serve.outputs.RequestOutput`); ``new_token_ids`` / ``text_delta``
   are what changed since the request's previous output (stream them), ``token_ids`` /
@@ -85,6 +88,7 @@ from llmctl.serve.block_manager import DROPPED, BlockManager
 from llmctl.serve.config import EngineConfig, make_engine_config
 from llmctl.serve.detokenizer import IncrementalDetokenizer
 from llmctl.serve.kv_cache import KVCachePlan, allocate_kv_cache, available_memory, plan_kv_cache
+from llmctl.serve.lora_adapter import LoRAError, LoRARegistry
 from llmctl.serve.model import LlamaModel, ModelSpec
 from llmctl.serve.model_runner import LogitRows, ModelRunner, PromptLogits
 from llmctl.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -106,7 +110,7 @@ class _Built:
     """A model with its cache, block manager and runner (the target, or a draft model)."""
 
     def __init__(self, resolved, config: EngineConfig, device: torch.device, max_len: int,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, with_lora: bool = False) -> None:
         from llmctl.serve.weights import load_model
 
         path = resolved.path
@@ -135,7 +139,7 @@ class _Built:
         self.kv_cache = allocate_kv_cache(self.plan, num_layers=spec.num_layers,
                                           num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                                           dtype=kv_dtype, device=device)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, with_lora)
 
 
 def _gguf_native(resolved, config: EngineConfig) -> bool:
@@ -187,8 +191,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   policy=make_policy(config))
+                                   policy=make_policy(config), max_loras=config.max_loras)
         self.runner = self.target.runner
+        self.loras = self._lora_registry(config)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids or self._fallback_eos_ids())
         self.proposer = self._make_proposer(self.max_model_len)
@@ -230,7 +235,7 @@ class LLMEngine:
         self.max_model_len = self._check_max_len(config, spec.max_position_embeddings)
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer).path
                                         if config.tokenizer else self.model_path)
-        self.target = _Built(resolved, config, self.device, self.max_model_len)
+        self.target = _Built(resolved, config, self.device, self.max_model_len, with_lora=True)
 
     def _perf_cost(self) -> tuple | None:
         """The cost model steps are metered with: FLOPs from the architecture in
@@ -249,6 +254,45 @@ class LLMEngine:
             log.info("no FLOP/byte accounting for this model: %s", exc)
             return None
         return cost, float(self.target.model.bytes_read_per_step)
+
+    def _lora_registry(self, config: EngineConfig) -> LoRARegistry | None:
+        """The adapters served (``config.loras`` loaded now); None when the runner cannot
+        apply any (an engine directory's runtime holds its own weights)."""
+        model = getattr(self.target, "model", None)
+        if not isinstance(model, LlamaModel):
+            if config.loras:
+                raise ConfigError("LoRA adapters run on the paged torch runner only; this "
+                                  "engine directory cannot serve them",
+                                  "serve the source checkpoint with --lora")
+            return None
+        # float32 adapters whatever the model's dtype (llmctl.serve.lora_batch)
+        registry = LoRARegistry(self.spec, max_rank=config.max_lora_rank,
+                                dtype=torch.float32, device=self.device)
+        for name, path in config.loras.items():
+            adapter = registry.load(name, path)
+            log.info("LoRA adapter %r: rank %d, scale %g, %.1f MiB (%s)", name, adapter.rank,
+                     adapter.scaling, adapter.nbytes / 2**20, path)
+        return registry
+
+    # --- LoRA adapters (any thread) ---------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at ``path`` under ``name`` (requests send it as their
+        ``model``); raises :class:`~llmctl.serve.lora_adapter.LoRAError` if it cannot."""
+        self._require_loras().load(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """New requests can no longer name it; running ones finish with it (they hold it).
+        Raises :class:`~llmctl.serve.lora_adapter.LoRANotFoundError` if not loaded."""
+        self._require_loras().unload(name)
+
+    def lora_names(self) -> tuple[str, ...]:
+        return () if self.loras is None else self.loras.names()
+
+    def _require_loras(self) -> LoRARegistry:
+        if self.loras is None:
+            raise LoRAError("this engine cannot serve LoRA adapters (an engine directory's "
+                            "runtime holds its own weights)", "serve the source checkpoint")
+        return self.loras
 
     @staticmethod
     def _check_max_len(config: EngineConfig, limit: int) -> int:
@@ -295,8 +339,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, priority: int = 0,
                     arrival_time: float | None = None, tenant: str | None = None,
-                    priority_class: str | None = None, deadline: float | None = None) -> None:
+                    priority_class: str | None = None, deadline: float | None = None,
+                    lora: str | None = None) -> None:
         params = params or SamplingParams()
+        adapter = None if lora is None else self._require_loras().get(lora)
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
@@ -308,7 +354,7 @@ class LLMEngine:
         request = Request(request_id, ids, params, prompt=text, priority=priority,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
                           eos_token_ids=self.eos_token_ids, tenant=tenant,
-                          priority_class=priority_class, deadline=deadline)
+                          priority_class=priority_class, deadline=deadline, lora=adapter)
         with self._lock:
             if request_id in self._known_ids:
                 raise UsageError(f"request id {request_id!r} is already in use",

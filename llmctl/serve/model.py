@@ -28,6 +28,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,9 @@ from llmctl.serve.attention import AttnMetadata, paged_attention
 from llmctl.serve.cpu_kernels import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.decode_layers import DecodeLayers
 from llmctl.serve.rope import apply_rope, rope_freqs, rope_parameters
+
+if TYPE_CHECKING:
+    from llmctl.serve.lora_batch import LoRABatch
 
 log = logging.getLogger("llmctl.serve")
 
@@ -257,8 +261,12 @@ class LlamaModel:
         self.decode_layers = DecodeLayers.build(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm; writes K/V into the cache."""
+                kv_cache: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm; writes K/V into the cache.
+
+        ``lora``: the step's rows that run with an adapter (:mod:`llmctl.serve.lora_batch`);
+        such a step takes this Python path, not the fused native decode layers, which
+        run base-only steps as before."""
         spec = self.spec
         eps = spec.rms_norm_eps
         head = (spec.head_dim,)
@@ -275,10 +283,12 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)
         h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
         fused = self.decode_layers
-        if fused is not None and fused.applies(t, meta, kv_cache):
+        if fused is not None and lora is None and fused.applies(t, meta, kv_cache):
             return fused(x, h, positions, meta, kv_cache)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
+            if lora is not None:
+                lora.apply(i, "qkv", h, qkv)
             qk = qkv[:, :qk_size].view(t, nh + nkv, d)
             v = qkv[:, qk_size:].view(t, nkv, d)
             if layer.qk_norm is not None:
@@ -296,11 +306,23 @@ class LlamaModel:
                 layer_cache[0].view(-1, nkv, d).index_copy_(0, slots, k)
                 layer_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
             attn = paged_attention(q, k, v, layer_cache, meta, self.scale, windows[i])
-            h = ops.add_rms_norm(x, layer.o(attn.to(x.dtype)), layer.post_norm, eps)
-            mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
+            if lora is None:
+                h = ops.add_rms_norm(x, layer.o(attn.to(x.dtype)), layer.post_norm, eps)
+                mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
+            else:
+                h = ops.add_rms_norm(x, self._adapted(lora, i, "o", attn.to(x.dtype)),
+                                     layer.post_norm, eps)
+                act = ops.silu_mul(self._adapted(lora, i, "gate_up", h))
+                mlp = self._adapted(lora, i, "down", act)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h = ops.add_rms_norm(x, mlp, following, eps)
         return h
+
+    def _adapted(self, lora: LoRABatch, i: int, target: str, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s fused linear ``target`` on ``x``, plus the step's LoRA terms."""
+        y = getattr(self.layers[i], target)(x)
+        lora.apply(i, target, x, y)
+        return y
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

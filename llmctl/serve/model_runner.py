@@ -19,6 +19,7 @@ import torch
 
 from llmctl.serve.attention import AttnGroup, AttnMetadata, build_kernel_group, build_paged_group
 from llmctl.serve.cpu_kernels import paged_attention_kernel, prefill_attention_kernel
+from llmctl.serve.lora_batch import LoRABatch
 from llmctl.serve.model import LlamaModel
 from llmctl.serve.scheduler import ScheduledSeq
 
@@ -76,9 +77,25 @@ def context_buckets(items: list[ScheduledSeq], spread: float = 2.0) -> list[list
 KERNEL_MAX_Q_LEN = 32
 
 
+def _adapter(item: ScheduledSeq):
+    """The LoRA adapter a scheduled sequence runs with (None: the base model, or a
+    sequence without a request: scoring's and the draft model's shadows)."""
+    request = getattr(item.seq, "request", None)
+    return None if request is None else request.lora
+
+
+def _by_adapter(items: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """A group's sequences with each adapter's together (base first), so that its rows
+    are one range (:mod:`llmctl.serve.lora_batch`); order within a group is free."""
+    return sorted(items, key=lambda i: getattr(_adapter(i), "lora_id", 0))
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
+                 with_lora: bool = False) -> None:
         self.model = model
+        # requests' LoRA adapters apply here (the target model; a draft model runs bare)
+        self.with_lora = with_lora
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
@@ -120,6 +137,9 @@ class ModelRunner:
         logit_index: list[int] = []
         prompt_index: list[int] = []
         prompt_parts: list[tuple[ScheduledSeq, int, int]] = []  # (item, first token, rows)
+        lora_runs: list[tuple[object, int, int]] = []  # (adapter, first row, end row)
+        adapters = self.with_lora and any(_adapter(s) is not None for s in scheduled)
+        order = _by_adapter if adapters else list
 
         def add(item: ScheduledSeq) -> None:
             seq = item.seq
@@ -132,9 +152,12 @@ class ModelRunner:
                     base = len(tokens)
                     prompt_index.extend(range(base, base + end - c))
                     prompt_parts.append((item, c + 1, end - c))
+            first_row = len(tokens)
             tokens.extend(seq.token_ids[c:c + n - k])
             if k:
                 tokens.extend(seq.spec_token_ids[:k])
+            if adapters:
+                lora_runs.append((_adapter(item), first_row, len(tokens)))
             positions.extend(range(c, c + n))
             slots.extend(slot_ids(seq.block_table, c, c + n, bs))
             if c + n - k == seq.num_tokens:
@@ -143,12 +166,14 @@ class ModelRunner:
                 logit_index.extend(range(end - 1 - k, end))
 
         for q_len, items in fresh.items():
+            items = order(items)
             start = len(tokens)
             for item in items:
                 add(item)
             groups.append(AttnGroup(start=start, end=len(tokens), num_seqs=len(items),
                                     q_len=q_len, fresh=True))
         for q_len, items in sorted(by_len.items()):
+            items = order(items)
             if self.kernel is not None and q_len <= KERNEL_MAX_Q_LEN:
                 # no padding to bucket against: one group however the contexts spread
                 start = len(tokens)
@@ -159,6 +184,7 @@ class ModelRunner:
                     [i.seq.block_table for i in items], device=self.device))
                 continue
             for bucket in context_buckets(items):
+                bucket = order(bucket)
                 start = len(tokens)
                 for item in bucket:
                     add(item)
@@ -176,9 +202,10 @@ class ModelRunner:
         dev = self.device
         meta = AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                             groups=groups, kernel=self.kernel, prefill=self.prefill)
+        lora = LoRABatch.from_runs(lora_runs, dev) if adapters else None
         hidden = self.model.forward(torch.tensor(tokens, dtype=torch.long, device=dev),
                                     torch.tensor(positions, dtype=torch.long, device=dev),
-                                    meta, self.kv_cache)
+                                    meta, self.kv_cache, lora)
         prompt: list[PromptLogits] = []
         if prompt_index:
             all_rows = self.model.logits(

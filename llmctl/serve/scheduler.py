@@ -24,6 +24,11 @@ the cap has left, or skipped when nothing is left (decodes are never capped), an
 of them is admitted while the cap's number of them runs. A waiting sequence the cap
 holds back is passed over, not a stop: the cap is on it, not on those after it.
 
+LoRA (``max_loras``): running sequences use at most that many distinct adapters, so a
+step never runs more; a waiting sequence whose adapter would be one too many is passed
+over the same way (vLLM's scheduler skips it too).
+
+
 Aging looks one step ahead: the policy ranks waiting sequences at ``now`` plus the
 longest of the last ``LOOKAHEAD_STEPS`` gaps between scheduling points (each at most
 ``MAX_LOOKAHEAD``), an upper estimate of when the next scheduling point comes, so a
@@ -85,8 +90,9 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool,
                  watermark: float = 0.01, policy: SchedulingPolicy | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, max_loras: int | None = None) -> None:
         self.block_manager = block_manager
+        self.max_loras = max_loras  # distinct LoRA adapters among running sequences
         self.policy = policy or FCFSPolicy()
         self.clock = clock  # the clock of Request.arrival_time (the policy ages with it)
         self.max_num_seqs = max_num_seqs
@@ -205,12 +211,18 @@ class Scheduler:
         slots = self.max_num_seqs - len(self.running) - sum(s.pending_fork for s in self.running)
         order = self._order() if self.waiting and budget > 0 else []
         capped_running = 0 if cap is None else sum(cap.applies(s) for s in self.running)
+        loras = {s.request.lora.lora_id for s in self.running if s.request.lora is not None} \
+            if self.max_loras is not None and order else set()
         for seq in order:
             if budget <= 0:
                 break
             limited = cap is not None and cap.applies(seq)
             if limited and capped_running >= cap.seqs:
                 continue  # one the cap does not hold may come later in the order
+            lora = seq.request.lora
+            if lora is not None and self.max_loras is not None \
+                    and lora.lora_id not in loras and len(loras) >= self.max_loras:
+                continue  # its adapter would be one too many; others may still run
             if 1 + seq.pending_fork > slots and self.running:
                 break
             cached = bm.find_cached_prefix(seq)
@@ -235,6 +247,8 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self.policy.key)
             slots -= 1 + seq.pending_fork
             capped_running += limited
+            if lora is not None:
+                loras.add(lora.lora_id)
             out.copies.extend(copies)
             out.scheduled.append(ScheduledSeq(seq, num_new, 0))
             budget -= num_new

@@ -180,12 +180,13 @@ class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "priority",
                  "arrival_time", "serial", "seqs", "first_scheduled_time", "finish_time",
                  "eos_token_ids", "prompt_logprobs", "error", "tenant", "priority_class",
-                 "deadline", "prefill_chunks", "preemption_times")
+                 "deadline", "prefill_chunks", "preemption_times", "lora")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, prompt: str | None, priority: int, arrival_time: float,
                  eos_token_ids: frozenset[int], tenant: str | None = None,
-                 priority_class: str | None = None, deadline: float | None = None) -> None:
+                 priority_class: str | None = None, deadline: float | None = None,
+                 lora=None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -212,6 +213,9 @@ class Request:
         # outputs can share them across threads without a copy.
         self.prefill_chunks: tuple[tuple[float, int], ...] = ()
         self.preemption_times: tuple[float, ...] = ()
+        # the LoRA adapter its tokens run with (llmctl.serve.lora_adapter.LoRAAdapter),
+        # held here so an unload lets it finish; None: the base model
+        self.lora = lora
 
     @property
     def needs_prompt_logits(self) -> bool:

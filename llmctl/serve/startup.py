@@ -66,6 +66,10 @@ class ServeSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     engine_nice: int = 10
+    lora: tuple[str, ...] = ()  # NAME=PATH each
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    enable_lora_runtime_updates: bool = False
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 
@@ -96,14 +100,45 @@ def check(settings: ServeSettings) -> bool:
         raise UsageError(f"{model} is an engine directory: a draft model cannot run with it "
                          "(draft models need the paged torch runner)",
                          "use --speculative ngram, or serve the source checkpoint")
+    if engine_dir and settings.lora:
+        raise UsageError(f"{model} is an engine directory: LoRA adapters run on the paged "
+                         "torch runner only", "serve the source checkpoint with --lora")
     if engine == "llmctl":
         supervision(settings)  # --replicas / --max-rss mistakes before anything loads
+        loras(settings)  # a malformed --lora, a missing adapter or too high a rank
     auto_tool_parser(settings)
     if settings.otlp_traces_endpoint and engine == "llmctl":
         from llmctl.serve.api.tracing import otlp_traces_url
 
         otlp_traces_url(settings.otlp_traces_endpoint)  # a usage error before anything loads
     return engine_dir
+
+
+def loras(settings: ServeSettings) -> dict[str, str]:
+    """``--lora NAME=PATH`` options as EngineConfig's ``loras``, each adapter's directory
+    and config checked (not its tensors: the engine reads those at load)."""
+    from pathlib import Path
+
+    from llmctl.serve.lora_adapter import AdapterConfig, LoRAError, lora_spec
+
+    out: dict[str, str] = {}
+    for value in settings.lora:
+        name, path = lora_spec(value)
+        if name in out:
+            raise LoRAError(f"--lora {name} is given twice", "give each adapter its own name")
+        if name == settings.served_model_name or name == settings.model:
+            raise LoRAError(f"--lora {name} has the base model's name",
+                            "give the adapter another name")
+        where = Path(path).expanduser()
+        if not where.is_dir():
+            raise LoRAError(f"--lora {value}: {path} is not a directory",
+                            "pass the directory PEFT's save_pretrained wrote")
+        rank = AdapterConfig.read(where).rank
+        if rank > settings.max_lora_rank:
+            raise LoRAError(f"--lora {name} has rank {rank}, above --max-lora-rank "
+                            f"{settings.max_lora_rank}", f"pass --max-lora-rank {rank}")
+        out[name] = path
+    return out
 
 
 def auto_tool_parser(settings: ServeSettings) -> str | None:
@@ -176,7 +211,8 @@ def engine_kwargs(settings: ServeSettings, engine_dir: bool) -> dict[str, Any]:
         "enable_chunked_prefill": settings.chunked_prefill, "num_threads": settings.threads,
         "lm_head": settings.lm_head, "gguf_weights": settings.gguf_weights,
         "bf16_gemm": settings.bf16_gemm, "scheduling_policy": settings.scheduling_policy,
-        "aging_seconds": settings.aging_seconds}
+        "aging_seconds": settings.aging_seconds, "loras": loras(settings),
+        "max_loras": settings.max_loras, "max_lora_rank": settings.max_lora_rank}
     if engine_dir:  # what the user did not set is not a request to warn about
         for key, name in (("enable_prefix_caching", "prefix_caching"), ("dtype", "dtype"),
                           ("lm_head", "lm_head"), ("gguf_weights", "gguf_weights"),
@@ -229,5 +265,6 @@ def serve(settings: ServeSettings, say: Callable[[str], None] = log.info) -> int
                         otlp_traces_endpoint=settings.otlp_traces_endpoint, engine_kwargs=kwargs,
                         engine_process=settings.engine_process,
                         supervision=supervision(settings),
-                        auto_tool_parser=auto_tool_parser(settings))
+                        auto_tool_parser=auto_tool_parser(settings),
+                        lora_runtime_updates=settings.enable_lora_runtime_updates)
     return run_server(opts)

@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from llmctl.serve.api.async_engine import (
     RequestFailedError,
 )
 from llmctl.serve.api.errors import APIError
+from llmctl.serve.api.loras import lora_cards, register_lora_routes
 from llmctl.serve.api.metrics import ServerMetrics
 from llmctl.serve.api.protocol import (
     ChatCompletionRequest,
@@ -79,6 +80,9 @@ class ServerConfig:
     # tool_choice "auto": the tool_parsers.AUTO_PARSERS name (--enable-auto-tool-choice
     # --tool-call-parser NAME); None: "auto" is refused, as vLLM does
     auto_tool_parser: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter allowed
+    # (--enable-lora-runtime-updates): loading reads a server path a client names
+    lora_runtime_updates: bool = False
 
 
 @dataclass
@@ -92,6 +96,7 @@ class _Job:
     echo: str | None = None  # the prompt text, put before each choice's text (echo=true)
     trace: Any = None  # the request's RequestTrace (llmctl.serve.api.tracing) when tracing
     tools: ToolPlan = field(default_factory=ToolPlan)  # chat: how its choices are read
+    lora: str | None = None  # the LoRA adapter it runs with (its ``model``); None: base
 
 
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
@@ -135,14 +140,24 @@ class Frontend:
     (:mod:`llmctl.serve.api.batch`) share it, so a batch line gets what the HTTP API
     would answer."""
 
-    def __init__(self, tokenizer, config: ServerConfig, grammar_factory=None) -> None:
+    def __init__(self, tokenizer, config: ServerConfig, grammar_factory=None,
+                 lora_names: Callable[[], tuple[str, ...]] = tuple) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.grammars = grammar_factory
+        self.lora_names = lora_names  # the engine's loaded LoRA adapters (they change)
 
     @property
     def served_names(self) -> tuple[str, ...]:
         return (self.config.model_name, *self.config.extra_model_names)
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names; None for the base model."""
+        return None if model is None or model in self.served_names else model
+
+    def response_model(self, jobs: list[_Job]) -> str:
+        """``model`` in responses: the adapter's name when one ran (as vLLM answers)."""
+        return jobs[0].lora or self.config.model_name
 
     # --- parsing -------------------------------------------------------------------
     def validate(self, body: dict, model_cls):
@@ -155,7 +170,8 @@ class Frontend:
         except ValidationError as exc:
             message, param = _first_error(exc, model_cls)
             raise errors.bad_request(message, param) from None
-        if parsed.model is not None and parsed.model not in self.served_names:
+        if parsed.model is not None and parsed.model not in self.served_names \
+                and parsed.model not in self.lora_names():
             raise errors.model_not_found(parsed.model, self.config.model_name)
         return parsed
 
@@ -303,7 +319,8 @@ class Frontend:
         params = self.sampling_params(req, longest, max_tokens, req.logprobs,
                                       req.logprobs if req.echo else None, cap)
         jobs = [_Job(f"{rid}-{i}", ids, i * req.n,
-                     echo=self.echo_text(text) if req.echo else None)
+                     echo=self.echo_text(text) if req.echo else None,
+                     lora=self.adapter_of(req.model))
                 for i, (text, ids) in enumerate(zip(req.prompts(), prompts))]
         return jobs, params
 
@@ -313,7 +330,8 @@ class Frontend:
         tools = tools if tools is not None else self.tool_plan(req)
         params = self.sampling_params(req, len(ids), req.token_limit, req.num_logprobs,
                                       cap=cap, overrides=tools.sampling_overrides())
-        return [_Job(f"chatcmpl-{uuid.uuid4().hex}-0", ids, 0, tools=tools)], params
+        return [_Job(f"chatcmpl-{uuid.uuid4().hex}-0", ids, 0, tools=tools,
+                     lora=self.adapter_of(req.model))], params
 
     def choice_updates(self, req, job: _Job, out, started: set[int]
                        ) -> Iterator[tuple[int, Update]]:
@@ -338,10 +356,10 @@ class Frontend:
         created = int(time.time())
         names = self._token_names(req)
         rid = response_id(jobs)
+        model = self.response_model(jobs)
         if kind == "chat":
-            return chat_response(rid, created, self.config.model_name, ordered, usage, names)
-        return completion_response(rid, created, self.config.model_name, ordered, usage,
-                                   names)
+            return chat_response(rid, created, model, ordered, usage, names)
+        return completion_response(rid, created, model, ordered, usage, names)
 
 
 class Server(Frontend):
@@ -349,7 +367,7 @@ class Server(Frontend):
 
     def __init__(self, engine: AsyncEngine, tokenizer, config: ServerConfig,
                  grammar_factory=None, tracing=None) -> None:
-        super().__init__(tokenizer, config, grammar_factory)
+        super().__init__(tokenizer, config, grammar_factory, engine.lora_names)
         self.engine = engine
         self.tracing = tracing  # llmctl.serve.api.tracing.Tracing; None: off
         self.metrics = ServerMetrics(config.model_name, engine.stats, config.peaks)
@@ -382,12 +400,13 @@ class Server(Frontend):
         """Queue every prompt before answering, so refusals are plain HTTP errors (and
         cost the tenant nothing)."""
         from llmctl.errors import LlmctlError
+        from llmctl.serve.lora_adapter import LoRANotFoundError
 
         submitted = []
         try:
             for job in jobs:
                 job.stream = self.engine.submit(job.request_id, job.prompt_ids, params, priority,
-                                                **grant.who)
+                                                lora=job.lora, **grant.who)
                 submitted.append(job)
         except BaseException as exc:
             for job in submitted:
@@ -399,6 +418,8 @@ class Server(Frontend):
                 raise errors.deadline_unmeetable(str(exc), exc.retry_after) from None
             if isinstance(exc, (EngineDeadError, EngineUnavailableError)):
                 raise errors.unavailable(str(exc), exc.retry_after) from None
+            if isinstance(exc, LoRANotFoundError):  # unloaded since the body was checked
+                raise errors.model_not_found(jobs[0].lora, self.config.model_name) from None
             if isinstance(exc, LlmctlError):
                 raise errors.bad_request(exc.message) from None
             raise
@@ -537,7 +558,7 @@ class Server(Frontend):
     async def _stream(self, kind, rid, req, jobs, include_usage,
                       grant: Grant) -> AsyncIterator[str]:
         created = int(time.time())
-        model = self.config.model_name
+        model = self.response_model(jobs)
         sent_role: set[int] = set()
         names = self._token_names(req)
         completion_tokens = 0
@@ -661,10 +682,14 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
+        names = server.tenancy.allowed_models(tenant_of(request))
         data = [{"id": name, "object": "model", "created": config.created, "owned_by": "llmctl",
-                 "max_model_len": config.max_model_len}
-                for name in server.tenancy.allowed_models(tenant_of(request))]
+                 "max_model_len": config.max_model_len, "parent": None} for name in names]
+        if names:  # adapters go with the base model's permission
+            data += lora_cards(server)
         return {"object": "list", "data": data}
+
+    register_lora_routes(app, server)
 
     @app.get("/metrics")
     async def metrics():

@@ -134,7 +134,8 @@ class BatchRunner:
         try:
             for job in jobs:
                 self.engine.add_request(job.request_id, job.prompt_ids, params,
-                                        priority=priority, arrival_time=time.time())
+                                        priority=priority, arrival_time=time.time(),
+                                        lora=job.lora)
                 submitted.append(job)
         except BaseException as exc:  # cleaned up, then re-raised
             for job in submitted:
@@ -332,7 +333,7 @@ def _open(model: str, engine_kwargs: dict[str, Any], served_model_name: str | No
     vocab_size, grammars = vocab_and_grammars(engine)
     config = ServerConfig(model_name=name, max_model_len=engine.max_model_len,
                           vocab_size=vocab_size, extra_model_names=aliases)
-    frontend = Frontend(engine.tokenizer, config, grammars)
+    frontend = Frontend(engine.tokenizer, config, grammars, engine.lora_names)
     return BatchRunner(engine, frontend, window or 4 * engine.config.max_num_seqs)
 
 

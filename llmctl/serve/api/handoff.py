@@ -92,12 +92,17 @@ _SUPERVISION = {
           "(vLLM: --data-parallel-size for replicas): drop the flag"
     for flag in ("--replicas", "--max-rss", "--engine-step-timeout", "--engine-process",
                  "--no-engine-process")}
+_LORA = {
+    flag: f"{flag} is the built-in engine's; LoRA adapters are not forwarded to a hand-off "
+          "engine (vLLM: its own --enable-lora --lora-modules): serve without --engine"
+    for flag in ("--lora", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates")}
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION},
+    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_LORA},
     "trtllm": {
         "--auth-file": _NO_TENANTS,
         **_SCHEDULING,
         **_SUPERVISION,
+        **_LORA,
         "--api-key": "trtllm-serve has no API key option: put an authenticating proxy in "
                      "front of it, or serve with --engine vllm or the built-in engine",
         "--served-model-name": "trtllm-serve 1.2 serves the model under its path: drop the "

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmctl.errors import ConfigError
 from llmctl.serve.api.app import Server, ServerConfig, create_app
 from llmctl.serve.api.async_engine import AsyncEngine
 
@@ -37,6 +38,7 @@ class ServeOptions:
     engine_process: bool = True  # the engine in supervised processes (llmctl.serve.proc)
     supervision: Any = None  # llmctl.serve.proc.engine.Supervision; None: its defaults
     auto_tool_parser: str | None = None  # tool_choice "auto" (llmctl.serve.api.tool_parsers)
+    lora_runtime_updates: bool = False  # POST /v1/(un)load_lora_adapter (llmctl.serve.api.loras)
 
 
 def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
@@ -75,7 +77,14 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
                           vocab_size=vocab_size, api_key=opts.api_key, tenants=tenants,
                           auth_file=opts.auth_file,
                           request_timeout=opts.request_timeout, extra_model_names=aliases,
-                          peaks=_peaks(), auto_tool_parser=opts.auto_tool_parser)
+                          peaks=_peaks(), auto_tool_parser=opts.auto_tool_parser,
+                          lora_runtime_updates=opts.lora_runtime_updates)
+    clash = set(getattr(engine, "lora_names", tuple)()) & {name, *aliases}
+    if clash:  # a request naming it could not say which one it means
+        if hasattr(engine, "close"):  # engine processes
+            engine.close()
+        raise ConfigError(f"LoRA adapter {sorted(clash)[0]!r} has the base model's name",
+                          "give the adapter another name")
     async_engine = AsyncEngine(engine, max_queue=opts.max_queue,
                                request_timeout=opts.request_timeout)
     return Server(async_engine, tokenizer, config, grammars, tracing), async_engine

@@ -5,6 +5,9 @@ Wire protocol (one :class:`multiprocessing.connection.Connection`, pickled tuple
 parent -> child
     ``("add", request_id, prompt_token_ids, params, kwargs)``  kwargs of ``add_request``
     ``("abort", request_id)``
+    ``("load_lora", name, path)``                   LLMEngine.add_lora (the parent has
+                                                    checked the adapter: a failure is logged)
+    ``("unload_lora", name)``                       LLMEngine.remove_lora
     ``("stop",)``                                   finish the step, exit 0
 child -> parent
     ``("ready", ReadyInfo)``                         once, after the model loaded
@@ -69,6 +72,10 @@ class ReadyInfo:
     max_model_len: int
     prompt_logprobs: bool  # the runner can return prompt log-probs
     policy: Any  # a fresh copy of the scheduling policy: admission keys in the parent
+    # the model's ModelSpec, for checking LoRA adapters in the parent; None: the engine
+    # cannot serve adapters (an engine directory)
+    lora_spec: Any = None
+    max_lora_rank: int = 0
     pid: int = field(default_factory=os.getpid)
 
 
@@ -120,11 +127,13 @@ def _open(spec: ChildSpec):
     except Exception as exc:  # noqa: BLE001 - structured output is optional (as in launch)
         log.warning("response_format disabled: %s", exc)
     policy = getattr(getattr(engine, "scheduler", None), "policy", None)
+    loras = getattr(engine, "loras", None) is not None
     info = ReadyInfo(name=opened.name, aliases=tuple(opened.aliases),
                      tokenizer=engine.tokenizer, vocab_size=engine.spec.vocab_size,
                      max_model_len=engine.max_model_len,
                      prompt_logprobs=hasattr(engine.runner, "execute_with_prompt"),
-                     policy=policy)
+                     policy=policy, lora_spec=engine.spec if loras else None,
+                     max_lora_rank=engine.config.max_lora_rank if loras else 0)
     return engine, info
 
 
@@ -147,6 +156,16 @@ def main(conn, spec: ChildSpec) -> None:
         pass  # the parent is gone: nothing to answer to
 
 
+def _update_loras(engine, message: tuple) -> None:
+    try:
+        if message[0] == "load_lora":
+            engine.add_lora(message[1], message[2])
+        else:
+            engine.remove_lora(message[1])
+    except Exception as exc:  # noqa: BLE001 - the parent checked it; requests naming it fail
+        log.error("%s %r failed: %s", message[0], message[1], exc)
+
+
 def _serve(conn, engine, fault: _Fault) -> None:
     steps = 0
     last_stats = 0.0
@@ -164,6 +183,8 @@ def _serve(conn, engine, fault: _Fault) -> None:
                     conn.send(("rejected", request_id, str(exc)))
             elif kind == "abort":
                 engine.abort_request(message[1])
+            elif kind in ("load_lora", "unload_lora"):
+                _update_loras(engine, message)
             elif kind == "stop":
                 return
         if not engine.has_unfinished_requests():

@@ -24,6 +24,7 @@ until it is ready again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -138,6 +139,9 @@ class ProcessEngine:
             for i, (share, n) in enumerate(shares)]
         block_size = int(engine_kwargs.get("block_size") or 16)
         self.router = Router(len(self.replicas), router or RouterConfig(block_size=block_size))
+        # LoRA adapters every replica holds (name -> path): each replica starts with them
+        # (its ChildSpec is updated on each load/unload) and gets each change by pipe
+        self._loras: dict[str, str] = dict(engine_kwargs.get("loras") or {})
         self.info: ReadyInfo | None = None
         self.restarts = 0
         self._generation = [0] * len(self.replicas)
@@ -235,21 +239,27 @@ class ProcessEngine:
     # --- requests in (the API's event loop) ---------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], params, *, priority: int = 0,
                     arrival_time: float | None = None, tenant: str | None = None,
-                    priority_class: str | None = None, deadline: float | None = None) -> None:
+                    priority_class: str | None = None, deadline: float | None = None,
+                    lora: str | None = None) -> None:
         ids = [int(t) for t in prompt]
         params = check_request(request_id, ids, params, vocab_size=self.info.vocab_size,
                                max_model_len=self.info.max_model_len,
                                prompt_logprobs=self.info.prompt_logprobs)
         kwargs = {"priority": priority, "arrival_time": arrival_time, "tenant": tenant,
-                  "priority_class": priority_class, "deadline": deadline}
+                  "priority_class": priority_class, "deadline": deadline, "lora": lora}
         tokens = len(ids) + params.max_tokens * params.n
         with self._lock:
             if request_id in self._requests:
                 raise UsageError(f"request id {request_id!r} is already in use",
                                  "give every request a unique id")
+            if lora is not None and lora not in self._loras:
+                from llmctl.serve.lora_adapter import LoRANotFoundError
+
+                raise LoRANotFoundError(f"no LoRA adapter named {lora!r} is loaded",
+                                        f"loaded: {', '.join(self._loras) or 'none'}")
             while True:
                 try:
-                    index = self.router.pick(request_id, ids, tokens)
+                    index = self.router.pick(request_id, ids, tokens, lora)
                 except NoReplicaError as exc:
                     raise EngineUnavailableError(
                         "no engine is ready (restarting); retry shortly",
@@ -264,6 +274,52 @@ class ProcessEngine:
                 # seen it yet; route around it now (step() restarts it)
                 self.router.finished(request_id, ok=False)
                 self.router.set_up(index, False)
+
+    # --- LoRA adapters (any thread) -------------------------------------------------------
+    def lora_names(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._loras)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Check the adapter here (read in full against the model's shapes, so a bad one
+        is the caller's error, not a replica's), then load it in every replica. A request
+        naming it after this returns reaches a replica after the load (one pipe, in
+        order)."""
+        from llmctl.serve.lora_adapter import LoRAError, load_adapter
+
+        info = self.info
+        if info.lora_spec is None:
+            raise LoRAError("this engine cannot serve LoRA adapters (an engine directory's "
+                            "runtime holds its own weights)", "serve the source checkpoint")
+        with self._lock:
+            if name in self._loras:
+                raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
+                                "unload it first, or pick another name")
+        load_adapter(name, path, info.lora_spec, max_rank=info.max_lora_rank)
+        with self._lock:
+            if name in self._loras:
+                raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
+                                "unload it first, or pick another name")
+            self._loras[name] = str(path)
+            self._tell_replicas(("load_lora", name, str(path)))
+
+    def remove_lora(self, name: str) -> None:
+        from llmctl.serve.lora_adapter import LoRANotFoundError
+
+        with self._lock:
+            if self._loras.pop(name, None) is None:
+                raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded",
+                                        f"loaded: {', '.join(self._loras) or 'none'}")
+            self._tell_replicas(("unload_lora", name))
+
+    def _tell_replicas(self, message: tuple) -> None:
+        """Under ``_lock`` (which also guards restarts): a replica started from now on
+        loads the current adapters itself; one running now gets ``message``."""
+        for replica in self.replicas:
+            kwargs = {**replica.spec.engine_kwargs, "loras": dict(self._loras)}
+            replica.spec = dataclasses.replace(replica.spec, engine_kwargs=kwargs)
+            if replica.conn is not None:
+                replica.send(message)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

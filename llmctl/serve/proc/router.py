@@ -117,14 +117,17 @@ class Router:
     def num_replicas(self) -> int:
         return len(self.breakers)
 
-    def affinity_key(self, prompt_token_ids: list[int]) -> int | None:
+    def affinity_key(self, prompt_token_ids: list[int], lora: str | None = None) -> int | None:
+        """``lora``: the request's adapter; the same tokens under another adapter share no
+        cached blocks (the engines' prefix caches are keyed by adapter too)."""
         blocks = min(self.config.affinity_blocks, len(prompt_token_ids) // self.config.block_size)
         if blocks == 0:
             return None
         # a hash, not the ids, keeps the map small; a collision only misplaces one request
-        return hash(tuple(prompt_token_ids[:blocks * self.config.block_size]))
+        return hash((lora, tuple(prompt_token_ids[:blocks * self.config.block_size])))
 
-    def pick(self, request_id: str, prompt_token_ids: list[int], tokens: int) -> int:
+    def pick(self, request_id: str, prompt_token_ids: list[int], tokens: int,
+             lora: str | None = None) -> int:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already routed; finish it first")
         if tokens < 0:
@@ -135,7 +138,7 @@ class Router:
         if not candidates:
             wait = min(b.seconds_until_half_open() for b in self.breakers)
             raise NoReplicaError(retry_after=max(1.0, wait))
-        key = self.affinity_key(prompt_token_ids)
+        key = self.affinity_key(prompt_token_ids, lora)
         chosen = self._affine(key, candidates, tokens)
         if chosen is None:
             chosen = min(candidates, key=lambda i: (self._load[i], i))

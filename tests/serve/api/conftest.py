@@ -30,7 +30,7 @@ class Running:
 
 def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=None,
                  served_model_name="tiny", auth_file=None, engine_process=False,
-                 supervision=None, **engine_kwargs) -> Running:
+                 supervision=None, lora_runtime_updates=False, **engine_kwargs) -> Running:
     """In-process engine by default: tests reach into it (EngineGate). With
     ``engine_process`` the engine runs in supervised processes (llmctl.serve.proc)."""
     import uvicorn
@@ -44,7 +44,7 @@ def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=Non
                         auth_file=None if auth_file is None else str(auth_file),
                         max_queue=max_queue, request_timeout=request_timeout,
                         engine_kwargs=kwargs, engine_process=engine_process,
-                        supervision=supervision)
+                        supervision=supervision, lora_runtime_updates=lora_runtime_updates)
     server, engine = build_server(opts)
     engine.start()
     port = free_port()

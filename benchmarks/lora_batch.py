@@ -1,0 +1,196 @@
+"""What serving several LoRA adapters in one batch costs: output tokens/s of a batch
+whose requests are spread over 4 adapters against the same requests on the base model
+alone, in one engine, alternating.
+
+    python benchmarks/lora_batch.py                      # 3 rounds: mixed, base, mixed, base, ...
+    python benchmarks/lora_batch.py --rounds 1 --num-prompts 4 --input-len 16 \\
+        --output-len 8 --out-dir /tmp/lora-smoke --allow-dirty     # a smoke run
+
+Model: SmolLM2-135M (``--dtype``, bfloat16 by default) on the offline engine
+(:class:`llmctl.serve.llm.LLM`), max_num_seqs = the prompt count (every request in one
+batch), prefix caching off (rounds repeat the prompts: a hit would skip the next round's
+prefill), ``--max-loras 4``, one torch thread per CPU this process may use.
+
+Adapters: 4 random LoRAs of rank 8 (alpha 16, every q/k/v/o/gate/up/down projection)
+made with PEFT on the model itself, seeds 1-4 (``lora_A`` and ``lora_B`` drawn with std
+0.02: PEFT's zero ``lora_B`` would make an adapter a no-op). Made once per run, into the
+log directory.
+
+Workload: ``--num-prompts`` random prompts of ``--input-len`` token ids (seeded),
+``--output-len`` tokens out, EOS ignored, greedy. "mixed": request ``i`` runs adapter
+``i % 4`` (each step holds all four adapters: one small matmul pair per adapter and
+fused linear, :mod:`llmctl.serve.lora_batch`); "base": the same requests, no adapter.
+A step with adapter rows runs the Python layer loop, not the fused native decode layers
+(bf16 only), so "mixed" also pays for leaving that path.
+
+Each round runs both sides back to back (mixed first in odd rounds, base first in even
+ones); throughput is output tokens / the wall time of ``LLM.generate`` (model load and
+adapter load excluded); the ratio mixed/base is taken within a round, the summary is
+the median over rounds. Every round records the load before/after and the CPU other
+processes used (``common.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common  # noqa: E402 (after the sys.path lines above)
+
+SIDES = ("mixed", "base")
+NUM_ADAPTERS = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int = 64
+    input_len: int = 128
+    output_len: int = 128
+    seed: int = 0
+    rank: int = 8
+
+
+def make_adapters(model: Path, out: Path, rank: int) -> dict[str, str]:
+    """The 4 random adapters (module docstring): name -> directory."""
+    from tests.lora_adapters import build_adapter
+
+    adapters = {}
+    for i in range(1, NUM_ADAPTERS + 1):
+        path = out / f"lora{i}"
+        if not (path / "adapter_model.safetensors").is_file():
+            build_adapter(model, path, rank=rank, alpha=2 * rank, seed=i, std=0.02)
+        adapters[f"lora{i}"] = str(path)
+    return adapters
+
+
+def prompts(w: Workload, vocab: int) -> list[list[int]]:
+    rng = random.Random(w.seed)
+    return [[rng.randrange(10, vocab) for _ in range(w.input_len)]
+            for _ in range(w.num_prompts)]
+
+
+def run_side(llm, side: str, rnd: int, batch: list[list[int]], w: Workload,
+             threads: int) -> dict:
+    from llmctl.serve.sampling_params import SamplingParams
+
+    names = [f"lora{i % NUM_ADAPTERS + 1}" for i in range(len(batch))] if side == "mixed" \
+        else None
+    params = SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True)
+    record = {"name": f"round {rnd} {side}", "round": rnd, "side": side}
+    with common.measured_round(record, threads):
+        start = time.perf_counter()
+        outs = llm.generate(batch, params, lora=names)
+        seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    if tokens != w.num_prompts * w.output_len:
+        record["error"] = f"{tokens} output tokens, not {w.num_prompts * w.output_len}"
+    record["result"] = {"output_throughput": tokens / seconds, "seconds": seconds,
+                        "output_tokens": tokens}
+    return record
+
+
+def summarize(runs: list[dict], rounds: int) -> tuple[list[dict], dict]:
+    ok = [r for r in runs if "error" not in r]
+    per_round = []
+    for rnd in range(1, rounds + 1):
+        got = {r["side"]: r["result"]["output_throughput"] for r in ok if r["round"] == rnd}
+        if set(got) == set(SIDES):
+            per_round.append({"round": rnd, "mixed_over_base": got["mixed"] / got["base"]})
+    summary = {side: {"output_throughput": common.median(
+        [r["result"]["output_throughput"] for r in ok if r["side"] == side])} for side in SIDES}
+    summary["mixed_over_base"] = common.median([p["mixed_over_base"] for p in per_round])
+    return per_round, summary
+
+
+def _fmt(value, spec: str) -> str:
+    return "?" if value is None else format(value, spec)
+
+
+def render_markdown(report: dict) -> str:
+    cfg, res = report["config"], report["results"]
+    w = cfg["workload"]
+    lines = common.header_markdown(report, "LoRA: a batch mixing 4 adapters vs the base model")
+    lines += [(f"SmolLM2 `{cfg['model']}` {cfg['dtype']}, offline engine, max_num_seqs "
+               f"{w['num_prompts']}, prefix caching off; {NUM_ADAPTERS} random adapters of "
+               f"rank {w['rank']} on every projection (mixed: request i runs adapter i % 4). "
+               f"{w['num_prompts']} random prompts of {w['input_len']} tokens, "
+               f"{w['output_len']} out, EOS ignored, greedy, seed {w['seed']}."),
+              f"Adapters: `{cfg['adapter_dir']}`.", "",
+              "| round | side | output tok/s | seconds | load before / after | "
+              "other procs (cores) |", "|" + "---|" * 6]
+    for r in res["runs"]:
+        x = r["result"]
+        note = f" (error: {r['error']})" if "error" in r else ""
+        lines.append(f"| {r['round']} | {r['side']}{note} | "
+                     f"{_fmt(x['output_throughput'], '.1f')} | {x['seconds']:.2f} | "
+                     f"{r['load_before'][0]} / {r['load_after'][0]} | "
+                     f"{r['foreign_cpu_cores']} |")
+    lines += ["", "| round | output tok/s mixed / base |", "|---|---|"]
+    lines += [f"| {p['round']} | {p['mixed_over_base']:.3f} |" for p in res["per_round"]]
+    s = res["summary"]
+    lines += ["", (f"Median over rounds: {_fmt(s['mixed']['output_throughput'], '.1f')} tok/s "
+                   f"mixed, {_fmt(s['base']['output_throughput'], '.1f')} base; mixed/base "
+                   f"{_fmt(s['mixed_over_base'], '.3f')}.")]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=Workload.num_prompts)
+    ap.add_argument("--input-len", type=int, default=Workload.input_len)
+    ap.add_argument("--output-len", type=int, default=Workload.output_len)
+    ap.add_argument("--rank", type=int, default=Workload.rank)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--label", default="smollm2")
+    common.add_run_arguments(ap)
+    args = ap.parse_args(argv)
+    from llmctl.models.resolve import resolve_model
+    from llmctl.serve.llm import LLM
+
+    model = resolve_model(args.model).path
+    w = Workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.rank)
+    threads = len(common.cpus())
+    log_dir = Path(f"/tmp/llmctl-lora-batch/{args.label}-{time.strftime('%Y%m%d-%H%M%S')}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    report = common.start_run("lora-batch", {
+        "model": args.model, "model_path": str(model), "dtype": args.dtype,
+        "workload": asdict(w), "rounds": args.rounds, "adapter_dir": str(log_dir),
+        "order": "mixed first in odd rounds, base first in even rounds"},
+        allow_dirty=args.allow_dirty, threads=threads, out=args.out_dir)
+    adapters = make_adapters(Path(model), log_dir, w.rank)
+    llm = LLM(str(model), dtype=args.dtype, loras=adapters, max_loras=NUM_ADAPTERS,
+              max_num_seqs=w.num_prompts, max_num_batched_tokens=max(2048, w.input_len),
+              max_model_len=w.input_len + w.output_len + 1, kv_cache_memory="1GiB",
+              enable_prefix_caching=False, num_threads=threads)
+    batch = prompts(w, llm.engine.spec.vocab_size)
+    runs = []
+    for rnd in range(1, args.rounds + 1):
+        for side in SIDES if rnd % 2 else SIDES[::-1]:
+            print(f"[lora-batch] round {rnd} {side} ...", file=sys.stderr, flush=True)
+            rec = run_side(llm, side, rnd, batch, w, threads)
+            runs.append(rec)
+            print(f"[lora-batch]   {rec['result']['output_throughput']:.1f} tok/s"
+                  + (f" ({rec['error']})" if "error" in rec else ""), file=sys.stderr,
+                  flush=True)
+    per_round, summary = summarize(runs, args.rounds)
+    report["results"] = {"runs": runs, "per_round": per_round, "summary": summary}
+    common.finish_run(report, runs)
+    markdown = render_markdown(report)
+    common.write_report(Path(args.out_dir), f"lora-batch-{args.label}", report, markdown)
+    print(markdown)
+    return 1 if any("error" in r for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

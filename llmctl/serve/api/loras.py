@@ -1,0 +1,101 @@
+"""LoRA adapters over HTTP, with vLLM's routes and bodies.
+
+- ``GET /v1/models`` lists each loaded adapter after the base model, with ``parent``
+  the base model's name (the base's ``parent`` is null), as vLLM does.
+- ``POST /v1/load_lora_adapter`` ``{"lora_name": ..., "lora_path": ...}``: 200 with a
+  line of text; 400 for a bad path, config or tensors, or a name already in use.
+- ``POST /v1/unload_lora_adapter`` ``{"lora_name": ...}``: 200; 404 when not loaded.
+  Requests already running with the adapter finish with it (they hold its weights);
+  new requests naming it get 404 at once (vLLM also unloads lazily).
+
+Both change what the server runs, and loading makes the server read a directory the
+client names: they answer 403 unless the server was started with
+``--enable-lora-runtime-updates`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). With
+an API key or an auth file they also need a key, as every ``/v1/`` route does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from llmctl.serve.api import errors
+from llmctl.serve.lora_adapter import LoRAError, LoRANotFoundError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from llmctl.serve.api.app import Server
+
+
+class LoadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # sent by some vLLM clients; names are what count
+
+
+def lora_cards(server: Server) -> list[dict]:
+    """``/v1/models`` entries of the loaded adapters."""
+    config = server.config
+    return [{"id": name, "object": "model", "created": config.created, "owned_by": "llmctl",
+             "max_model_len": config.max_model_len, "parent": config.model_name}
+            for name in server.lora_names()]
+
+
+def _allowed(server: Server) -> None:
+    if not server.config.lora_runtime_updates:
+        raise errors.APIError(403, "loading and unloading LoRA adapters at run time is off; "
+                              "start the server with --enable-lora-runtime-updates",
+                              "permission_error", code="lora_updates_disabled")
+
+
+async def _parsed(server: Server, request: Request, model: type[BaseModel]):
+    body = await server._body(request)
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise errors.bad_request(f"{where}: {err['msg']}" if where else err["msg"],
+                                 where or None) from None
+
+
+def register_lora_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        _allowed(server)
+        req = await _parsed(server, request, LoadLoRARequest)
+        if req.lora_name in server.served_names:
+            raise errors.bad_request(f"{req.lora_name!r} is the base model's name; give the "
+                                     "adapter another", "lora_name")
+        try:  # reads and checks the tensors: off the event loop
+            await asyncio.to_thread(server.engine.add_lora, req.lora_name, req.lora_path)
+        except LoRAError as exc:
+            raise errors.bad_request(str(exc), "lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        _allowed(server)
+        req = await _parsed(server, request, UnloadLoRARequest)
+        try:
+            server.engine.remove_lora(req.lora_name)
+        except LoRANotFoundError as exc:
+            raise errors.APIError(404, str(exc), "invalid_request_error", "lora_name",
+                                  "model_not_found") from None
+        except LoRAError as exc:
+            raise errors.bad_request(str(exc), "lora_name") from None
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -28,7 +28,6 @@ LoRA (``max_loras``): running sequences use at most that many distinct adapters,
 step never runs more; a waiting sequence whose adapter would be one too many is passed
 over the same way (vLLM's scheduler skips it too).
 
-
 Aging looks one step ahead: the policy ranks waiting sequences at ``now`` plus the
 longest of the last ``LOOKAHEAD_STEPS`` gaps between scheduling points (each at most
 ``MAX_LOOKAHEAD``), an upper estimate of when the next scheduling point comes, so a

@@ -9,9 +9,9 @@ block_size, kv_heads]`` addressed the same way.
 
 Sizing: ``bytes_per_block = layers * 2 * block_size * kv_heads * (head_dim * itemsize +
 scale_bytes)`` (scales are counted: int8 with a float32 scale per token and head holds
-``2d / (d + 4)`` times the blocks of bf16, 1.88x at head_dim 64); the block count is the budget (bytes, or a fraction of the memory available once the
-weights are loaded) over that, capped at what ``max_num_seqs`` full-length sequences
-could ever use.
+``2d / (d + 4)`` times the blocks of bf16, 1.88x at head_dim 64); the block count is
+the budget (bytes, or a fraction of the memory available once the weights are loaded)
+over that, capped at what ``max_num_seqs`` full-length sequences could ever use.
 """
 
 from __future__ import annotations

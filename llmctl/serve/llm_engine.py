@@ -84,8 +84,13 @@ from llmctl.serve.admission import RateMeter, expected_tokens
 from llmctl.serve.block_manager import DROPPED, BlockManager
 from llmctl.serve.config import EngineConfig, make_engine_config
 from llmctl.serve.detokenizer import IncrementalDetokenizer
-from llmctl.serve.kv_cache import (KVCachePlan, allocate_kv_cache, allocate_kv_scales,
-                                   available_memory, plan_kv_cache)
+from llmctl.serve.kv_cache import (
+    KVCachePlan,
+    allocate_kv_cache,
+    allocate_kv_scales,
+    available_memory,
+    plan_kv_cache,
+)
 from llmctl.serve.kv_quant import kv_format
 from llmctl.serve.model import LlamaModel, ModelSpec
 from llmctl.serve.model_runner import LogitRows, ModelRunner, PromptLogits

@@ -92,12 +92,16 @@ _SUPERVISION = {
           "(vLLM: --data-parallel-size for replicas): drop the flag"
     for flag in ("--replicas", "--max-rss", "--engine-step-timeout", "--engine-process",
                  "--no-engine-process")}
+_KV_CACHE = {"--kv-cache-dtype": "--kv-cache-dtype is the built-in engine's KV cache (int8 "
+                                 "with per-token scales); a hand-off engine sets its own: "
+                                 "drop the flag or serve without --engine"}
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION},
+    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_KV_CACHE},
     "trtllm": {
         "--auth-file": _NO_TENANTS,
         **_SCHEDULING,
         **_SUPERVISION,
+        **_KV_CACHE,
         "--api-key": "trtllm-serve has no API key option: put an authenticating proxy in "
                      "front of it, or serve with --engine vllm or the built-in engine",
         "--served-model-name": "trtllm-serve 1.2 serves the model under its path: drop the "

@@ -1,9 +1,10 @@
 """Native CPU kernels: built from ``csrc/`` on first use, loaded with ctypes.
 
-- :file:`csrc/paged_attention.cpp` reads K/V in place through the block tables; the
-  pure-torch fallback gathers them into a padded copy first, which costs three passes
-  over the cache instead of one (the decode step of a 128-sequence batch spent two
-  thirds of its time there).
+- :file:`csrc/paged_attention.cpp` reads K/V in place through the block tables (float32,
+  bf16, or int8 codes with their scales: :mod:`llmctl.serve.kv_quant`); the pure-torch
+  fallback gathers them into a padded copy first, which costs three passes over the
+  cache instead of one (the decode step of a 128-sequence batch spent two thirds of its
+  time there).
 - :file:`csrc/norm_act.cpp`: residual add + RMSNorm and SwiGLU's ``silu(g) * u`` for
   bfloat16 activations in one pass each, with transformers' roundings (torch's bf16
   RMSNorm alone cost a fifth of the matrix products' time on a prefill step).
@@ -17,7 +18,7 @@
 - :file:`csrc/prefill_attention.cpp`: causal attention of fresh prompts (bf16), both
   products as small GEMMs on vdpbf16ps (torch's SDPA flash kernel took twice as long).
 - :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
-  pass for bfloat16 (nine torch ops per layer before).
+  pass for bfloat16 (nine torch ops per layer before), quantizing for an int8 cache.
 - :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use.
 
 Built with the system C++ compiler (``$CXX``, else ``c++``), ``-O3 -march=native

@@ -355,17 +355,6 @@ inline __m512 reduce16(__m512* v) {
                        _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
-// bfloat16 cache with AVX512-BF16: both products run on vdpbf16ps (pairs of bf16
-// multiplied, summed into float32), so K/V rows are used as loaded, never converted.
-// Q.K: the query row as stored (bf16) against each key row, scaled afterwards.
-// P.V: keys taken in pairs, V rows t and t+1 interleaved element-wise, probabilities
-// (p_t, p_t+1) rounded to bf16 as FlashAttention does for its second matmul; the
-// interleave permutes output columns within 128-bit lanes, undone at the end.
-//
-// Two passes instead of an online softmax: all scores of a work item first (a few KB:
-// rows x context floats), then one max/exp/sum per row, then P.V. The tiles of each
-// pass are independent, so the core overlaps them; the online form chains every tile
-// through a max -> exp -> rescale dependency and ran at a third of the speed.
 // 32 consecutive K/V values as bf16: loaded as they are, or int8 codes widened (exactly)
 inline __m512i bf16x32(const uint16_t* p) { return _mm512_loadu_si512(p); }
 
@@ -376,6 +365,18 @@ inline __m512i bf16x32(const int8_t* p) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // elements 0-15 from lo, 16-31 from hi
 }
 
+// bfloat16 queries and cache (or int8 codes, see the top) with AVX512-BF16: both
+// products run on vdpbf16ps (pairs of bf16 multiplied, summed into float32), so K/V rows
+// are used as loaded, never converted.
+// Q.K: the query row as stored (bf16) against each key row, scaled afterwards.
+// P.V: keys taken in pairs, V rows t and t+1 interleaved element-wise, probabilities
+// (p_t, p_t+1) rounded to bf16 as FlashAttention does for its second matmul; the
+// interleave permutes output columns within 128-bit lanes, undone at the end.
+//
+// Two passes instead of an online softmax: all scores of a work item first (a few KB:
+// rows x context floats), then one max/exp/sum per row, then P.V. The tiles of each
+// pass are independent, so the core overlaps them; the online form chains every tile
+// through a max -> exp -> rescale dependency and ran at a third of the speed.
 template <int D2, typename KV>  // head_dim = 32 * D2
 void attend_bf16(const Call<uint16_t, KV>& c) {
   constexpr bool scaled = std::is_same<KV, int8_t>::value;

@@ -97,10 +97,6 @@ def check(settings: ServeSettings) -> bool:
         raise UsageError(f"{model} is an engine directory: --kv-cache-dtype does not apply "
                          "(its runtime keeps its own per-sequence cache)",
                          "drop --kv-cache-dtype, or serve the source checkpoint with it")
-    if engine_dir and settings.kv_cache_dtype != "auto":
-        raise UsageError(f"{model} is an engine directory: --kv-cache-dtype does not apply "
-                         "(its runtime keeps its own per-sequence cache)",
-                         "drop --kv-cache-dtype, or serve the source checkpoint with it")
     if engine_dir and settings.draft_model:
         raise UsageError(f"{model} is an engine directory: a draft model cannot run with it "
                          "(draft models need the paged torch runner)",

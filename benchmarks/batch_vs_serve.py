@@ -95,9 +95,11 @@ def pinned(cmd: list[str], lim: svv.Limits) -> list[str]:
     return ["env", *env, "taskset", "-c", ",".join(map(str, lim.cpus)), *cmd]
 
 
-def batch_command(model: str, lim: svv.Limits, src: Path, out: Path) -> list[str]:
+def batch_command(model: str, lim: svv.Limits, src: Path, out: Path,
+                  extra: tuple[str, ...] = ()) -> list[str]:
     return pinned([sys.executable, "-m", "llmctl", "batch", str(src), "-o", str(out), model,
-                   "--served-model-name", svv.SERVED_NAME, *limit_flags(lim), "--json"], lim)
+                   "--served-model-name", svv.SERVED_NAME, *limit_flags(lim), *extra, "--json"],
+                  lim)
 
 
 def client_command(model: str, port: int, w: Workload, out: Path) -> list[str]:
@@ -125,11 +127,12 @@ def check_batch_output(path: Path, w: Workload) -> str | None:
 
 
 def run_batch_side(rnd: int, model: str, lim: svv.Limits, w: Workload, src: Path,
-                   log_dir: Path) -> dict:
-    stem = f"r{rnd}-batch"
+                   log_dir: Path, side: str = "batch", extra: tuple[str, ...] = ()) -> dict:
+    """One ``llmctl batch`` run (``extra``: more flags; ``side``: its label)."""
+    stem = f"r{rnd}-{side}"
     out = log_dir / f"{stem}.out.jsonl"
-    cmd = batch_command(model, lim, src, out)
-    record = {"name": f"round {rnd} batch", "round": rnd, "side": "batch", "command": cmd}
+    cmd = batch_command(model, lim, src, out, extra)
+    record = {"name": f"round {rnd} {side}", "round": rnd, "side": side, "command": cmd}
     start = time.perf_counter()
     with common.measured_round(record, len(lim.cpus)), \
             open(log_dir / f"{stem}.log", "w") as log:

@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from llmctl.cli.errors import guarded
-from llmctl.cli.options import DtypeOpt, JsonOpt
+from llmctl.cli.options import DtypeOpt, JsonOpt, KvCacheDtypeOpt
 from llmctl.cli.serve import (
     KvCacheMemory,
     LoraOpt,
@@ -44,7 +44,8 @@ Window = Annotated[int | None, typer.Option(
 def batch(
     ctx: typer.Context, input_file: InputArg, model: ServeModelArg, output: OutputOpt,
     served_model_name: ServedName = None, dtype: DtypeOpt = "auto",
-    kv_cache_memory: KvCacheMemory = "2GiB", max_model_len: MaxModelLen = None,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto", kv_cache_memory: KvCacheMemory = "2GiB",
+    max_model_len: MaxModelLen = None,
     max_num_seqs: MaxNumSeqs = 64, max_num_batched_tokens: MaxBatchedTokens = 512,
     threads: Threads = None, window: Window = None, lora: LoraOpt = None,
     max_lora_rank: MaxLoraRank = 64, json_: JsonOpt = False,
@@ -59,9 +60,10 @@ def batch(
 
     out = Output(json_mode=json_)
     check_paths(input_file, output)
-    names = ("dtype", "kv_cache_memory", "max_model_len", "max_num_seqs",
+    names = ("dtype", "kv_cache_dtype", "kv_cache_memory", "max_model_len", "max_num_seqs",
              "max_num_batched_tokens", "threads")
-    settings = ServeSettings(model=model, dtype=dtype, kv_cache_memory=kv_cache_memory,
+    settings = ServeSettings(model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                             kv_cache_memory=kv_cache_memory,
                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, threads=threads,
                              lora=tuple(lora or ()), max_lora_rank=max_lora_rank,

@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from llmctl.cli.errors import guarded, usage_errors
-from llmctl.cli.options import JsonOpt
+from llmctl.cli.options import JsonOpt, KvCacheDtypeOpt
 
 EXIT_GATE_FAILED = 1
 
@@ -69,8 +69,11 @@ def register(app: typer.Typer) -> None:
         cache_dir: Path | None = typer.Option(None, "--cache-dir",
                                                  help="Reference store directory."),
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
-        backend: str = typer.Option("auto", "--backend",
-                                    help="auto | transformers | llama-cpp (for .gguf)."),
+        backend: str = typer.Option(
+            "auto", "--backend", help="auto | transformers | llama-cpp (for .gguf) | serve "
+                                      "(candidate and reference through llmctl's serving "
+                                      "engine: its kernels and KV cache)."),
+        kv_cache_dtype: KvCacheDtypeOpt = "auto",
         server_model: str | None = typer.Option(None, "--server-model",
                                                    help="Model name on the server."),
         tokenizer: str | None = typer.Option(None, "--tokenizer",
@@ -116,6 +119,7 @@ def _build_config(args: dict):
         task_dir=args["task_dir"], task_limit=args["task_limit"],
         reference_tasks=not args["no_reference_tasks"] and args["baseline"] is None,
         seed=args["seed"], dtype=args["dtype"], backend=args["backend"],
+        kv_cache_dtype=args["kv_cache_dtype"],
         server_model=args["server_model"], tokenizer=args["tokenizer"],
         threads=args["threads"], cache_dir=args["cache_dir"])
 

@@ -24,6 +24,14 @@ DtypeOpt = Annotated[
                                  "(AVX512-BF16/AMX), else float32; on a GPU the checkpoint's "
                                  "dtype. Or float32 | bfloat16 | float16."),
 ]
+KvCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "int8"]
+KvCacheDtypeOpt = Annotated[
+    KvCacheDtype,
+    typer.Option("--kv-cache-dtype",
+                 help="KV cache: auto (the model's dtype) | bfloat16 | float16 | float32 | "
+                      "int8 (a scale per token and KV head: ~1.9x the tokens of bfloat16 "
+                      "in the same memory)."),
+]
 Device = Literal["cpu", "cuda"]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1,
                                                 help="torch threads (default: all cores).")]

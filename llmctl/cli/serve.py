@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import typer
 
 from llmctl.cli.errors import guarded
-from llmctl.cli.options import DtypeOpt, LogLevel
+from llmctl.cli.options import DtypeOpt, KvCacheDtypeOpt, LogLevel
 
 Opt = typer.Option
 
@@ -133,6 +133,7 @@ def serve(
     api_key: ApiKey = None, auth_file: AuthFile = None, max_queue: MaxQueue = 256,
     request_timeout: RequestTimeout = None,
     grace_period: GracePeriod = 10.0, dtype: DtypeOpt = "auto",
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
     kv_cache_memory: KvCacheMemory = "2GiB", block_size: BlockSize = 16,
     max_model_len: MaxModelLen = None, max_num_seqs: MaxNumSeqs = 64,
     max_num_batched_tokens: MaxBatchedTokens = 512, prefix_caching: PrefixCaching = True,

@@ -46,8 +46,7 @@ log = logging.getLogger("llmctl.serve")
 
 # EngineConfig keys that mean nothing for an engine directory (its precision, device
 # and weights are fixed at build time): accepted and ignored, with a warning if set.
-IGNORED_KEYS = ("dtype", "kv_cache_dtype", "device", "quant_backend", "tokenizer", "lm_head",
-                "gguf_weights")
+IGNORED_KEYS = ("dtype", "device", "quant_backend", "tokenizer", "lm_head", "gguf_weights")
 
 
 @dataclass
@@ -81,6 +80,12 @@ def engine_dir_settings(path: str | Path, engine_kwargs: dict[str, Any],
             f"{path} is an engine directory: speculative decoding with a draft model is not "
             "supported there (the draft model runs on the paged torch runner)",
             "use --speculative ngram, or serve the source checkpoint with --draft-model")
+    if kwargs.pop("kv_cache_dtype", "auto") != "auto":
+        # not a precision to ignore: the paged cache it names is never allocated here
+        raise UsageError(
+            f"{path} is an engine directory: --kv-cache-dtype does not apply (its runtime "
+            "keeps its own per-sequence cache, in the precision it was built with)",
+            "drop --kv-cache-dtype, or serve the source checkpoint with it")
     if kwargs.get("enable_prefix_caching"):
         warn("prefix caching is off for engine directories: the runtime keeps one cache per "
              "sequence, so a shared prefix block would claim K/V it never computed")

@@ -39,6 +39,7 @@ class CandidateOptions:
     server_top_logprobs: int = 20
     timeout_s: float = 600.0
     tokenizer: Any = None  # a tokenizer to use when the candidate has none (servers)
+    kv_cache_dtype: str = "auto"  # the serving engine's KV cache (backend "serve")
 
 
 def fingerprint_path(path: Path) -> str:
@@ -497,10 +498,67 @@ class EngineCandidate(Candidate, kind="engine"):
         self.engine = None
 
 
+# -- llmctl's own serving engine ---------------------------------------------------------
+
+
+class ServeEngineCandidate(Candidate, kind="serve"):
+    """A checkpoint scored through llmctl's serving engine (``--backend serve``): the
+    weights as it loads them, its kernels and its paged KV cache, ``kv_cache_dtype``
+    choosing the cache. Each window is one prefill step returning every position's row
+    (:func:`llmctl.serve.scoring.prompt_logits`); with an 8-bit cache that prefill
+    attends over the K/V as stored, so the rows carry the quantization error that
+    generation sees. Chosen only by ``--backend serve`` (a checkpoint is HF's by default).
+    """
+
+    priority = 95
+    MAX_LEN = 8192  # the longest window; the cache holds exactly one sequence this long
+
+    def __init__(self, spec: str, options: CandidateOptions) -> None:
+        super().__init__(spec, options)
+        from llmctl.models.resolve import resolve_model
+        from llmctl.serve.llm_engine import LLMEngine
+        from llmctl.serve.model import ModelSpec
+
+        self.path = resolve_model(spec).path
+        max_len = min(ModelSpec.from_dir(self.path).max_position_embeddings, self.MAX_LEN)
+        block_size = 16
+        self.engine = LLMEngine.from_args(
+            spec, dtype=options.dtype, kv_cache_dtype=options.kv_cache_dtype,
+            enable_prefix_caching=False, max_model_len=max_len, block_size=block_size,
+            num_kv_blocks=-(-max_len // block_size), max_num_seqs=1,
+            num_threads=options.threads)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.spec.vocab_size)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "reference": self.spec, "path": str(self.path),
+                "sha256_quick": fingerprint_path(self.path), "dtype": self.options.dtype,
+                "kv_cache": self.engine.kv_plan.dtype}
+
+    def logits(self, input_ids: list[int]):
+        from llmctl.serve.scoring import prompt_logits
+
+        if len(input_ids) > self.engine.max_model_len:
+            raise ConfigError(f"a window of {len(input_ids)} tokens exceeds the engine's "
+                              f"{self.engine.max_model_len}",
+                              f"pass --ctx {self.engine.max_model_len} or less")
+        return prompt_logits(self.engine, list(input_ids))
+
+    def close(self) -> None:
+        self.engine = None
+
+
 BACKEND_KINDS: dict[str, Callable[[str], str | None]] = {
     # --backend X forces a kind for specs that more than one adapter could run.
     "transformers": lambda spec: "hf",
     "llama-cpp": lambda spec: "gguf",
+    "serve": lambda spec: "serve",
     "auto": lambda spec: None,
 }
 

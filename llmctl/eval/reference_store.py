@@ -50,12 +50,16 @@ COMPUTED_BY = ("torch", "transformers")
 
 
 def store_key(model_hash: str, data_hash: str, windowing: dict, top_k: int,
-              bos_id: int | None, *, dtype: str) -> str:
+              bos_id: int | None, *, dtype: str, runtime: str | None = None) -> str:
+    """``runtime``: what computed the reference when not transformers (e.g. "serve")."""
     from llmctl.report import package_versions
 
-    blob = json.dumps({"format": FORMAT, "model": model_hash, "data": data_hash,
-                       "windowing": windowing, "top_k": top_k, "bos": bos_id, "dtype": dtype,
-                       "versions": package_versions(COMPUTED_BY)}, sort_keys=True)
+    fields = {"format": FORMAT, "model": model_hash, "data": data_hash,
+              "windowing": windowing, "top_k": top_k, "bos": bos_id, "dtype": dtype,
+              "versions": package_versions(COMPUTED_BY)}
+    if runtime is not None:  # absent for transformers: earlier stores keep their keys
+        fields["runtime"] = runtime
+    blob = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

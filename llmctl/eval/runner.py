@@ -15,13 +15,19 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmctl.errors import ConfigError
-from llmctl.eval.candidates import Candidate, CandidateOptions, HFCandidate, open_candidate
+from llmctl.eval.candidates import (
+    Candidate,
+    CandidateOptions,
+    HFCandidate,
+    ServeEngineCandidate,
+    open_candidate,
+)
 from llmctl.eval.memory import pin_mmap_threshold
 from llmctl.eval.metrics import (
     PositionStats,
@@ -53,12 +59,22 @@ class EvalConfig(BaseModel):
     seed: int = 0
     dtype: str = "float32"
     backend: str = "auto"
+    # the serving engine's KV cache for the candidate (backend "serve"; its reference
+    # keeps the model dtype's cache, so the two differ in the cache alone)
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
     server_model: str | None = None
     tokenizer: str | None = None
     threads: int | None = Field(None, ge=1)
     cache_dir: Path | None = None
     # score the reference again even when its cached store exists (`check --force reference`)
     rebuild_reference: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.kv_cache_dtype != "auto" and self.backend != "serve":
+            raise ValueError("--kv-cache-dtype (kv_cache_dtype) applies to the serving "
+                             "engine: pass --backend serve")
+        return self
 
 
 class _Quiet:
@@ -114,7 +130,16 @@ def is_store(spec: str) -> bool:
     return spec.endswith(".safetensors") and Path(spec).is_file()
 
 
-def prepare_reference(config: EvalConfig, ui) -> tuple[ReferenceStore, Any, HFCandidate | None]:
+def reference_candidate(config: EvalConfig) -> Candidate:
+    """transformers at ``--dtype``; with ``--backend serve`` the serving engine with the
+    model dtype's KV cache (the candidate differs in ``--kv-cache-dtype`` alone)."""
+    options = CandidateOptions(dtype=config.dtype, threads=config.threads)
+    if config.backend == "serve":
+        return ServeEngineCandidate(config.reference, options)
+    return HFCandidate(config.reference, options)
+
+
+def prepare_reference(config: EvalConfig, ui) -> tuple[ReferenceStore, Any, Candidate | None]:
     """Load or build the reference store; returns it, the tokenizer and the (lazy) model."""
     spec = config.reference
     if is_store(spec):
@@ -126,11 +151,12 @@ def prepare_reference(config: EvalConfig, ui) -> tuple[ReferenceStore, Any, HFCa
 
             tokenizer = load_tokenizer(Path(model_path))
         return store, tokenizer, None
-    reference = HFCandidate(spec, CandidateOptions(dtype=config.dtype, threads=config.threads))
+    reference = reference_candidate(config)
     plan, data = _plan(reference.tokenizer, config)
     described = reference.describe()
     key = store_key(described["sha256_quick"], data["sha256"], config.windowing.model_dump(),
-                    config.top_k, plan.bos_id, dtype=config.dtype)
+                    config.top_k, plan.bos_id, dtype=config.dtype,
+                    runtime=reference.kind if reference.kind != "hf" else None)
     path = (config.cache_dir or default_cache_dir()) / f"{_slug(spec)}-{key}.safetensors"
     if path.is_file() and not config.rebuild_reference:
         try:
@@ -218,7 +244,7 @@ def run_tasks(candidate: Candidate, config: EvalConfig, ui, label: str) -> list[
     return results
 
 
-def _reference_tasks(reference: HFCandidate, config: EvalConfig, ui) -> list[TaskResult]:
+def _reference_tasks(reference: Candidate, config: EvalConfig, ui) -> list[TaskResult]:
     """The reference's task scores, cached next to its store (keyed like it)."""
     names = expand_task_names(config.tasks)
     hashes = [load_task(n).sha256 if not n.startswith("lm_eval:") else n for n in names]
@@ -301,7 +327,7 @@ def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
         data_info, windows_info = store.meta["data"], store.meta["windowing"]
     if config.reference and config.tasks and config.reference_tasks and not is_store(config.reference):
         if reference is None:
-            reference = HFCandidate(config.reference, CandidateOptions(dtype=config.dtype))
+            reference = reference_candidate(config)
         start = time.perf_counter()
         for result in _reference_tasks(reference, config, ui):
             reference_metrics.update(result.metrics())
@@ -317,7 +343,8 @@ def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
         tokenizer = load_tokenizer(resolve_model(config.tokenizer).path)
     candidate = open_candidate(config.candidate, CandidateOptions(
         dtype=config.dtype, threads=config.threads, backend=config.backend,
-        server_model=config.server_model, tokenizer=tokenizer))
+        server_model=config.server_model, tokenizer=tokenizer,
+        kv_cache_dtype=config.kv_cache_dtype))
     try:
         start = time.perf_counter()
         if store is not None:

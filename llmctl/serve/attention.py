@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from llmctl.serve.kv_quant import dequantize_int8
+
 
 @dataclass
 class AttnGroup:
@@ -155,10 +157,13 @@ def windowed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttnMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                    meta: AttnMetadata, scale: float, window: int | None = None,
+                    scales: torch.Tensor | None = None) -> torch.Tensor:
     """``q [T, H, d]``, new ``k, v [T, Hkv, d]``, the layer's cache ``[2, blocks,
     block_size, Hkv, d]`` (this step's K/V already written) -> ``[T, H * d]``; ``window``:
-    the layer's sliding window (None: full causal attention)."""
+    the layer's sliding window (None: full causal attention); ``scales``: an int8 cache's
+    ``[2, blocks, block_size, Hkv]`` (the native kernel reads the codes as they are, a
+    gathered group dequantizes the blocks it gathered)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     g = num_heads // kv_heads
@@ -185,11 +190,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             continue
         if grp.context_lens is not None:
             outs.append(meta.kernel(qs, kv_cache, grp.block_tables, grp.context_lens, lq, scale,
-                                    window or 0))
+                                    window or 0, scales))
             continue
         s = grp.block_tables.shape[1] * kv_cache.shape[2]
         rows = kv_cache.view(-1, kv_cache.shape[2] * kv_heads * head_dim)
         kv = rows.index_select(0, grp.gather_index).view(2, b, s, kv_heads, head_dim)
+        if scales is not None:
+            gathered = scales.view(-1, kv_cache.shape[2] * kv_heads).index_select(
+                0, grp.gather_index).view(2, b, s, kv_heads)
+            kv = dequantize_int8(kv, gathered, qs.dtype)
         kg, vg = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         qg = qs.view(b, lq, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, kv_heads, g * lq, head_dim)

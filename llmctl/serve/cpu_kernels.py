@@ -1,9 +1,10 @@
 """Native CPU kernels: built from ``csrc/`` on first use, loaded with ctypes.
 
-- :file:`csrc/paged_attention.cpp` reads K/V in place through the block tables; the
-  pure-torch fallback gathers them into a padded copy first, which costs three passes
-  over the cache instead of one (the decode step of a 128-sequence batch spent two
-  thirds of its time there).
+- :file:`csrc/paged_attention.cpp` reads K/V in place through the block tables (float32,
+  bf16, or int8 codes with their scales: :mod:`llmctl.serve.kv_quant`); the pure-torch
+  fallback gathers them into a padded copy first, which costs three passes over the
+  cache instead of one (the decode step of a 128-sequence batch spent two thirds of its
+  time there).
 - :file:`csrc/norm_act.cpp`: residual add + RMSNorm and SwiGLU's ``silu(g) * u`` for
   bfloat16 activations in one pass each, with transformers' roundings (torch's bf16
   RMSNorm alone cost a fifth of the matrix products' time on a prefill step).
@@ -17,7 +18,7 @@
 - :file:`csrc/prefill_attention.cpp`: causal attention of fresh prompts (bf16), both
   products as small GEMMs on vdpbf16ps (torch's SDPA flash kernel took twice as long).
 - :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
-  pass for bfloat16 (nine torch ops per layer before).
+  pass for bfloat16 (nine torch ops per layer before), quantizing for an int8 cache.
 - :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use.
 
 Built with the system C++ compiler (``$CXX``, else ``c++``), ``-O3 -march=native
@@ -59,14 +60,21 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name
                              "decode_layer.cpp", "prefill_attention.cpp", "simd_math.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
-# torch dtype -> exported symbol
-SYMBOLS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+# (query dtype, int8 cache?) -> exported symbol; a float cache has the queries' dtype
+SYMBOLS = {(torch.float32, False): "paged_attention_f32",
+           (torch.bfloat16, False): "paged_attention_bf16",
+           (torch.float32, True): "paged_attention_f32_i8",
+           (torch.bfloat16, True): "paged_attention_bf16_i8"}
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _PAGED_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                _F32, _PTR, _INT, _I64]
+# int8 caches: the K and V scales follow the K and V codes
+_PAGED_I8_ARGS = _PAGED_ARGS[:3] + [_PTR, _PTR] + _PAGED_ARGS[3:]
 ARGTYPES = {
     "paged_attention_f32": _PAGED_ARGS,
     "paged_attention_bf16": _PAGED_ARGS,
+    "paged_attention_f32_i8": _PAGED_I8_ARGS,
+    "paged_attention_bf16_i8": _PAGED_I8_ARGS,
     "add_rms_norm_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_mul_bf16": [_PTR, _PTR, _I64, _I64, _INT],
     "lowbit_gemm": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
@@ -77,12 +85,14 @@ ARGTYPES = {
     "lowbit_vnni_rows": [],
     "gemm_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
     "gemm_bf16_available": [],
-    "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
+    "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
     "prefill_attention_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
                                _F32, _PTR, _I64, _INT, _I64],
     "prefill_attention_available": [],
     "rope_kv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                      _PTR, _INT],
+    "rope_kv_bf16_i8": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
+                        _PTR, _PTR, _PTR, _INT],
 }
 RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int,
             "gemm_bf16_available": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
@@ -145,36 +155,41 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def paged_attention_kernel(device: torch.device, dtype: torch.dtype):
-    """The native kernel for this cache device and dtype, or None (use the torch path).
+def paged_attention_kernel(device: torch.device, dtype: torch.dtype, quantized: bool = False):
+    """The native kernel for this cache device and query dtype (= the cache's, unless
+    ``quantized``: an int8 cache with scales), or None (use the torch path).
 
     The returned callable takes ``(q, layer_cache, block_tables, context_lens, q_len,
-    scale, window=0)``: ``q [B * q_len, heads, d]`` (rows of one token may be strided
-    apart, each head's ``d`` values contiguous), ``layer_cache [2, blocks, block_size,
-    kv_heads, d]`` contiguous, ``block_tables [B, max_blocks]`` and ``context_lens [B]``
-    int64 (context including this step's tokens), ``window`` a sliding window (0: none;
-    the query at ``p`` sees keys ``p - window + 1 .. p``, and blocks wholly before the
-    first query's window are never read); it returns float32 ``[B * q_len, heads * d]``.
+    scale, window=0, scales=None)``: ``q [B * q_len, heads, d]`` (rows of one token may be
+    strided apart, each head's ``d`` values contiguous), ``layer_cache [2, blocks,
+    block_size, kv_heads, d]`` contiguous, ``block_tables [B, max_blocks]`` and
+    ``context_lens [B]`` int64 (context including this step's tokens), ``window`` a
+    sliding window (0: none; the query at ``p`` sees keys ``p - window + 1 .. p``, and
+    blocks wholly before the first query's window are never read), ``scales`` an int8
+    cache's ``[2, blocks, block_size, kv_heads]`` float32; it returns float32
+    ``[B * q_len, heads * d]``.
     """
-    if torch.device(device).type != "cpu" or dtype not in SYMBOLS:
+    if torch.device(device).type != "cpu" or (dtype, quantized) not in SYMBOLS:
         return None
     lib = _library()
     if lib is None:
         return None
-    fn = getattr(lib, SYMBOLS[dtype])
+    fn = getattr(lib, SYMBOLS[dtype, quantized])
 
     def run(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, q_len: int, scale: float,
-            window: int = 0) -> torch.Tensor:
+            window: int = 0, scales: torch.Tensor | None = None) -> torch.Tensor:
         tokens, heads, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         out = torch.empty((tokens, heads * d), dtype=torch.float32)
         _, _, block_size, kv_heads, _ = layer_cache.shape
-        fn(q.data_ptr(), layer_cache[0].data_ptr(), layer_cache[1].data_ptr(),
-           block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
-           block_tables.shape[0], q_len, q.stride(0), heads, kv_heads, d, block_size,
-           scale, out.data_ptr(), torch.get_num_threads(), window)
+        kv = (layer_cache[0].data_ptr(), layer_cache[1].data_ptr())
+        if quantized:
+            kv += (scales[0].data_ptr(), scales[1].data_ptr())
+        fn(q.data_ptr(), *kv, block_tables.data_ptr(), block_tables.shape[1],
+           context_lens.data_ptr(), block_tables.shape[0], q_len, q.stride(0), heads, kv_heads,
+           d, block_size, scale, out.data_ptr(), torch.get_num_threads(), window)
         return out
 
     return run
@@ -252,18 +267,26 @@ class RopeKV:
 
     def __init__(self, lib: ctypes.CDLL, freqs: torch.Tensor) -> None:
         self._fn = lib.rope_kv_bf16
+        self._fn_i8 = lib.rope_kv_bf16_i8
         self.freqs = torch.view_as_real(freqs).contiguous()  # [positions, d / 2, 2] float32
 
     def __call__(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                 slots: torch.Tensor, layer_cache: torch.Tensor) -> None:
+                 slots: torch.Tensor, layer_cache: torch.Tensor,
+                 layer_scales: torch.Tensor | None = None) -> None:
         """Rotate ``qk [T, q_heads + kv_heads, d]`` in place (rows may be strided, each
         row's heads contiguous) and write its keys and ``v [T, kv_heads, d]`` at
-        ``slots`` of ``layer_cache [2, blocks, block_size, kv_heads, d]``."""
+        ``slots`` of ``layer_cache [2, blocks, block_size, kv_heads, d]`` (an int8 cache:
+        quantized, scales into ``layer_scales [2, blocks, block_size, kv_heads]``)."""
         t, heads, d = qk.shape
         kv_heads = v.shape[1]
-        self._fn(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), t, heads - kv_heads,
-                 kv_heads, d, self.freqs.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                 layer_cache[0].data_ptr(), layer_cache[1].data_ptr(), torch.get_num_threads())
+        cache = (layer_cache[0].data_ptr(), layer_cache[1].data_ptr())
+        fn = self._fn
+        if layer_scales is not None:
+            cache += (layer_scales[0].data_ptr(), layer_scales[1].data_ptr())
+            fn = self._fn_i8
+        fn(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), t, heads - kv_heads,
+           kv_heads, d, self.freqs.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+           *cache, torch.get_num_threads())
 
 
 def rope_kv_kernel(device: torch.device, dtype: torch.dtype, freqs: torch.Tensor) -> RopeKV | None:

@@ -87,7 +87,14 @@ from llmctl.serve.admission import RateMeter, expected_tokens
 from llmctl.serve.block_manager import DROPPED, BlockManager
 from llmctl.serve.config import EngineConfig, make_engine_config
 from llmctl.serve.detokenizer import IncrementalDetokenizer
-from llmctl.serve.kv_cache import KVCachePlan, allocate_kv_cache, available_memory, plan_kv_cache
+from llmctl.serve.kv_cache import (
+    KVCachePlan,
+    allocate_kv_cache,
+    allocate_kv_scales,
+    available_memory,
+    plan_kv_cache,
+)
+from llmctl.serve.kv_quant import kv_format
 from llmctl.serve.lora_adapter import LoRAError, LoRARegistry
 from llmctl.serve.model import LlamaModel, ModelSpec
 from llmctl.serve.model_runner import LogitRows, ModelRunner, PromptLogits
@@ -127,19 +134,25 @@ class _Built:
                                             spec=self.spec, reader=reader,
                                             lm_head=config.lm_head,
                                             bf16_gemm=config.bf16_gemm)
-        kv_dtype = dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        fmt = kv_format(config.kv_cache_dtype, dtype)
         spec = self.spec
         self.plan: KVCachePlan = plan_kv_cache(
             num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            itemsize=torch.tensor([], dtype=kv_dtype).element_size(),
+            itemsize=torch.tensor([], dtype=fmt.storage).element_size(),
             block_size=config.block_size, budget=config.kv_cache_memory,
             max_num_seqs=config.max_num_seqs, max_model_len=max_len,
             num_blocks=num_blocks or config.num_kv_blocks,
-            available=available_memory(device.type))
+            available=available_memory(device.type), scale_bytes=fmt.scale_bytes,
+            dtype=fmt.describe())
         self.kv_cache = allocate_kv_cache(self.plan, num_layers=spec.num_layers,
                                           num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                                          dtype=kv_dtype, device=device)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, with_lora)
+                                          dtype=fmt.storage, device=device)
+        # the scales of an 8-bit cache (kv_quant), None for a float cache
+        self.kv_scales = allocate_kv_scales(self.plan, num_layers=spec.num_layers,
+                                            num_kv_heads=spec.num_kv_heads,
+                                            device=device) if fmt.quantized else None
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, with_lora,
+                                  kv_scales=self.kv_scales)
 
 
 def _gguf_native(resolved, config: EngineConfig) -> bool:
@@ -248,8 +261,12 @@ class LLMEngine:
 
         try:
             config = json.loads((Path(self.model_path) / "config.json").read_text())
-            cost = ModelCost(ArchSpec.from_config(config),
-                             kv_bytes=self.target.kv_cache.element_size())
+            spec = self.spec
+            # per K/V element read, an 8-bit cache's scales included
+            kv_bytes = self.kv_plan.bytes_per_block / (
+                spec.num_layers * 2 * self.kv_plan.block_size * spec.num_kv_heads
+                * spec.head_dim)
+            cost = ModelCost(ArchSpec.from_config(config), kv_bytes=kv_bytes)
         except (OSError, ValueError, ConfigError) as exc:
             log.info("no FLOP/byte accounting for this model: %s", exc)
             return None

@@ -38,6 +38,7 @@ from llmctl.models.architectures import get_architecture
 from llmctl.serve.attention import AttnMetadata, paged_attention
 from llmctl.serve.cpu_kernels import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.decode_layers import DecodeLayers
+from llmctl.serve.kv_quant import read_int8, write_int8
 from llmctl.serve.rope import apply_rope, rope_freqs, rope_parameters
 
 if TYPE_CHECKING:
@@ -261,8 +262,10 @@ class LlamaModel:
         self.decode_layers = DecodeLayers.build(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                kv_cache: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm; writes K/V into the cache.
+                kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None,
+                lora: LoRABatch | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm; writes K/V into the cache
+        (``kv_scales``: the scales of an int8 cache, :mod:`llmctl.serve.kv_quant`).
 
         ``lora``: the step's rows that run with an adapter (:mod:`llmctl.serve.lora_batch`);
         such a step takes this Python path, not the fused native decode layers, which
@@ -272,7 +275,14 @@ class LlamaModel:
         head = (spec.head_dim,)
         t = input_ids.shape[0]
         nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        rope_kv = self.rope_kv if kv_cache.dtype == torch.bfloat16 else None
+        quantized = kv_scales is not None
+        rope_kv = self.rope_kv if kv_cache.dtype == torch.bfloat16 or quantized else None
+        # Fresh prompts attend over their K/V as the cache holds them (quantized, then
+        # dequantized), not over the full-precision values just computed: so a prefill's
+        # logits (what `llmctl eval` scores) carry the same quantization error as every
+        # later decode step reading those tokens back, and teacher-forced evaluation
+        # measures what generation experiences.
+        reread = quantized and any(g.fresh for g in meta.groups)
         freqs = self.freqs[positions].unsqueeze(1) if rope_kv is None else None
         qk_size = self.q_size + self.kv_size
         slots = meta.slot_mapping
@@ -284,7 +294,7 @@ class LlamaModel:
         h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
         fused = self.decode_layers
         if fused is not None and lora is None and fused.applies(t, meta, kv_cache):
-            return fused(x, h, positions, meta, kv_cache)
+            return fused(x, h, positions, meta, kv_cache, kv_scales)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             if lora is not None:
@@ -294,18 +304,25 @@ class LlamaModel:
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, head, None, eps) * layer.qk_norm
             layer_cache = kv_cache[i]
+            layer_scales = kv_scales[i] if quantized else None
             if rope_kv is not None:  # bf16 throughout: rotate in place, write the cache
-                rope_kv(qk, v, positions, slots, layer_cache)
+                rope_kv(qk, v, positions, slots, layer_cache, layer_scales)
                 q, k = qk[:, :nh], qk[:, nh:]
             else:
                 qk = apply_rope(qk, freqs)  # q and k rotated together
                 q, k = qk[:, :nh], qk[:, nh:]
-                cache_dtype = layer_cache.dtype
-                if cache_dtype != q.dtype:
-                    q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
-                layer_cache[0].view(-1, nkv, d).index_copy_(0, slots, k)
-                layer_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
-            attn = paged_attention(q, k, v, layer_cache, meta, self.scale, windows[i])
+                if quantized:
+                    write_int8(layer_cache, layer_scales, slots, k, v)
+                else:
+                    cache_dtype = layer_cache.dtype
+                    if cache_dtype != q.dtype:
+                        q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
+                    layer_cache[0].view(-1, nkv, d).index_copy_(0, slots, k)
+                    layer_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
+            if reread:
+                k, v = read_int8(layer_cache, layer_scales, slots, q.dtype)
+            attn = paged_attention(q, k, v, layer_cache, meta, self.scale, windows[i],
+                                   layer_scales)
             if lora is None:
                 h = ops.add_rms_norm(x, layer.o(attn.to(x.dtype)), layer.post_norm, eps)
                 mlp = layer.down(ops.silu_mul(layer.gate_up(h)))

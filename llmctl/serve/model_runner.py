@@ -92,20 +92,26 @@ def _by_adapter(items: list[ScheduledSeq]) -> list[ScheduledSeq]:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
-                 with_lora: bool = False) -> None:
+                 with_lora: bool = False, kv_scales: torch.Tensor | None = None) -> None:
         self.model = model
         # requests' LoRA adapters apply here (the target model; a draft model runs bare)
         self.with_lora = with_lora
         self.kv_cache = kv_cache
+        # an int8 cache's scales (llmctl.serve.kv_quant), moved with its blocks
+        self.kv_scales = kv_scales
         self.block_size = block_size
+        # what attention computes in: the cache dtype for a float cache (queries are cast
+        # to it), the model's for an 8-bit one (its K/V are dequantized as they are read)
+        self.attn_dtype = model.dtype if kv_scales is not None else kv_cache.dtype
         self.device = model.device
         self.group_heads = model.spec.num_heads // model.spec.num_kv_heads
         # the layers' sliding windows (a gathered group gets a mask for each), and the
         # largest when every layer has one: keys before it are never gathered
         self.windows = sorted({w for w in model.spec.layer_windows if w})
         self.kv_window = model.spec.kv_window
-        self.kernel = paged_attention_kernel(self.device, kv_cache.dtype)
-        self.prefill = prefill_attention_kernel(self.device, kv_cache.dtype)
+        self.kernel = paged_attention_kernel(self.device, self.attn_dtype,
+                                             quantized=kv_scales is not None)
+        self.prefill = prefill_attention_kernel(self.device, self.attn_dtype)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -113,6 +119,8 @@ class ModelRunner:
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if self.kv_scales is not None:
+            self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
 
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[LogitRows]]:
         logits, rows, _ = self.execute_with_prompt(scheduled, with_prompt=False)
@@ -196,7 +204,7 @@ class ModelRunner:
                     start, q_len, [i.seq.num_computed_tokens + q_len for i in bucket],
                     [i.seq.block_table for i in bucket], block_size=bs,
                     num_blocks=self.kv_cache.shape[2], group_heads=self.group_heads,
-                    device=self.device, dtype=self.kv_cache.dtype, windows=self.windows,
+                    device=self.device, dtype=self.attn_dtype, windows=self.windows,
                     first_block=first_block))
 
         dev = self.device
@@ -205,7 +213,7 @@ class ModelRunner:
         lora = LoRABatch.from_runs(lora_runs, dev) if adapters else None
         hidden = self.model.forward(torch.tensor(tokens, dtype=torch.long, device=dev),
                                     torch.tensor(positions, dtype=torch.long, device=dev),
-                                    meta, self.kv_cache, lora)
+                                    meta, self.kv_cache, self.kv_scales, lora)
         prompt: list[PromptLogits] = []
         if prompt_index:
             all_rows = self.model.logits(

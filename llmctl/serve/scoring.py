@@ -1,9 +1,13 @@
 """Full logit rows of a token sequence through the engine's own model and paged cache.
 
 For precision checks (KLD against a float32 reference, tests against transformers):
-the first ``first_chunk`` tokens go through one prefill step, every later token through
-its own decode step (K/V read back through the block table), which is how served
-requests compute; each step's logits row scores the next token.
+:func:`teacher_forced_logits` sends the first ``first_chunk`` tokens through one prefill
+step, every later token through its own decode step (K/V read back through the block
+table), which is how served requests compute; each step's logits row scores the next
+token. :func:`prompt_logits` scores every position of one prefill step (``llmctl eval
+--backend serve``): with an 8-bit KV cache that prefill attends over the K/V as the
+cache holds them (:meth:`llmctl.serve.model.LlamaModel.forward`), so its rows carry the
+error decode steps would see.
 """
 
 from __future__ import annotations
@@ -36,3 +40,37 @@ def teacher_forced_logits(engine, ids: list[int], first_chunk: int) -> torch.Ten
     finally:
         engine.block_manager.free_seq(seq)
     return torch.stack(rows)
+
+
+class _Request:
+    needs_prompt_logits = True
+
+
+class _Prompt(_Shadow):
+    """A prompt that wants every position's logits (what the runner reads of one)."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, ids: list[int]) -> None:
+        super().__init__()
+        self.token_ids = list(ids)
+        self.request = _Request()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def prompt_logits(engine, ids: list[int]) -> torch.Tensor:
+    """Logits ``[len(ids), vocab]``, row ``p`` scoring token ``p + 1``, from one prefill
+    step of the whole sequence (an idle engine's blocks are borrowed and returned)."""
+    if not ids:
+        raise ValueError("no tokens to score")
+    seq = _Prompt(ids)
+    try:
+        if engine.block_manager.allocate(seq, len(ids)) is None:
+            raise RuntimeError("the KV cache is too small for this sequence")
+        last, _, prompt = engine.runner.execute_with_prompt([ScheduledSeq(seq, len(ids), 0)])
+    finally:
+        engine.block_manager.free_seq(seq)
+    return torch.cat([p.logits for p in prompt] + [last])

@@ -42,6 +42,7 @@ class ServeSettings:
     grace_period: float = 10.0
     log_level: str = "info"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: str = "2GiB"
     block_size: int = 16
     max_model_len: int | None = None
@@ -96,6 +97,10 @@ def check(settings: ServeSettings) -> bool:
         raise UsageError(f"{model} is an engine directory; --engine {engine} serves "
                          "checkpoints", "serve the engine directory with the built-in "
                          "engine (no --engine), or pass its source checkpoint")
+    if engine_dir and settings.kv_cache_dtype != "auto":
+        raise UsageError(f"{model} is an engine directory: --kv-cache-dtype does not apply "
+                         "(its runtime keeps its own per-sequence cache)",
+                         "drop --kv-cache-dtype, or serve the source checkpoint with it")
     if engine_dir and settings.draft_model:
         raise UsageError(f"{model} is an engine directory: a draft model cannot run with it "
                          "(draft models need the paged torch runner)",
@@ -203,7 +208,8 @@ def handoff_command(settings: ServeSettings) -> list[str]:
 def engine_kwargs(settings: ServeSettings, engine_dir: bool) -> dict[str, Any]:
     """EngineConfig keywords; dtype auto resolved here (checkpoints only) and logged."""
     kwargs: dict[str, Any] = {
-        "dtype": settings.dtype, "kv_cache_memory": settings.kv_cache_memory,
+        "dtype": settings.dtype, "kv_cache_dtype": settings.kv_cache_dtype,
+        "kv_cache_memory": settings.kv_cache_memory,
         "block_size": settings.block_size, "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
@@ -215,6 +221,7 @@ def engine_kwargs(settings: ServeSettings, engine_dir: bool) -> dict[str, Any]:
         "max_loras": settings.max_loras, "max_lora_rank": settings.max_lora_rank}
     if engine_dir:  # what the user did not set is not a request to warn about
         for key, name in (("enable_prefix_caching", "prefix_caching"), ("dtype", "dtype"),
+                          ("kv_cache_dtype", "kv_cache_dtype"),
                           ("lm_head", "lm_head"), ("gguf_weights", "gguf_weights"),
                           ("bf16_gemm", "bf16_gemm")):
             if name not in settings.given:

@@ -96,13 +96,18 @@ _LORA = {
     flag: f"{flag} is the built-in engine's; LoRA adapters are not forwarded to a hand-off "
           "engine (vLLM: its own --enable-lora --lora-modules): serve without --engine"
     for flag in ("--lora", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates")}
+_KV_CACHE = {"--kv-cache-dtype": "--kv-cache-dtype is the built-in engine's KV cache (int8 "
+                                 "with per-token scales); a hand-off engine sets its own: "
+                                 "drop the flag or serve without --engine"}
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_LORA},
+    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_LORA,
+             **_KV_CACHE},
     "trtllm": {
         "--auth-file": _NO_TENANTS,
         **_SCHEDULING,
         **_SUPERVISION,
         **_LORA,
+        **_KV_CACHE,
         "--api-key": "trtllm-serve has no API key option: put an authenticating proxy in "
                      "front of it, or serve with --engine vllm or the built-in engine",
         "--served-model-name": "trtllm-serve 1.2 serves the model under its path: drop the "

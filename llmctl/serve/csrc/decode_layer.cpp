@@ -12,7 +12,9 @@
 //   h = RMSNorm(x) w_next
 //
 // Each matrix is a bf16 weight in gemm_bf16.cpp's layout or int4/int8 codes in
-// lowbit_vnni.cpp's; a layer with a bias or a q/k norm stays on the Python path.
+// lowbit_vnni.cpp's; a layer with a bias or a q/k norm stays on the Python path. The
+// cache is bf16, or int8 codes with their scales (k_scale, v_scale not null:
+// llmctl/serve/kv_quant.py), written and read by the _i8 kernels.
 
 #include <cstdint>
 
@@ -36,6 +38,17 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* 
                           int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                           float scale, float* out, int num_threads, int64_t window);
+void rope_kv_bf16_i8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
+                     int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
+                     const float* freqs, const int64_t* positions, const int64_t* slots,
+                     int8_t* k_cache, int8_t* v_cache, float* k_scale, float* v_scale,
+                     int num_threads);
+void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v,
+                             const float* ks, const float* vs, const int64_t* bt,
+                             int64_t max_blocks, const int64_t* ctx, int64_t num_seqs,
+                             int64_t q_len, int64_t q_stride, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             float scale, float* out, int num_threads, int64_t window);
 void add_rms_norm_bf16(uint16_t* x, const uint16_t* residual, const uint16_t* weight,
                        uint16_t* out, int64_t rows, int64_t cols, float eps, int num_threads);
 void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
@@ -83,17 +96,30 @@ static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Ste
 }
 
 void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
-                       const Matrix* gate_up, const Matrix* down, uint16_t* k_cache,
-                       uint16_t* v_cache, const uint16_t* post_norm, const uint16_t* next_norm) {
+                       const Matrix* gate_up, const Matrix* down, void* k_cache,
+                       void* v_cache, float* k_scale, float* v_scale,
+                       const uint16_t* post_norm, const uint16_t* next_norm) {
   const Step& st = *step;
   const int64_t d = st.head_dim, q_size = st.q_heads * d, width = qkv->n;
   apply(*qkv, st.h, st.qkv, st);
-  rope_kv_bf16(st.qkv, width, st.qkv + q_size + st.kv_heads * d, width, st.m, st.q_heads,
-               st.kv_heads, d, st.freqs, st.positions, st.slots, k_cache, v_cache,
-               st.num_threads);
-  paged_attention_bf16(st.qkv, k_cache, v_cache, st.block_tables, st.max_blocks,
-                       st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
-                       st.block_size, st.scale, st.attn_f, st.num_threads, st.window);
+  const uint16_t* v_new = st.qkv + q_size + st.kv_heads * d;
+  if (k_scale != nullptr) {
+    int8_t* kc = static_cast<int8_t*>(k_cache);
+    int8_t* vc = static_cast<int8_t*>(v_cache);
+    rope_kv_bf16_i8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.freqs,
+                    st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
+    paged_attention_bf16_i8(st.qkv, kc, vc, k_scale, v_scale, st.block_tables, st.max_blocks,
+                            st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
+                            st.block_size, st.scale, st.attn_f, st.num_threads, st.window);
+  } else {
+    uint16_t* kc = static_cast<uint16_t*>(k_cache);
+    uint16_t* vc = static_cast<uint16_t*>(v_cache);
+    rope_kv_bf16(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.freqs,
+                 st.positions, st.slots, kc, vc, st.num_threads);
+    paged_attention_bf16(st.qkv, kc, vc, st.block_tables, st.max_blocks, st.context_lens,
+                         st.m, 1, width, st.q_heads, st.kv_heads, d, st.block_size, st.scale,
+                         st.attn_f, st.num_threads, st.window);
+  }
   for (int64_t i = 0; i < st.m * q_size; ++i) st.attn[i] = float_to_bf16(st.attn_f[i]);
   apply(*o, st.attn, st.proj, st);
   add_rms_norm_bf16(st.x, st.proj, post_norm, st.h, st.m, st.hidden, st.eps, st.num_threads);

@@ -14,12 +14,21 @@
 // inside that key's block), so blocks before every window are never read: the engine
 // drops them from the block tables.
 //
-// Three implementations, picked by dispatch(): AVX512-BF16 for a bf16 cache (both
-// products on vdpbf16ps, two passes), AVX-512 float32 math for float32 or bf16 without
-// that extension (online softmax over 16-key tiles), and a portable loop for other head
-// sizes, block sizes and CPUs. All three see a call through Call and a work item through
-// Item (where its query, output and K/V rows are); the two online-softmax ones share
-// OnlineRows (queries in float32, running max and sum, accumulators).
+// Three implementations, picked by dispatch(): AVX512-BF16 for bf16 queries on a bf16 or
+// int8 cache (both products on vdpbf16ps, two passes), AVX-512 float32 math for float32
+// or bf16 without that extension (online softmax over 16-key tiles), and a portable loop
+// for other head sizes, block sizes and CPUs. All three see a call through Call and a
+// work item through Item (where its query, output and K/V rows are); the two
+// online-softmax ones share OnlineRows (queries in float32, running max and sum,
+// accumulators).
+//
+// int8 cache (llmctl/serve/kv_quant.py): codes c with one float32 scale s per (slot, KV
+// head) for K and for V, x = c * s. Read in place, never dequantized into a copy: the
+// float32 kernels widen each row as they load it (c * s, kv_quant.dequantize_int8's
+// product); the bf16 kernel feeds the codes to vdpbf16ps as bf16 (exact: |c| <= 127 has
+// 7 significant bits) and applies the scales outside the products: a score is
+// s_k * (q . c_k), and a value row enters the second product with its probability
+// times s_v (the probabilities are rounded to bf16 there anyway).
 //
 // Built by llmctl/serve/cpu_kernels.py with -O3 -march=native -fopenmp and loaded with
 // ctypes (a C ABI, no torch headers: it compiles in a few seconds).
@@ -28,6 +37,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include "simd_math.h"
@@ -40,20 +50,26 @@ inline float load(const float* p, int64_t i) { return p[i]; }
 
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
 
+inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// n values as float32 times scale (1 for a float cache: exact)
 template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
+inline void to_float(const T* src, float* dst, int64_t n, float scale) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = load(src, i);
+  for (int64_t i = 0; i < n; ++i) dst[i] = load(src, i) * scale;
 }
 
 // One call: q [num_seqs * q_len, num_heads, head_dim] with q_stride elements between
-// tokens; k_cache, v_cache [blocks, block_size, num_kv_heads, head_dim]; block_tables
-// [num_seqs, max_blocks]; out float32 [num_seqs * q_len, num_heads, head_dim].
-template <typename T>
+// tokens; k_cache, v_cache [blocks, block_size, num_kv_heads, head_dim] and, for an int8
+// cache, k_scale, v_scale [blocks, block_size, num_kv_heads] (null otherwise);
+// block_tables [num_seqs, max_blocks]; out float32 [num_seqs * q_len, num_heads, head_dim].
+template <typename Q, typename KV>
 struct Call {
-  const T* q;
-  const T* k_cache;
-  const T* v_cache;
+  const Q* q;
+  const KV* k_cache;
+  const KV* v_cache;
+  const float* k_scale;
+  const float* v_scale;
   const int64_t* block_tables;
   int64_t max_blocks;
   const int64_t* context_lens;
@@ -70,13 +86,13 @@ struct Call {
 
 // Work item `index`: sequence seq, KV head kvh. Its row r = i * g + j is query position
 // i of head kvh * g + j, which sees keys 0 .. ctx - q_len + i.
-template <typename T>
+template <typename Q, typename KV>
 struct Item {
-  const Call<T>& c;
+  const Call<Q, KV>& c;
   int64_t seq, kvh, ctx, g;
   const int64_t* table;
 
-  Item(const Call<T>& call, int64_t index)
+  Item(const Call<Q, KV>& call, int64_t index)
       : c(call), seq(index / call.num_kv_heads), kvh(index % call.num_kv_heads),
         ctx(call.context_lens[seq]), g(call.group()), table(call.block_tables + seq * call.max_blocks) {}
 
@@ -85,17 +101,21 @@ struct Item {
     return c.window > 0 ? std::max<int64_t>(0, last_key(r) - c.window + 1) : 0;
   }
   int64_t first_tile() const { return first_key(0) / 16 * 16; }  // row 0 sees the least
-  const T* q_row(int64_t r) const {
+  const Q* q_row(int64_t r) const {
     return c.q + (seq * c.q_len + r / g) * c.q_stride + (kvh * g + r % g) * c.head_dim;
   }
   float* out_row(int64_t r) const {
     return c.out + ((seq * c.q_len + r / g) * c.num_heads + kvh * g + r % g) * c.head_dim;
   }
   // where key / value `pos` of this KV head starts in k_cache / v_cache
-  int64_t kv_offset(int64_t pos) const {
+  int64_t kv_offset(int64_t pos) const { return scale_offset(pos) * c.head_dim; }
+  // where the scales of key / value `pos` of this KV head are in k_scale / v_scale
+  int64_t scale_offset(int64_t pos) const {
     const int64_t block = table[pos / c.block_size];
-    return ((block * c.block_size + pos % c.block_size) * c.num_kv_heads + kvh) * c.head_dim;
+    return (block * c.block_size + pos % c.block_size) * c.num_kv_heads + kvh;
   }
+  float k_scale(int64_t pos) const { return c.k_scale ? c.k_scale[scale_offset(pos)] : 1.f; }
+  float v_scale(int64_t pos) const { return c.v_scale ? c.v_scale[scale_offset(pos)] : 1.f; }
 };
 
 // Per-thread state of the online softmax over one work item's rows: the queries scaled
@@ -110,10 +130,10 @@ struct OnlineRows {
       : rows(rows), d(d), qf(rows * d), acc(rows * d), m(rows), l(rows), first(rows),
         limit(rows) {}
 
-  template <typename T>
-  void start(const Item<T>& it, float scale) {
+  template <typename Q, typename KV>
+  void start(const Item<Q, KV>& it, float scale) {
     for (int64_t r = 0; r < rows; ++r) {
-      const T* src = it.q_row(r);
+      const Q* src = it.q_row(r);
       float* dst = qf.data() + r * d;
 #pragma omp simd
       for (int64_t x = 0; x < d; ++x) dst[x] = load(src, x) * scale;
@@ -126,8 +146,8 @@ struct OnlineRows {
   }
 
   // out = acc / l; a row that saw no key gets zeros
-  template <typename T>
-  void finish(const Item<T>& it) const {
+  template <typename Q, typename KV>
+  void finish(const Item<Q, KV>& it) const {
     for (int64_t r = 0; r < rows; ++r) {
       float* dst = it.out_row(r);
       const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
@@ -138,8 +158,8 @@ struct OnlineRows {
   }
 };
 
-template <typename T>
-void attend(const Call<T>& c) {
+template <typename Q, typename KV>
+void attend(const Call<Q, KV>& c) {
   const int64_t d = c.head_dim;
 #pragma omp parallel num_threads(c.num_threads)
   {
@@ -148,12 +168,12 @@ void attend(const Call<T>& c) {
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t index = 0; index < c.items(); ++index) {
-      const Item<T> it(c, index);
+      const Item<Q, KV> it(c, index);
       st.start(it, c.scale);
       for (int64_t pos = it.first_key(0); pos < it.ctx; ++pos) {
         const int64_t off = it.kv_offset(pos);
-        to_float(c.k_cache + off, kf.data(), d);
-        to_float(c.v_cache + off, vf.data(), d);
+        to_float(c.k_cache + off, kf.data(), d, it.k_scale(pos));
+        to_float(c.v_cache + off, vf.data(), d, it.v_scale(pos));
         for (int64_t r = 0; r < st.rows; ++r) {
           if (pos > st.limit[r] || pos < st.first[r]) continue;
           const float* qr = st.qf.data() + r * d;
@@ -196,23 +216,33 @@ inline void prefetch_rows(const T* first, int64_t stride, int64_t row_elems) {
   }
 }
 
-// One K/V row of d = 16 * D4 elements as D4 float32 vectors.
+// One K/V row of d = 16 * D4 elements as D4 float32 vectors (int8 codes times the
+// row's scale; a float row has none).
 template <int D4>
-inline void load_row(const float* p, __m512* out) {
+inline void load_row(const float* p, __m512* out, float) {
   for (int j = 0; j < D4; ++j) out[j] = _mm512_loadu_ps(p + 16 * j);
 }
 
 template <int D4>
-inline void load_row(const uint16_t* p, __m512* out) {
+inline void load_row(const uint16_t* p, __m512* out, float) {
   for (int j = 0; j < D4; ++j) out[j] = load_bf16(p + 16 * j);
+}
+
+template <int D4>
+inline void load_row(const int8_t* p, __m512* out, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int j = 0; j < D4; ++j) {
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j));
+    out[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), s);
+  }
 }
 
 // Blocks of up to 16 keys: the 16 scores of a row are one vector, so the softmax
 // (max, exp, sum) is vectorised over keys; Q and the accumulators stay in float32.
 // 16-key tiles never straddle a block: dispatch() sends only block sizes that are a
 // multiple of 16 here.
-template <int D4, typename T>
-void attend_avx512(const Call<T>& c) {
+template <int D4, typename Q, typename KV>
+void attend_avx512(const Call<Q, KV>& c) {
   constexpr int64_t d = 16 * D4;
   const int64_t stride = c.num_kv_heads * d;  // between the K/V rows of one KV head
 
@@ -223,7 +253,7 @@ void attend_avx512(const Call<T>& c) {
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t index = 0; index < c.items(); ++index) {
-      const Item<T> it(c, index);
+      const Item<Q, KV> it(c, index);
       st.start(it, c.scale);
       for (int64_t start = it.first_tile(); start < it.ctx; start += 16) {
         const int64_t nk = it.ctx - start < 16 ? it.ctx - start : 16;
@@ -236,7 +266,7 @@ void attend_avx512(const Call<T>& c) {
         // scores: each K row loaded once and dotted with every row's query
         for (int64_t t = 0; t < nk; ++t) {
           __m512 kv[D4];
-          load_row<D4>(c.k_cache + base + t * stride, kv);
+          load_row<D4>(c.k_cache + base + t * stride, kv, it.k_scale(start + t));
           for (int64_t r = 0; r < st.rows; ++r) {
             const float* qr = st.qf.data() + r * d;
             __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
@@ -272,7 +302,7 @@ void attend_avx512(const Call<T>& c) {
         // values: each V row loaded once, added into every row that sees it
         for (int64_t t = 0; t < nk; ++t) {
           __m512 vv[D4];
-          load_row<D4>(c.v_cache + base + t * stride, vv);
+          load_row<D4>(c.v_cache + base + t * stride, vv, it.v_scale(start + t));
           for (int64_t r = 0; r < st.rows; ++r) {
             const float pr = probs[r * 16 + t];
             if (!(pr > 0.f)) continue;  // masked, underflowed, or a skipped row
@@ -325,8 +355,19 @@ inline __m512 reduce16(__m512* v) {
                        _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
-// bfloat16 cache with AVX512-BF16: both products run on vdpbf16ps (pairs of bf16
-// multiplied, summed into float32), so K/V rows are used as loaded, never converted.
+// 32 consecutive K/V values as bf16: loaded as they are, or int8 codes widened (exactly)
+inline __m512i bf16x32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+
+inline __m512i bf16x32(const int8_t* p) {
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // elements 0-15 from lo, 16-31 from hi
+}
+
+// bfloat16 queries and cache (or int8 codes, see the top) with AVX512-BF16: both
+// products run on vdpbf16ps (pairs of bf16 multiplied, summed into float32), so K/V rows
+// are used as loaded, never converted.
 // Q.K: the query row as stored (bf16) against each key row, scaled afterwards.
 // P.V: keys taken in pairs, V rows t and t+1 interleaved element-wise, probabilities
 // (p_t, p_t+1) rounded to bf16 as FlashAttention does for its second matmul; the
@@ -336,8 +377,9 @@ inline __m512 reduce16(__m512* v) {
 // rows x context floats), then one max/exp/sum per row, then P.V. The tiles of each
 // pass are independent, so the core overlaps them; the online form chains every tile
 // through a max -> exp -> rescale dependency and ran at a third of the speed.
-template <int D2>  // head_dim = 32 * D2
-void attend_bf16(const Call<uint16_t>& c) {
+template <int D2, typename KV>  // head_dim = 32 * D2
+void attend_bf16(const Call<uint16_t, KV>& c) {
+  constexpr bool scaled = std::is_same<KV, int8_t>::value;
   constexpr int64_t d = 32 * D2;
   const int64_t rows = c.rows();
   const int64_t stride = c.num_kv_heads * d;  // between the K/V rows of one KV head
@@ -352,20 +394,28 @@ void attend_bf16(const Call<uint16_t>& c) {
     std::vector<float> scores(rows * padded);
     std::vector<uint32_t> pairs(rows * padded / 2);
     std::vector<float> inv(rows);
+    // int8: the item's K and V scales by key (0 past the context, whose lanes are masked)
+    std::vector<float> ks(scaled ? padded : 0), vs(scaled ? padded : 0);
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t index = 0; index < c.items(); ++index) {
-      const Item<uint16_t> it(c, index);
+      const Item<uint16_t, KV> it(c, index);
       const int64_t ctx = it.ctx;
       const int64_t tiles = (ctx + 15) / 16, t0 = it.first_tile() / 16;
       auto tile_base = [&](int64_t tile) { return it.kv_offset(tile * 16); };
+      if (scaled) {
+        for (int64_t j = t0 * 16; j < tiles * 16; ++j) {
+          ks[j] = j < ctx ? it.k_scale(j) : 0.f;
+          vs[j] = j < ctx ? it.v_scale(j) : 0.f;
+        }
+      }
 
       // pass 1: scores, -inf where a query may not look (causality, the window, past the
       // context); tiles before t0 are outside every row's window and never touched
       for (int64_t tile = t0; tile < tiles; ++tile) {
         const int64_t start = tile * 16;
         const int64_t nk = std::min<int64_t>(ctx - start, 16);
-        const uint16_t* kt = c.k_cache + tile_base(tile);
+        const KV* kt = c.k_cache + tile_base(tile);
         if (tile + 1 < tiles) prefetch_rows(c.k_cache + tile_base(tile + 1), stride, d);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t visible = it.last_key(r) - start + 1;  // keys t < visible are seen
@@ -382,19 +432,19 @@ void attend_bf16(const Call<uint16_t>& c) {
           // block, and the lanes of those keys are masked to -inf below
           __m512 part[16];
           for (int64_t t = 0; t < 16; ++t) {
-            const uint16_t* kr = kt + t * stride;
-            __m512 acc_t = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0],
-                                            (__m512bh)_mm512_loadu_si512(kr));
+            const KV* kr = kt + t * stride;
+            __m512 acc_t = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)bf16x32(kr));
             for (int jj = 1; jj < D2; ++jj)
-              acc_t = _mm512_dpbf16_ps(acc_t, qv[jj], (__m512bh)_mm512_loadu_si512(kr + 32 * jj));
+              acc_t = _mm512_dpbf16_ps(acc_t, qv[jj], (__m512bh)bf16x32(kr + 32 * jj));
             part[t] = acc_t;
           }
           const int64_t valid = std::min(visible, nk);
           const __mmask16 live =
               static_cast<__mmask16>(((1u << valid) - 1u) & ~((1u << skip) - 1u));
+          __m512 factor = _mm512_set1_ps(c.scale);
+          if (scaled) factor = _mm512_mul_ps(factor, _mm512_loadu_ps(ks.data() + start));
           _mm512_storeu_ps(sr, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
-                                                  _mm512_mul_ps(reduce16(part),
-                                                                _mm512_set1_ps(c.scale))));
+                                                  _mm512_mul_ps(reduce16(part), factor)));
         }
       }
 
@@ -413,8 +463,10 @@ void attend_bf16(const Call<uint16_t>& c) {
           const __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
           const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(sv, m)));
           lv = _mm512_add_ps(lv, p);
+          // int8: V's scales folded into the weights of its rows (the sum keeps p)
+          const __m512 pw = scaled ? _mm512_mul_ps(p, _mm512_loadu_ps(vs.data() + tile * 16)) : p;
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + tile * 8),
-                              (__m256i)_mm512_cvtneps_pbh(p));
+                              (__m256i)_mm512_cvtneps_pbh(pw));
         }
         const float l = _mm512_reduce_add_ps(lv);
         inv[r] = l > 0.f ? 1.f / l : 0.f;
@@ -425,14 +477,14 @@ void attend_bf16(const Call<uint16_t>& c) {
       for (int64_t tile = t0; tile < tiles; ++tile) {
         const int64_t start = tile * 16;
         const int64_t nk = std::min<int64_t>(ctx - start, 16);
-        const uint16_t* vt = c.v_cache + tile_base(tile);
+        const KV* vt = c.v_cache + tile_base(tile);
         if (tile + 1 < tiles) prefetch_rows(c.v_cache + tile_base(tile + 1), stride, d);
         const int64_t npairs = (nk + 1) / 2;
         for (int64_t pp = 0; pp < npairs; ++pp) {
-          const uint16_t* va = vt + (2 * pp) * stride;
+          const KV* va = vt + (2 * pp) * stride;
           for (int jj = 0; jj < D2; ++jj) {
-            const __m512i a = _mm512_loadu_si512(va + 32 * jj);
-            const __m512i b = 2 * pp + 1 < nk ? _mm512_loadu_si512(va + stride + 32 * jj)
+            const __m512i a = bf16x32(va + 32 * jj);
+            const __m512i b = 2 * pp + 1 < nk ? bf16x32(va + stride + 32 * jj)
                                               : _mm512_setzero_si512();
             vpairs[(pp * D2 + jj) * 2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a, b));
             vpairs[(pp * D2 + jj) * 2 + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a, b));
@@ -475,8 +527,8 @@ void attend_bf16(const Call<uint16_t>& c) {
 
 // The vectorised kernels where they apply (head_dim 64 or 128, tiles of 16 keys inside
 // one block), the portable loop otherwise.
-template <typename T>
-void dispatch(const Call<T>& c) {
+template <typename Q, typename KV>
+void dispatch(const Call<Q, KV>& c) {
 #if defined(__AVX512F__)
   if (c.block_size % 16 == 0) {
     if (c.head_dim == 64) return attend_avx512<4>(c);
@@ -486,14 +538,16 @@ void dispatch(const Call<T>& c) {
   attend(c);
 }
 
-void dispatch(const Call<uint16_t>& c) {
+// bf16 queries: vdpbf16ps where the CPU has it
+template <typename KV>
+void dispatch_bf16(const Call<uint16_t, KV>& c) {
 #if defined(__AVX512BF16__)
   if (c.block_size % 16 == 0) {
     if (c.head_dim == 64) return attend_bf16<2>(c);
     if (c.head_dim == 128) return attend_bf16<4>(c);
   }
 #endif
-  dispatch<uint16_t>(c);
+  dispatch(c);
 }
 
 }  // namespace
@@ -506,8 +560,9 @@ void paged_attention_f32(const float* q, const float* k, const float* v, const i
                          int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, float* out,
                          int num_threads, int64_t window) {
-  dispatch(Call<float>{q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
-                       num_kv_heads, head_dim, block_size, scale, out, num_threads, window});
+  dispatch(Call<float, float>{q, k, v, nullptr, nullptr, bt, max_blocks, ctx, num_seqs, q_len,
+                              q_stride, num_heads, num_kv_heads, head_dim, block_size, scale,
+                              out, num_threads, window});
 }
 
 void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
@@ -515,9 +570,32 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* 
                           int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                           float scale, float* out, int num_threads, int64_t window) {
-  dispatch(Call<uint16_t>{q, k, v, bt, max_blocks, ctx, num_seqs, q_len, q_stride, num_heads,
-                          num_kv_heads, head_dim, block_size, scale, out, num_threads,
-                          window});
+  dispatch_bf16(Call<uint16_t, uint16_t>{q, k, v, nullptr, nullptr, bt, max_blocks, ctx,
+                                         num_seqs, q_len, q_stride, num_heads, num_kv_heads,
+                                         head_dim, block_size, scale, out, num_threads, window});
+}
+
+// int8 caches: the codes' scales ks, vs [blocks, block_size, num_kv_heads] after k and v
+void paged_attention_f32_i8(const float* q, const int8_t* k, const int8_t* v, const float* ks,
+                            const float* vs, const int64_t* bt, int64_t max_blocks,
+                            const int64_t* ctx, int64_t num_seqs, int64_t q_len,
+                            int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, float* out,
+                            int num_threads, int64_t window) {
+  dispatch(Call<float, int8_t>{q, k, v, ks, vs, bt, max_blocks, ctx, num_seqs, q_len, q_stride,
+                               num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                               num_threads, window});
+}
+
+void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v,
+                             const float* ks, const float* vs, const int64_t* bt,
+                             int64_t max_blocks, const int64_t* ctx, int64_t num_seqs,
+                             int64_t q_len, int64_t q_stride, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             float scale, float* out, int num_threads, int64_t window) {
+  dispatch_bf16(Call<uint16_t, int8_t>{q, k, v, ks, vs, bt, max_blocks, ctx, num_seqs, q_len,
+                                       q_stride, num_heads, num_kv_heads, head_dim, block_size,
+                                       scale, out, num_threads, window});
 }
 
 }  // extern "C"

@@ -1,0 +1,226 @@
+"""What an int8 KV cache buys when memory is the limit: output tokens/s of SmolLM2 with
+``--kv-cache-dtype int8`` against its bfloat16 cache at the same ``--kv-cache-memory``,
+on many long contexts, alternating A B A B in one run; plus the quality cost, from
+``llmctl eval --backend serve`` (mean KLD and same top-1 against the bf16 cache).
+
+    python benchmarks/kv_cache_dtype.py                 # 3 rounds: bf16/int8, int8/bf16, ...
+    python benchmarks/kv_cache_dtype.py --rounds 1 --num-prompts 6 --input-len 96 \\
+        --output-len 8 --kv-memory 8MiB --max-model-len 256 --eval-windows 1 \\
+        --out-dir /tmp/kv-smoke --allow-dirty           # a smoke run (< 1 min)
+
+Model and limits: SmolLM2-135M in bf16, max_model_len 2048, max_num_seqs 64, 2048
+batched tokens, chunked prefill and prefix caching on, and a KV budget (default 256 MiB)
+that holds ~11.6k tokens of bf16 K/V (22.5 KiB a token) and ~21.9k of int8 with its
+scales (12 KiB): with 64 prompts of 1024 tokens + 128 out (1152 each), bf16 runs ~10
+sequences at once and queues or preempts the rest, int8 ~19. Everything else is equal.
+
+Each side is one ``llmctl batch`` process (``batch_vs_serve.py``'s runner: the bench's
+random prompts in an OpenAI batch file, EOS ignored, greedy, pinned to every allowed CPU,
+one torch thread per CPU); its throughput is the batch summary's ``output_throughput``
+(completion tokens / seconds from the first line in to the last line out; model load
+excluded, no warm-up). Each side's blocks and tokens are the engine's own plan for that
+budget (``llmctl.serve.kv_cache.plan_kv_cache``, scales counted).
+Rounds alternate the order (bf16 first in odd rounds); the int8/bf16 ratio is taken
+within a round and the summary is the median over rounds. Every round records the load
+before/after and the CPU other processes used (``common.py``).
+
+Quality: one ``llmctl eval MODEL --reference MODEL --backend serve --dtype bfloat16
+--kv-cache-dtype int8`` on builtin:pydoc-heldout (``--eval-windows`` windows of 512):
+candidate and reference run in the same engine and differ in the cache alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import batch_vs_serve as bvs
+import common
+import serve_vs_vllm as svv
+
+SIDES = ("bfloat16", "int8")
+
+
+def kv_plan(model: str, side: str, kv_memory: str, lim: svv.Limits) -> dict:
+    """The blocks the engine plans for this cache dtype and budget (what it logs)."""
+    import torch
+
+    from llmctl.serve.kv_cache import plan_kv_cache
+    from llmctl.serve.kv_quant import kv_format
+    from llmctl.serve.model import ModelSpec
+
+    spec = ModelSpec.from_dir(Path(model))
+    fmt = kv_format(side, torch.bfloat16)
+    plan = plan_kv_cache(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                         head_dim=spec.head_dim, itemsize=fmt.storage.itemsize, block_size=16,
+                         budget=kv_memory, max_num_seqs=lim.max_num_seqs,
+                         max_model_len=lim.max_model_len, scale_bytes=fmt.scale_bytes,
+                         dtype=fmt.describe())
+    return {"blocks": plan.num_blocks, "tokens": plan.num_tokens,
+            "bytes_per_block": plan.bytes_per_block}
+
+
+def run_side(rnd: int, side: str, model: str, lim: svv.Limits, w: bvs.Workload, src: Path,
+             kv_memory: str, log_dir: Path) -> dict:
+    # the budget given after limit_flags' own --kv-cache-memory: the last value counts
+    extra = ("--kv-cache-dtype", side, "--kv-cache-memory", kv_memory)
+    record = bvs.run_batch_side(rnd, model, lim, w, src, log_dir, side=side, extra=extra)
+    record["kv_cache"] = kv_plan(model, side, kv_memory, lim)
+    return record
+
+
+def run_eval(model: str, windows: int, lim: svv.Limits, log_dir: Path) -> dict:
+    cmd = bvs.pinned([sys.executable, "-m", "llmctl", "eval", model, "--reference", model,
+                      "--backend", "serve", "--dtype", "bfloat16", "--kv-cache-dtype", "int8",
+                      "--max-windows", str(windows), "--threads", str(len(lim.cpus)),
+                      "--cache-dir", str(log_dir / "eval-cache"), "--json"], lim)
+    record: dict = {"command": cmd}
+    start = time.perf_counter()
+    with common.measured_round(record, len(lim.cpus)), \
+            open(log_dir / "eval.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, check=False)
+    record["wall_s"] = round(time.perf_counter() - start, 1)
+    try:
+        report = json.loads(proc.stdout)
+    except ValueError:
+        record["error"] = f"llmctl eval failed (exit {proc.returncode}): see eval.log"
+        return record
+    m = report["metrics"]
+    record["result"] = {k: m.get(k) for k in ("mean_kld", "mean_kld_se", "p99_kld", "max_kld",
+                                              "same_top_p", "same_top_p_se", "ppl")}
+    record["result"]["reference_ppl"] = report["reference_metrics"].get("ppl")
+    record["result"]["tokens"] = report["counts"].get("same_top_p")
+    return record
+
+
+def summarize(runs: list[dict], rounds: int) -> tuple[list[dict], dict]:
+    ok = [r for r in runs if "result" in r and "error" not in r]
+    per_round = []
+    for rnd in range(1, rounds + 1):
+        got = {r["side"]: r["result"]["output_throughput"] for r in ok if r["round"] == rnd}
+        if set(got) == set(SIDES) and got["bfloat16"]:
+            per_round.append({"round": rnd, "int8_over_bf16": got["int8"] / got["bfloat16"]})
+    summary = {side: {"output_throughput": common.median(
+        [r["result"]["output_throughput"] for r in ok if r["side"] == side])} for side in SIDES}
+    summary["int8_over_bf16"] = common.median([p["int8_over_bf16"] for p in per_round])
+    return per_round, summary
+
+
+def _fmt(value, spec: str) -> str:
+    return "?" if value is None else format(value, spec)
+
+
+def render_markdown(report: dict) -> str:
+    cfg, res = report["config"], report["results"]
+    w, lim = cfg["workload"], cfg["limits"]
+    lines = common.header_markdown(report, "KV cache int8 vs bfloat16 (memory-limited)")
+    lines += [(f"SmolLM2 `{cfg['model']}` {lim['dtype']} weights, KV budget {cfg['kv_memory']} "
+               f"for both, max_num_seqs {lim['max_num_seqs']}, max_model_len "
+               f"{lim['max_model_len']}, CPUs {lim['cpus']}. {w['num_prompts']} random "
+               f"prompts of {w['input_len']} tokens, {w['output_len']} out, EOS ignored, "
+               f"greedy, seed {w['seed']}; each side one `llmctl batch` run."),
+              f"Logs and outputs: `{cfg['log_dir']}`.", "",
+              ("| round | KV dtype | KV blocks (tokens) | output tok/s | measured s | "
+               "load before / after | other procs (cores) |"), "|" + "---|" * 7]
+    for r in res["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['round']} | {r['side']} | error: {r['error'][:200]} |"
+                         + " |" * 4)
+            continue
+        x, kv = r["result"], r.get("kv_cache") or {}
+        lines.append(f"| {r['round']} | {r['side']} | {kv.get('blocks', '?')} "
+                     f"({kv.get('tokens', '?')}) | {_fmt(x['output_throughput'], '.1f')} | "
+                     f"{_fmt(x['duration'], '.1f')} | {r['load_before'][0]} / "
+                     f"{r['load_after'][0]} | {r['foreign_cpu_cores']} |")
+    lines += ["", "| round | output tok/s int8 / bf16 |", "|---|---|"]
+    lines += [f"| {p['round']} | {p['int8_over_bf16']:.3f} |" for p in res["per_round"]]
+    s = res["summary"]
+    lines += ["", (f"Median over rounds: {_fmt(s['bfloat16']['output_throughput'], '.1f')} "
+                   f"tok/s bf16 KV, {_fmt(s['int8']['output_throughput'], '.1f')} int8 KV; "
+                   f"int8/bf16 {_fmt(s['int8_over_bf16'], '.3f')}.")]
+    ev = res.get("eval")
+    if ev is not None:
+        lines += ["", "## Quality: int8 KV against bf16 KV (`llmctl eval --backend serve`)", ""]
+        if "error" in ev:
+            lines.append(f"error: {ev['error']}")
+        else:
+            e = ev["result"]
+            lines.append(
+                f"{e['tokens']} tokens of builtin:pydoc-heldout: mean KLD "
+                f"{_fmt(e['mean_kld'], '.5f')} (se {_fmt(e['mean_kld_se'], '.5f')}), p99 "
+                f"{_fmt(e['p99_kld'], '.4f')}, max {_fmt(e['max_kld'], '.3f')}; same top-1 "
+                f"{_fmt(e['same_top_p'], '.4f')}; perplexity {_fmt(e['ppl'], '.3f')} "
+                f"(bf16 KV {_fmt(e['reference_ppl'], '.3f')}). Load before/after "
+                f"{ev['load_before'][0]} / {ev['load_after'][0]}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-memory", default="256MiB", help="KV budget of both sides")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--eval-windows", type=int, default=16,
+                    help="windows of 512 tokens for the KLD (0: no eval)")
+    ap.add_argument("--cpus", default=None, help="CPU list (default: all this process may use)")
+    ap.add_argument("--label", default="smollm2")
+    common.add_run_arguments(ap)
+    args = ap.parse_args(argv)
+    from llmctl.models.resolve import resolve_model
+
+    model = str(resolve_model(args.model).path)
+    cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else tuple(common.cpus())
+    lim = svv.Limits("bfloat16", args.max_model_len, 64, 2048, 2, cpus)  # kv: --kv-memory
+    w = bvs.Workload(args.num_prompts, args.input_len, args.output_len, args.seed)
+    log_dir = Path(f"/tmp/llmctl-kv-cache-dtype/{args.label}-{time.strftime('%Y%m%d-%H%M%S')}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    src = log_dir / "input.jsonl"
+    fingerprint = bvs.build_input(model, w, src)
+    report = common.start_run("kv-cache-dtype", {
+        "model": args.model, "model_path": model, "limits": asdict(lim), "workload": asdict(w),
+        "kv_memory": args.kv_memory, "rounds": args.rounds, "fingerprint": fingerprint,
+        "eval_windows": args.eval_windows, "log_dir": str(log_dir),
+        "order": "bfloat16 first in odd rounds, int8 first in even rounds"},
+        allow_dirty=args.allow_dirty, threads=len(cpus), out=args.out_dir)
+    runs = []
+    for rnd in range(1, args.rounds + 1):
+        for side in SIDES if rnd % 2 else SIDES[::-1]:
+            print(f"[kv-cache-dtype] round {rnd} {side} ...", file=sys.stderr, flush=True)
+            rec = run_side(rnd, side, model, lim, w, src, args.kv_memory, log_dir)
+            runs.append(rec)
+            print("[kv-cache-dtype]   " + (rec.get("error") or
+                                           f"{rec['result']['output_throughput']:.1f} tok/s"),
+                  file=sys.stderr, flush=True)
+    per_round, summary = summarize(runs, args.rounds)
+    report["results"] = {"runs": runs, "per_round": per_round, "summary": summary}
+    if args.eval_windows:
+        print("[kv-cache-dtype] eval ...", file=sys.stderr, flush=True)
+        report["results"]["eval"] = run_eval(model, args.eval_windows, lim, log_dir)
+    common.finish_run(report, runs)
+    markdown = render_markdown(report)
+    common.write_report(Path(args.out_dir), f"kv-cache-dtype-{args.label}", report, markdown)
+    print(markdown)
+    bad = [r["name"] for r in runs if "error" in r]
+    if "error" in report["results"].get("eval", {}):
+        bad.append("eval")
+    if bad:
+        print(f"[kv-cache-dtype] runs that failed: {bad}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

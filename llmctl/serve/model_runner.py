@@ -213,7 +213,7 @@ class ModelRunner:
         lora = LoRABatch.from_runs(lora_runs, dev) if adapters else None
         hidden = self.model.forward(torch.tensor(tokens, dtype=torch.long, device=dev),
                                     torch.tensor(positions, dtype=torch.long, device=dev),
-                                    meta, self.kv_cache, self.kv_scales, lora)
+                                    meta, self.kv_cache, kv_scales=self.kv_scales, lora=lora)
         prompt: list[PromptLogits] = []
         if prompt_index:
             all_rows = self.model.logits(

@@ -44,6 +44,7 @@ def teacher_forced_logits(engine, ids: list[int], first_chunk: int) -> torch.Ten
 
 class _Request:
     needs_prompt_logits = True
+    lora = None  # scored on the base model
 
 
 class _Prompt(_Shadow):

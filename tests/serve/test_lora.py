@@ -96,7 +96,7 @@ def test_base_only_steps_build_no_lora_batch(llm, monkeypatch):
     real = model.forward
 
     def forward(*args, **kwargs):
-        seen.append(args[4] if len(args) > 4 else kwargs.get("lora"))
+        seen.append(kwargs["lora"])  # the runner passes it by name
         return real(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", forward)

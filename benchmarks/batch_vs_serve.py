@@ -51,6 +51,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import common
 import serve_vs_vllm as svv
 
+fmt = common.fmt  # a table cell: '?' when not measured
+
 SIDES = ("batch", "serve")
 
 
@@ -226,10 +228,6 @@ def summarize(runs: list[dict], rounds: int) -> tuple[list[dict], dict]:
     return per_round, summary
 
 
-def _fmt(value, spec: str) -> str:
-    return "?" if value is None else format(value, spec)
-
-
 def render_markdown(report: dict) -> str:
     cfg, res = report["config"], report["results"]
     w, lim = cfg["workload"], cfg["limits"]
@@ -252,16 +250,16 @@ def render_markdown(report: dict) -> str:
         x = r["result"]
         wall = (r["process_wall_s"] if r["side"] == "batch"
                 else round(r["startup_s"] + x["duration"], 1))
-        lines.append(f"| {r['round']} | {r['side']} | {_fmt(x['output_throughput'], '.1f')} | "
-                     f"{_fmt(x['duration'], '.1f')} | {wall} | "
+        lines.append(f"| {r['round']} | {r['side']} | {fmt(x['output_throughput'], '.1f')} | "
+                     f"{fmt(x['duration'], '.1f')} | {wall} | "
                      f"{r['load_before'][0]} / {r['load_after'][0]} | "
                      f"{r['foreign_cpu_cores']} |")
     lines += ["", "| round | output tok/s batch / serve |", "|---|---|"]
     lines += [f"| {p['round']} | {p['batch_over_serve']:.3f} |" for p in res["per_round"]]
     s = res["summary"]
-    lines += ["", (f"Median over rounds: {_fmt(s['batch']['output_throughput'], '.1f')} tok/s "
-                   f"batch, {_fmt(s['serve']['output_throughput'], '.1f')} serve; batch/serve "
-                   f"{_fmt(s['batch_over_serve'], '.3f')}."),
+    lines += ["", (f"Median over rounds: {fmt(s['batch']['output_throughput'], '.1f')} tok/s "
+                   f"batch, {fmt(s['serve']['output_throughput'], '.1f')} serve; batch/serve "
+                   f"{fmt(s['batch_over_serve'], '.3f')}."),
               "", ("Measured spans: batch, first line in to last line out (its summary); serve, "
                    "the bench's duration (first request sent to last response done).")]
     return "\n".join(lines) + "\n"
@@ -269,22 +267,17 @@ def render_markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=Workload.num_prompts)
-    ap.add_argument("--input-len", type=int, default=Workload.input_len)
-    ap.add_argument("--output-len", type=int, default=Workload.output_len)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cpus", default=None, help="CPU list for both sides (default: all "
-                                                 "this process may use)")
+    common.add_workload_arguments(ap, num_prompts=Workload.num_prompts,
+                                  input_len=Workload.input_len, output_len=Workload.output_len,
+                                  cpus_help="CPU list for both sides (default: all this "
+                                            "process may use)")
     ap.add_argument("--start-timeout", type=float, default=900.0)
-    ap.add_argument("--label", default="smollm2")
     common.add_run_arguments(ap)
     args = ap.parse_args(argv)
     from llmctl.models.resolve import resolve_model
 
     model = str(resolve_model(args.model).path)
-    cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else tuple(common.cpus())
+    cpus = common.cpu_list(args.cpus)
     lim = svv.Limits("bfloat16", 1024, 64, 2048, 2, cpus)
     w = Workload(args.num_prompts, args.input_len, args.output_len, args.seed)
     log_dir = Path(f"/tmp/llmctl-batch-vs-serve/{args.label}-{time.strftime('%Y%m%d-%H%M%S')}")

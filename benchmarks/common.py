@@ -233,3 +233,28 @@ def add_run_arguments(parser) -> None:
                         help="write results/ from an uncommitted tree anyway (the output "
                              "says DIRTY)")
     parser.add_argument("--out-dir", default=str(RESULTS))
+
+
+def fmt(value, spec: str) -> str:
+    """``value`` formatted for a Markdown table; ``?`` when it was not measured."""
+    return "?" if value is None else format(value, spec)
+
+
+def add_workload_arguments(parser, *, num_prompts: int, input_len: int, output_len: int,
+                           cpus_help: str = "CPU list (default: all this process may use)"
+                           ) -> None:
+    """The model, rounds, random-workload shape, seed, CPUs and label options that the
+    A/B scripts share (``--cpus`` is read back with :func:`cpu_list`)."""
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--input-len", type=int, default=input_len)
+    parser.add_argument("--output-len", type=int, default=output_len)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpus", default=None, help=cpus_help)
+    parser.add_argument("--label", default="smollm2")
+
+
+def cpu_list(arg: str | None) -> tuple[int, ...]:
+    """``--cpus 0,1`` as a tuple; every CPU this process may use when not given."""
+    return tuple(int(c) for c in arg.split(",")) if arg else tuple(cpus())

@@ -47,6 +47,8 @@ import batch_vs_serve as bvs
 import common
 import serve_vs_vllm as svv
 
+fmt = common.fmt  # a table cell: '?' when not measured
+
 SIDES = ("bfloat16", "int8")
 
 
@@ -115,10 +117,6 @@ def summarize(runs: list[dict], rounds: int) -> tuple[list[dict], dict]:
     return per_round, summary
 
 
-def _fmt(value, spec: str) -> str:
-    return "?" if value is None else format(value, spec)
-
-
 def render_markdown(report: dict) -> str:
     cfg, res = report["config"], report["results"]
     w, lim = cfg["workload"], cfg["limits"]
@@ -138,15 +136,15 @@ def render_markdown(report: dict) -> str:
             continue
         x, kv = r["result"], r.get("kv_cache") or {}
         lines.append(f"| {r['round']} | {r['side']} | {kv.get('blocks', '?')} "
-                     f"({kv.get('tokens', '?')}) | {_fmt(x['output_throughput'], '.1f')} | "
-                     f"{_fmt(x['duration'], '.1f')} | {r['load_before'][0]} / "
+                     f"({kv.get('tokens', '?')}) | {fmt(x['output_throughput'], '.1f')} | "
+                     f"{fmt(x['duration'], '.1f')} | {r['load_before'][0]} / "
                      f"{r['load_after'][0]} | {r['foreign_cpu_cores']} |")
     lines += ["", "| round | output tok/s int8 / bf16 |", "|---|---|"]
     lines += [f"| {p['round']} | {p['int8_over_bf16']:.3f} |" for p in res["per_round"]]
     s = res["summary"]
-    lines += ["", (f"Median over rounds: {_fmt(s['bfloat16']['output_throughput'], '.1f')} "
-                   f"tok/s bf16 KV, {_fmt(s['int8']['output_throughput'], '.1f')} int8 KV; "
-                   f"int8/bf16 {_fmt(s['int8_over_bf16'], '.3f')}.")]
+    lines += ["", (f"Median over rounds: {fmt(s['bfloat16']['output_throughput'], '.1f')} "
+                   f"tok/s bf16 KV, {fmt(s['int8']['output_throughput'], '.1f')} int8 KV; "
+                   f"int8/bf16 {fmt(s['int8_over_bf16'], '.3f')}.")]
     ev = res.get("eval")
     if ev is not None:
         lines += ["", "## Quality: int8 KV against bf16 KV (`llmctl eval --backend serve`)", ""]
@@ -156,34 +154,27 @@ def render_markdown(report: dict) -> str:
             e = ev["result"]
             lines.append(
                 f"{e['tokens']} tokens of builtin:pydoc-heldout: mean KLD "
-                f"{_fmt(e['mean_kld'], '.5f')} (se {_fmt(e['mean_kld_se'], '.5f')}), p99 "
-                f"{_fmt(e['p99_kld'], '.4f')}, max {_fmt(e['max_kld'], '.3f')}; same top-1 "
-                f"{_fmt(e['same_top_p'], '.4f')}; perplexity {_fmt(e['ppl'], '.3f')} "
-                f"(bf16 KV {_fmt(e['reference_ppl'], '.3f')}). Load before/after "
+                f"{fmt(e['mean_kld'], '.5f')} (se {fmt(e['mean_kld_se'], '.5f')}), p99 "
+                f"{fmt(e['p99_kld'], '.4f')}, max {fmt(e['max_kld'], '.3f')}; same top-1 "
+                f"{fmt(e['same_top_p'], '.4f')}; perplexity {fmt(e['ppl'], '.3f')} "
+                f"(bf16 KV {fmt(e['reference_ppl'], '.3f')}). Load before/after "
                 f"{ev['load_before'][0]} / {ev['load_after'][0]}.")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    common.add_workload_arguments(ap, num_prompts=64, input_len=1024, output_len=128)
     ap.add_argument("--kv-memory", default="256MiB", help="KV budget of both sides")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--eval-windows", type=int, default=16,
                     help="windows of 512 tokens for the KLD (0: no eval)")
-    ap.add_argument("--cpus", default=None, help="CPU list (default: all this process may use)")
-    ap.add_argument("--label", default="smollm2")
     common.add_run_arguments(ap)
     args = ap.parse_args(argv)
     from llmctl.models.resolve import resolve_model
 
     model = str(resolve_model(args.model).path)
-    cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else tuple(common.cpus())
+    cpus = common.cpu_list(args.cpus)
     lim = svv.Limits("bfloat16", args.max_model_len, 64, 2048, 2, cpus)  # kv: --kv-memory
     w = bvs.Workload(args.num_prompts, args.input_len, args.output_len, args.seed)
     log_dir = Path(f"/tmp/llmctl-kv-cache-dtype/{args.label}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -45,6 +45,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import common  # noqa: E402 (after the sys.path lines above)
 
+fmt = common.fmt  # a table cell: '?' when not measured
+
 SIDES = ("mixed", "base")
 NUM_ADAPTERS = 4
 
@@ -110,10 +112,6 @@ def summarize(runs: list[dict], rounds: int) -> tuple[list[dict], dict]:
     return per_round, summary
 
 
-def _fmt(value, spec: str) -> str:
-    return "?" if value is None else format(value, spec)
-
-
 def render_markdown(report: dict) -> str:
     cfg, res = report["config"], report["results"]
     w = cfg["workload"]
@@ -130,15 +128,15 @@ def render_markdown(report: dict) -> str:
         x = r["result"]
         note = f" (error: {r['error']})" if "error" in r else ""
         lines.append(f"| {r['round']} | {r['side']}{note} | "
-                     f"{_fmt(x['output_throughput'], '.1f')} | {x['seconds']:.2f} | "
+                     f"{fmt(x['output_throughput'], '.1f')} | {x['seconds']:.2f} | "
                      f"{r['load_before'][0]} / {r['load_after'][0]} | "
                      f"{r['foreign_cpu_cores']} |")
     lines += ["", "| round | output tok/s mixed / base |", "|---|---|"]
     lines += [f"| {p['round']} | {p['mixed_over_base']:.3f} |" for p in res["per_round"]]
     s = res["summary"]
-    lines += ["", (f"Median over rounds: {_fmt(s['mixed']['output_throughput'], '.1f')} tok/s "
-                   f"mixed, {_fmt(s['base']['output_throughput'], '.1f')} base; mixed/base "
-                   f"{_fmt(s['mixed_over_base'], '.3f')}.")]
+    lines += ["", (f"Median over rounds: {fmt(s['mixed']['output_throughput'], '.1f')} tok/s "
+                   f"mixed, {fmt(s['base']['output_throughput'], '.1f')} base; mixed/base "
+                   f"{fmt(s['mixed_over_base'], '.3f')}.")]
     return "\n".join(lines) + "\n"
 
 

@@ -49,6 +49,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import common
 import serve_vs_vllm as svv
 
+fmt = common.fmt  # a table cell: '?' when not measured
+
 SIDES = ("off", "on")
 
 
@@ -207,10 +209,6 @@ def summarize(runs: list[dict], rounds: int) -> tuple[list[dict], dict]:
     return per_round, summary
 
 
-def _fmt(value, spec: str) -> str:
-    return "?" if value is None else format(value, spec)
-
-
 def render_markdown(report: dict) -> str:
     cfg, res = report["config"], report["results"]
     w, lim = cfg["workload"], cfg["limits"]
@@ -237,43 +235,38 @@ def render_markdown(report: dict) -> str:
         joined = "-" if r["side"] == "off" else \
             f"{s['bench_records_with_server_span']}/{s['bench_records']}"
         lines.append(
-            f"| {r['round']} | {r['side']} | {_fmt(x['output_throughput'], '.1f')} | "
-            f"{_fmt(x['median_tpot_ms'], '.1f')} | {_fmt(x['median_ttft_ms'], '.0f')} | "
+            f"| {r['round']} | {r['side']} | {fmt(x['output_throughput'], '.1f')} | "
+            f"{fmt(x['median_tpot_ms'], '.1f')} | {fmt(x['median_ttft_ms'], '.0f')} | "
             f"{x['failed']} | {received} | {joined} | "
             f"{r['load_before'][0]} / {r['load_after'][0]} | "
             f"{r['foreign_cpu_cores']} |")
     lines += ["", "| round | output tok/s on/off | TPOT p50 on/off |", "|---|---|---|"]
     lines += [f"| {p['round']} | {p['output_throughput_on_over_off']:.3f} | "
-              f"{_fmt(p['median_tpot_on_over_off'], '.3f')} |" for p in res["per_round"]]
+              f"{fmt(p['median_tpot_on_over_off'], '.3f')} |" for p in res["per_round"]]
     s = res["summary"]
     lines += ["", (f"Median over rounds: output throughput "
-                   f"{_fmt(s['off']['output_throughput'], '.1f')} tok/s off, "
-                   f"{_fmt(s['on']['output_throughput'], '.1f')} on; on/off "
-                   f"{_fmt(s['output_throughput_on_over_off'], '.3f')} (overhead "
-                   f"{_fmt(s['overhead_percent'], '.1f')}%), TPOT p50 on/off "
-                   f"{_fmt(s['median_tpot_on_over_off'], '.3f')}."),
+                   f"{fmt(s['off']['output_throughput'], '.1f')} tok/s off, "
+                   f"{fmt(s['on']['output_throughput'], '.1f')} on; on/off "
+                   f"{fmt(s['output_throughput_on_over_off'], '.3f')} (overhead "
+                   f"{fmt(s['overhead_percent'], '.1f')}%), TPOT p50 on/off "
+                   f"{fmt(s['median_tpot_on_over_off'], '.3f')}."),
               "", "TPOT as vLLM defines it: (E2E - TTFT) / (output tokens - 1), per request."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=Workload.num_prompts)
-    ap.add_argument("--input-len", type=int, default=Workload.input_len)
-    ap.add_argument("--output-len", type=int, default=Workload.output_len)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cpus", default=None, help="CPU list for the server (default: all "
-                                                 "this process may use)")
+    common.add_workload_arguments(ap, num_prompts=Workload.num_prompts,
+                                  input_len=Workload.input_len, output_len=Workload.output_len,
+                                  cpus_help="CPU list for the server (default: all this "
+                                            "process may use)")
     ap.add_argument("--start-timeout", type=float, default=900.0)
-    ap.add_argument("--label", default="smollm2")
     common.add_run_arguments(ap)
     args = ap.parse_args(argv)
     from llmctl.models.resolve import resolve_model
 
     model = str(resolve_model(args.model).path)
-    cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else tuple(common.cpus())
+    cpus = common.cpu_list(args.cpus)
     lim = svv.Limits("bfloat16", 1024, 64, 2048, 2, cpus)
     w = Workload(args.num_prompts, args.input_len, args.output_len)
     log_dir = Path(f"/tmp/llmctl-tracing-overhead/{args.label}-{time.strftime('%Y%m%d-%H%M%S')}")

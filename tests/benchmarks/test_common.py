@@ -94,3 +94,9 @@ def test_dirty_tree_is_refused_only_for_results(tmp_path):
 
 def test_changed_files_keep_their_first_character():
     assert common.changed_files(" M benchmarks/a.py\nM  b.py\n") == ["benchmarks/a.py", "b.py"]
+
+
+def test_table_cells_and_cpu_lists():
+    assert common.fmt(None, ".1f") == "?" and common.fmt(1.26, ".1f") == "1.3"
+    assert common.cpu_list("0,1") == (0, 1)
+    assert common.cpu_list(None) == tuple(common.cpus())

@@ -222,3 +222,23 @@ def test_bfloat16_engine_applies_adapters(tiny_llama, tiny_loras, monkeypatch):
     effect = (adapted - base).abs().max().item()
     assert (got["all4"] - adapted).abs().max().item() < 0.1 * effect
     assert (got[None] - base).abs().max().item() < 0.1 * effect
+
+
+def test_adapters_over_an_int8_kv_cache(llm, tiny_llama, tiny_loras, monkeypatch):
+    """LoRA rows and the int8 KV cache (llmctl.serve.kv_quant) in one step: the adapter
+    still applies (its effect on these logits is O(1)), and int8 moves the adapter's
+    logits as it moves the base model's (< 0.25 on this model: tests/serve/
+    test_kv_cache_int8.py), so neither path drops the other."""
+    int8 = LLM(str(tiny_llama), loras={k: str(v) for k, v in tiny_loras.items()},
+               kv_cache_memory="32MiB", max_num_seqs=16, kv_cache_dtype="int8")
+    prompt, params = "The file object", SamplingParams(max_tokens=1, temperature=0)
+
+    def first_logits(engine, lora):
+        steps = _record_steps(engine, monkeypatch)
+        engine.generate([prompt], params, lora=lora)
+        monkeypatch.undo()
+        return steps[0][0][2]
+
+    quantized, full = first_logits(int8, "all4"), first_logits(llm, "all4")
+    assert 1e-4 < (quantized - full).abs().max().item() < 0.25
+    assert (quantized - first_logits(int8, None)).abs().max().item() > 0.5

@@ -122,18 +122,27 @@ class AsyncEngine:
     # --- the engine thread ---------------------------------------------------------
     def _snapshot(self) -> None:
         with self._lock:  # no submit in between: each is in the engine's stats or added after
-            self._stats = dict(self.engine.stats())
-            self._stats_time = time.monotonic()
-            self._added_work = []
-            self._added_queues = []
+            self._snapshot_locked()
+
+    def _snapshot_locked(self) -> None:
+        self._stats = dict(self.engine.stats())
+        self._stats_time = time.monotonic()
+        self._added_work = []
+        self._added_queues = []
 
     def _deliver(self, request_id: str, item: Any, final: bool) -> None:
         self._deliver_many([(request_id, item, final)])
 
-    def _deliver_many(self, items: list[tuple[str, Any, bool]]) -> None:
+    def _deliver_many(self, items: list[tuple[str, Any, bool]], snapshot: bool = False
+                      ) -> None:
         """Hand a step's outputs to their streams with one wake-up per event loop: each
         ``call_soon_threadsafe`` writes to the loop's self-pipe and takes the GIL to run a
-        callback, so at 64 running requests per-item calls cost 64 of each per step."""
+        callback, so at 64 running requests per-item calls cost 64 of each per step.
+
+        ``snapshot``: take the stats snapshot in the same critical section in which the
+        finished streams are dropped, before any output goes out: a client reading
+        /metrics right after its last response sees its tokens counted, and a snapshot
+        that shows the engine idle never coexists with streams still open."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         with self._lock:
             for request_id, item, final in items:
@@ -143,6 +152,8 @@ class AsyncEngine:
                 if final:
                     del self._streams[request_id]
                 by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+            if snapshot:
+                self._snapshot_locked()
         for loop, puts in by_loop.items():
             loop.call_soon_threadsafe(_put_all, puts)
 
@@ -161,10 +172,10 @@ class AsyncEngine:
                 # the step that empties the engine is snapshotted before its outputs go
                 # out: a client reading /metrics right after its last response (a bench's
                 # closing scrape) sees every token counted, not the idle snapshot before
-                if (not self.engine.has_unfinished_requests()
-                        or time.monotonic() - self._stats_time > _STATS_EVERY):
-                    self._snapshot()
-                self._deliver_many([(out.request_id, out, out.finished) for out in outputs])
+                snapshot = (not self.engine.has_unfinished_requests()
+                            or time.monotonic() - self._stats_time > _STATS_EVERY)
+                self._deliver_many([(out.request_id, out, out.finished) for out in outputs],
+                                   snapshot)
         except BaseException as exc:  # the engine or the loop broke: the server is unhealthy
             self.error = exc
             log.exception("engine loop died")

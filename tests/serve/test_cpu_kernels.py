@@ -17,34 +17,14 @@ import pytest
 import torch
 
 from llmctl.serve import cpu_kernels
-from llmctl.utils.cpu import cpu_flags
 from llmctl.serve.attention import (
     AttnMetadata,
     build_kernel_group,
     build_paged_group,
     paged_attention,
 )
-
-needs_kernels = pytest.mark.skipif(
-    cpu_kernels.paged_attention_kernel(torch.device("cpu"), torch.float32) is None,
-    reason="no C++ compiler: the native kernels are not built here")
-
-
-def _case(*, heads, kv_heads, head_dim, block_size, contexts, q_len, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-c // block_size) for c in contexts]
-    num_blocks = sum(blocks_needed) + 3
-    cache = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=gen)
-    cache = cache.to(dtype)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in blocks_needed:
-        tables.append(order[used:used + n])
-        used += n
-    tokens = len(contexts) * q_len
-    # q as a strided slice of a fused [tokens, heads + kv_heads, d] tensor, as the model has
-    fused = torch.randn((tokens, heads + kv_heads, head_dim), generator=gen).to(dtype)
-    return cache, tables, fused[:, :heads], num_blocks
+from llmctl.utils.cpu import cpu_flags
+from tests.serve.paged_cases import CASES, needs_kernels, random_case
 
 
 def _reference(q, cache, tables, contexts, q_len, num_blocks, scale):
@@ -57,15 +37,6 @@ def _reference(q, cache, tables, contexts, q_len, num_blocks, scale):
     return paged_attention(q.float(), k, k, cache.float(), meta, scale)
 
 
-CASES = {
-    # name: heads, kv_heads, head_dim, block_size
-    "avx512-d64-gqa3": (9, 3, 64, 16),
-    "avx512-d128-mha": (4, 4, 128, 32),
-    "portable-d16": (4, 2, 16, 16),
-    "portable-block8": (6, 2, 64, 8),
-}
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("q_len", [1, 3, 20])
@@ -74,7 +45,7 @@ def test_paged_attention_kernel_matches_gather_and_sdpa(case, q_len, dtype):
     heads, kv_heads, head_dim, block_size = CASES[case]
     # contexts: shorter than a tile, exactly one tile/block, odd tails, long
     contexts = [q_len + extra for extra in (0, 5, 15, 16, 31, 33, 200)]
-    cache, tables, q, num_blocks = _case(heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+    cache, tables, q, num_blocks = random_case(heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                          block_size=block_size, contexts=contexts,
                                          q_len=q_len, dtype=dtype)
     scale = head_dim ** -0.5
@@ -92,7 +63,7 @@ def test_paged_attention_kernel_matches_gather_and_sdpa(case, q_len, dtype):
 def test_paged_attention_kernel_reads_only_the_block_table():
     """Garbage (NaN) in blocks the table does not name never reaches the output."""
     contexts = [17, 40]
-    cache, tables, q, num_blocks = _case(heads=9, kv_heads=3, head_dim=64, block_size=16,
+    cache, tables, q, num_blocks = random_case(heads=9, kv_heads=3, head_dim=64, block_size=16,
                                          contexts=contexts, q_len=1, dtype=torch.bfloat16)
     named = {b for t in tables for b in t}
     for b in set(range(num_blocks)) - named:

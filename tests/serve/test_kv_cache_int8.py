@@ -10,13 +10,19 @@ import torch
 from typer.testing import CliRunner
 
 from llmctl.serve import cpu_kernels
-from llmctl.serve.attention import AttnMetadata, build_kernel_group, build_paged_group, paged_attention
+from llmctl.serve.attention import (
+    AttnMetadata,
+    build_kernel_group,
+    build_paged_group,
+    paged_attention,
+)
 from llmctl.serve.kv_quant import dequantize_int8, quantize_int8
 from llmctl.serve.llm import LLM
 from llmctl.serve.sampling_params import SamplingParams
 from llmctl.serve.scoring import prompt_logits, teacher_forced_logits
 from llmctl.utils.cpu import cpu_flags
 from tests.serve.conftest import PROMPTS, assert_all_blocks_free, encode
+from tests.serve.paged_cases import CASES, random_case
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(
@@ -38,15 +44,6 @@ def test_codes_scales_and_the_error_bound():
     assert (err <= scales.unsqueeze(-1) * 0.5001).all()  # half a quantization step
 
 
-# name: heads, kv_heads, head_dim, block_size (the branches of paged_attention.cpp's dispatch)
-CASES = {
-    "avx512-d64-gqa3": (9, 3, 64, 16),
-    "avx512-d128-mha": (4, 4, 128, 32),
-    "portable-d16": (4, 2, 16, 16),
-    "portable-block8": (6, 2, 64, 8),
-}
-
-
 @needs_kernels
 @pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -57,18 +54,14 @@ def test_native_kernel_reads_int8_like_the_torch_path(case, q_len, dtype, window
     dequantize them, SDPA), over shuffled block tables and contexts on and off tile and
     block edges."""
     heads, kv_heads, d, block_size = CASES[case]
-    gen = torch.Generator().manual_seed(q_len)
     contexts = [q_len + extra for extra in (0, 5, 15, 16, 31, 33, 200)]
-    needed = [-(-c // block_size) for c in contexts]
-    num_blocks = sum(needed) + 3
+    values, tables, q, num_blocks = random_case(
+        heads=heads, kv_heads=kv_heads, head_dim=d, block_size=block_size,
+        contexts=contexts, q_len=q_len, dtype=dtype, seed=q_len)
     # per-token magnitudes that differ a lot: scales matter
-    values = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=gen)
-    values *= torch.rand(2, num_blocks, block_size, kv_heads, 1, generator=gen) * 4
+    gen = torch.Generator().manual_seed(q_len)
+    values = values.float() * torch.rand(*values.shape[:-1], 1, generator=gen) * 4
     codes, scales = quantize_int8(values)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = [order[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(needed))]
-    fused = torch.randn(len(contexts) * q_len, heads + kv_heads, d, generator=gen).to(dtype)
-    q = fused[:, :heads]  # strided rows, as the model's fused q/k tensor gives them
     scale = d ** -0.5
     kernel = cpu_kernels.paged_attention_kernel(CPU, dtype, quantized=True)
     grp = build_kernel_group(0, q_len, contexts, tables, device=CPU)

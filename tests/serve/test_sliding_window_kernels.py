@@ -23,35 +23,9 @@ from llmctl.serve.attention import (
     windowed_causal_attention,
 )
 from llmctl.utils.cpu import cpu_flags
+from tests.serve.paged_cases import CASES, needs_kernels, random_case
 
-needs_kernels = pytest.mark.skipif(
-    cpu_kernels.paged_attention_kernel(torch.device("cpu"), torch.float32) is None,
-    reason="no C++ compiler: the native kernels are not built here")
-
-CASES = {
-    # name: heads, kv_heads, head_dim, block_size (the dispatch branches of the kernel)
-    "avx512-d64-gqa3": (9, 3, 64, 16),
-    "avx512-d128-mha": (4, 4, 128, 32),
-    "portable-d16": (4, 2, 16, 16),
-    "portable-block8": (6, 2, 64, 8),
-}
 WINDOWS = [1, 5, 16, 37]  # 16: one tile/block exactly
-
-
-def _case(*, heads, kv_heads, head_dim, block_size, contexts, q_len, dtype, seed=0):
-    """A random cache, shuffled block tables, and q as a strided view (as the model has)."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-c // block_size) for c in contexts]
-    num_blocks = sum(blocks_needed) + 3
-    cache = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=gen)
-    cache = cache.to(dtype)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in blocks_needed:
-        tables.append(order[used:used + n])
-        used += n
-    fused = torch.randn((len(contexts) * q_len, heads + kv_heads, head_dim), generator=gen)
-    return cache, tables, fused.to(dtype)[:, :heads], num_blocks
 
 
 def _by_hand(q, cache, tables, contexts, q_len, window, scale) -> torch.Tensor:
@@ -87,7 +61,7 @@ def test_gathered_groups_mask_each_window(case, window, q_len):
     when every layer has a window) with the blocks before the earliest window left out."""
     heads, kv_heads, head_dim, block_size = CASES[case]
     contexts = _contexts(q_len)
-    cache, tables, q, num_blocks = _case(heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+    cache, tables, q, num_blocks = random_case(heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                          block_size=block_size, contexts=contexts,
                                          q_len=q_len, dtype=torch.float32)
     scale = head_dim ** -0.5
@@ -122,7 +96,7 @@ def test_paged_kernel_honours_the_window_and_reads_nothing_before_it(case, windo
     same finite one: the kernel never reads them."""
     heads, kv_heads, head_dim, block_size = CASES[case]
     contexts = _contexts(q_len)
-    cache, tables, q, _ = _case(heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+    cache, tables, q, _ = random_case(heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                 block_size=block_size, contexts=contexts, q_len=q_len,
                                 dtype=dtype)
     scale = head_dim ** -0.5

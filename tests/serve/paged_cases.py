@@ -1,0 +1,42 @@
+"""Shared inputs of the paged-attention kernel tests (test_cpu_kernels,
+test_sliding_window_kernels, test_kv_cache_int8): the kernel's dispatch branches and a
+random cache with shuffled block tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmctl.serve import cpu_kernels
+
+CPU = torch.device("cpu")
+
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.paged_attention_kernel(CPU, torch.float32) is None,
+    reason="no C++ compiler: the native kernels are not built here")
+
+# name: heads, kv_heads, head_dim, block_size (the branches of paged_attention.cpp's dispatch)
+CASES = {
+    "avx512-d64-gqa3": (9, 3, 64, 16),
+    "avx512-d128-mha": (4, 4, 128, 32),
+    "portable-d16": (4, 2, 16, 16),
+    "portable-block8": (6, 2, 64, 8),
+}
+
+
+def random_case(*, heads, kv_heads, head_dim, block_size, contexts, q_len, dtype, seed=0):
+    """A random cache ``[2, blocks, block_size, kv_heads, d]``, shuffled block tables for
+    ``contexts``, and q as a strided view of a fused q/k tensor (as the model has):
+    ``(cache, tables, q, num_blocks)``."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(blocks_needed) + 3
+    cache = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=gen)
+    cache = cache.to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in blocks_needed:
+        tables.append(order[used:used + n])
+        used += n
+    fused = torch.randn((len(contexts) * q_len, heads + kv_heads, head_dim), generator=gen)
+    return cache, tables, fused.to(dtype)[:, :heads], num_blocks

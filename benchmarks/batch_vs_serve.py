@@ -213,21 +213,6 @@ def run_serve_side(rnd: int, model: str, lim: svv.Limits, w: Workload, fingerpri
     return record
 
 
-def summarize(runs: list[dict], rounds: int) -> tuple[list[dict], dict]:
-    ok = [r for r in runs if "result" in r and "error" not in r]
-    per_round = []
-    for rnd in range(1, rounds + 1):
-        got = {r["side"]: r["result"] for r in ok if r["round"] == rnd}
-        if set(got) == set(SIDES) and got["serve"]["output_throughput"]:
-            per_round.append({"round": rnd, "batch_over_serve": (
-                got["batch"]["output_throughput"] / got["serve"]["output_throughput"])})
-    summary = {side: {"output_throughput": common.median(
-        [r["result"]["output_throughput"] for r in ok if r["side"] == side])}
-        for side in SIDES}
-    summary["batch_over_serve"] = common.median([p["batch_over_serve"] for p in per_round])
-    return per_round, summary
-
-
 def render_markdown(report: dict) -> str:
     cfg, res = report["config"], report["results"]
     w, lim = cfg["workload"], cfg["limits"]
@@ -299,7 +284,7 @@ def main(argv=None) -> int:
             print("[batch-vs-serve]   " + (rec.get("error") or
                                            f"{rec['result']['output_throughput']:.1f} tok/s"),
                   file=sys.stderr, flush=True)
-    per_round, summary = summarize(runs, args.rounds)
+    per_round, summary = common.ab_throughput(runs, args.rounds, SIDES, "batch_over_serve")
     report["results"] = {"runs": runs, "per_round": per_round, "summary": summary}
     common.finish_run(report, runs)
     markdown = render_markdown(report)

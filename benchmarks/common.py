@@ -258,3 +258,23 @@ def add_workload_arguments(parser, *, num_prompts: int, input_len: int, output_l
 def cpu_list(arg: str | None) -> tuple[int, ...]:
     """``--cpus 0,1`` as a tuple; every CPU this process may use when not given."""
     return tuple(int(c) for c in arg.split(",")) if arg else tuple(cpus())
+
+
+def ab_throughput(runs: Sequence[dict[str, Any]], rounds: int, sides: tuple[str, str],
+                  ratio_key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """An alternating A/B run's output throughput: ``sides[0] / sides[1]`` within each
+    round where both sides succeeded (``ratio_key``), and the medians over rounds of
+    each side and of that ratio. ``runs``: records with ``round``, ``side`` and a
+    ``result`` holding ``output_throughput``; a record with an ``error`` is left out."""
+    a, b = sides
+    ok = [r for r in runs if "result" in r and "error" not in r]
+    per_round = []
+    for rnd in range(1, rounds + 1):
+        got = {r["side"]: r["result"]["output_throughput"] for r in ok if r["round"] == rnd}
+        if set(got) == set(sides) and got[b]:
+            per_round.append({"round": rnd, ratio_key: got[a] / got[b]})
+    summary: dict[str, Any] = {side: {"output_throughput": median(
+        [r["result"]["output_throughput"] for r in ok if r["side"] == side])}
+        for side in sides}
+    summary[ratio_key] = median([p[ratio_key] for p in per_round])
+    return per_round, summary

@@ -104,19 +104,6 @@ def run_eval(model: str, windows: int, lim: svv.Limits, log_dir: Path) -> dict:
     return record
 
 
-def summarize(runs: list[dict], rounds: int) -> tuple[list[dict], dict]:
-    ok = [r for r in runs if "result" in r and "error" not in r]
-    per_round = []
-    for rnd in range(1, rounds + 1):
-        got = {r["side"]: r["result"]["output_throughput"] for r in ok if r["round"] == rnd}
-        if set(got) == set(SIDES) and got["bfloat16"]:
-            per_round.append({"round": rnd, "int8_over_bf16": got["int8"] / got["bfloat16"]})
-    summary = {side: {"output_throughput": common.median(
-        [r["result"]["output_throughput"] for r in ok if r["side"] == side])} for side in SIDES}
-    summary["int8_over_bf16"] = common.median([p["int8_over_bf16"] for p in per_round])
-    return per_round, summary
-
-
 def render_markdown(report: dict) -> str:
     cfg, res = report["config"], report["results"]
     w, lim = cfg["workload"], cfg["limits"]
@@ -196,7 +183,8 @@ def main(argv=None) -> int:
             print("[kv-cache-dtype]   " + (rec.get("error") or
                                            f"{rec['result']['output_throughput']:.1f} tok/s"),
                   file=sys.stderr, flush=True)
-    per_round, summary = summarize(runs, args.rounds)
+    per_round, summary = common.ab_throughput(runs, args.rounds, ("int8", "bfloat16"),
+                                                "int8_over_bf16")
     report["results"] = {"runs": runs, "per_round": per_round, "summary": summary}
     if args.eval_windows:
         print("[kv-cache-dtype] eval ...", file=sys.stderr, flush=True)

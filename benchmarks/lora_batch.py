@@ -99,19 +99,6 @@ def run_side(llm, side: str, rnd: int, batch: list[list[int]], w: Workload,
     return record
 
 
-def summarize(runs: list[dict], rounds: int) -> tuple[list[dict], dict]:
-    ok = [r for r in runs if "error" not in r]
-    per_round = []
-    for rnd in range(1, rounds + 1):
-        got = {r["side"]: r["result"]["output_throughput"] for r in ok if r["round"] == rnd}
-        if set(got) == set(SIDES):
-            per_round.append({"round": rnd, "mixed_over_base": got["mixed"] / got["base"]})
-    summary = {side: {"output_throughput": common.median(
-        [r["result"]["output_throughput"] for r in ok if r["side"] == side])} for side in SIDES}
-    summary["mixed_over_base"] = common.median([p["mixed_over_base"] for p in per_round])
-    return per_round, summary
-
-
 def render_markdown(report: dict) -> str:
     cfg, res = report["config"], report["results"]
     w = cfg["workload"]
@@ -181,7 +168,7 @@ def main(argv=None) -> int:
             print(f"[lora-batch]   {rec['result']['output_throughput']:.1f} tok/s"
                   + (f" ({rec['error']})" if "error" in rec else ""), file=sys.stderr,
                   flush=True)
-    per_round, summary = summarize(runs, args.rounds)
+    per_round, summary = common.ab_throughput(runs, args.rounds, SIDES, "mixed_over_base")
     report["results"] = {"runs": runs, "per_round": per_round, "summary": summary}
     common.finish_run(report, runs)
     markdown = render_markdown(report)

@@ -100,3 +100,17 @@ def test_table_cells_and_cpu_lists():
     assert common.fmt(None, ".1f") == "?" and common.fmt(1.26, ".1f") == "1.3"
     assert common.cpu_list("0,1") == (0, 1)
     assert common.cpu_list(None) == tuple(common.cpus())
+
+
+def test_ab_throughput_ratios_within_rounds_and_medians():
+    runs = [{"round": 1, "side": "a", "result": {"output_throughput": 120.0}},
+            {"round": 1, "side": "b", "result": {"output_throughput": 100.0}},
+            {"round": 2, "side": "b", "result": {"output_throughput": 80.0}},
+            {"round": 2, "side": "a", "result": {"output_throughput": 100.0}},
+            {"round": 3, "side": "a", "result": {"output_throughput": 90.0}},
+            {"round": 3, "side": "b", "error": "server died"}]  # no ratio for round 3
+    per_round, summary = common.ab_throughput(runs, 3, ("a", "b"), "a_over_b")
+    assert per_round == [{"round": 1, "a_over_b": 1.2}, {"round": 2, "a_over_b": 1.25}]
+    assert summary["a"]["output_throughput"] == 100.0  # median of 120, 100, 90
+    assert summary["b"]["output_throughput"] == 90.0
+    assert summary["a_over_b"] == pytest.approx(1.225)

@@ -24,13 +24,15 @@ DtypeOpt = Annotated[
                                  "(AVX512-BF16/AMX), else float32; on a GPU the checkpoint's "
                                  "dtype. Or float32 | bfloat16 | float16."),
 ]
-KvCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "int8"]
+KvCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8", "fp8_e4m3"]
 KvCacheDtypeOpt = Annotated[
     KvCacheDtype,
     typer.Option("--kv-cache-dtype",
                  help="KV cache: auto (the model's dtype) | bfloat16 | float16 | float32 | "
                       "int8 (a scale per token and KV head: ~1.9x the tokens of bfloat16 "
-                      "in the same memory)."),
+                      "in the same memory) | fp8 = fp8_e4m3 (static scales per layer and "
+                      "KV head, from the checkpoint's kv_cache_scheme or calibrated at "
+                      "start: 2x)."),
 ]
 Device = Literal["cpu", "cuda"]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1,

@@ -61,7 +61,8 @@ class EvalConfig(BaseModel):
     backend: str = "auto"
     # the serving engine's KV cache for the candidate (backend "serve"; its reference
     # keeps the model dtype's cache, so the two differ in the cache alone)
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8",
+                            "fp8_e4m3"] = "auto"
     server_model: str | None = None
     tokenizer: str | None = None
     threads: int | None = Field(None, ge=1)

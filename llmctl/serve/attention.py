@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from llmctl.serve.kv_quant import dequantize_int8
+from llmctl.serve.kv_quant import CODECS
 
 
 @dataclass
@@ -162,8 +162,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """``q [T, H, d]``, new ``k, v [T, Hkv, d]``, the layer's cache ``[2, blocks,
     block_size, Hkv, d]`` (this step's K/V already written) -> ``[T, H * d]``; ``window``:
     the layer's sliding window (None: full causal attention); ``scales``: an int8 cache's
-    ``[2, blocks, block_size, Hkv]`` (the native kernel reads the codes as they are, a
-    gathered group dequantizes the blocks it gathered)."""
+    ``[2, blocks, block_size, Hkv]`` or an fp8 cache's ``[2, Hkv]`` (the native kernel
+    reads the codes as they are, a gathered group dequantizes the blocks it gathered)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     g = num_heads // kv_heads
@@ -196,9 +196,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         rows = kv_cache.view(-1, kv_cache.shape[2] * kv_heads * head_dim)
         kv = rows.index_select(0, grp.gather_index).view(2, b, s, kv_heads, head_dim)
         if scales is not None:
-            gathered = scales.view(-1, kv_cache.shape[2] * kv_heads).index_select(
-                0, grp.gather_index).view(2, b, s, kv_heads)
-            kv = dequantize_int8(kv, gathered, qs.dtype)
+            kv = CODECS[kv_cache.dtype].dequantize_gathered(kv, scales, grp.gather_index,
+                                                            qs.dtype)
         kg, vg = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         qg = qs.view(b, lq, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, kv_heads, g * lq, head_dim)

@@ -40,7 +40,7 @@ def parse_memory(value: str | float) -> tuple[str, float]:
 
 
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-                  "float": "float32"}
+                  "float": "float32", "fp8_e4m3": "fp8"}
 
 
 class SpeculativeConfig(BaseModel):
@@ -77,8 +77,12 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     # "auto" = the model dtype; bfloat16 halves the cache's memory and bandwidth; int8
     # stores codes with a scale per token and KV head (llmctl.serve.kv_quant): ~1.9x the
-    # blocks of bfloat16 in the same memory.
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
+    # blocks of bfloat16 in the same memory; fp8 (E4M3) codes with static scales per
+    # layer and KV head (the checkpoint's kv_cache_scheme, or calibrated): 2x.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8"] = "auto"
+    # fp8 scales calibrated at start (a checkpoint without kv_cache_scheme): one per KV
+    # head, or one per layer (llmctl.serve.kv_scales)
+    kv_scale_granularity: Literal["head", "layer"] = "head"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     block_size: int = Field(16, ge=1, le=1024)
     # A byte budget ("512MiB") or a fraction (0.3) of the memory free after loading.

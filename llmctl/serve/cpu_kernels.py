@@ -1,7 +1,7 @@
 """Native CPU kernels: built from ``csrc/`` on first use, loaded with ctypes.
 
 - :file:`csrc/paged_attention.cpp` reads K/V in place through the block tables (float32,
-  bf16, or int8 codes with their scales: :mod:`llmctl.serve.kv_quant`); the pure-torch
+  bf16, or int8 / fp8 codes with their scales: :mod:`llmctl.serve.kv_quant`); the pure-torch
   fallback gathers them into a padded copy first, which costs three passes over the
   cache instead of one (the decode step of a 128-sequence batch spent two thirds of its
   time there).
@@ -18,8 +18,9 @@
 - :file:`csrc/prefill_attention.cpp`: causal attention of fresh prompts (bf16), both
   products as small GEMMs on vdpbf16ps (torch's SDPA flash kernel took twice as long).
 - :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
-  pass for bfloat16 (nine torch ops per layer before), quantizing for an int8 cache.
-- :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use.
+  pass for bfloat16 (nine torch ops per layer before), quantizing for an int8 or fp8 cache.
+- :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use;
+  :file:`csrc/fp8.h`: E4M3 <-> float32 and bf16.
 
 Built with the system C++ compiler (``$CXX``, else ``c++``), ``-O3 -march=native
 -fopenmp``, into ``$LLMCTL_HOME/kernels/`` under a name that hashes the source, the
@@ -57,24 +58,33 @@ log = logging.getLogger("llmctl.serve")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
                              "lowbit_vnni.cpp", "gemm_bf16.cpp", "rope_kv.cpp",
-                             "decode_layer.cpp", "prefill_attention.cpp", "simd_math.h"))
+                             "decode_layer.cpp", "prefill_attention.cpp", "simd_math.h",
+                             "fp8.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
-# (query dtype, int8 cache?) -> exported symbol; a float cache has the queries' dtype
-SYMBOLS = {(torch.float32, False): "paged_attention_f32",
-           (torch.bfloat16, False): "paged_attention_bf16",
-           (torch.float32, True): "paged_attention_f32_i8",
-           (torch.bfloat16, True): "paged_attention_bf16_i8"}
+# (query dtype, 8-bit cache's storage or None) -> exported symbol; a float cache has the
+# queries' dtype; int8 codes, or uint8 holding E4M3 codes (llmctl.serve.kv_quant)
+SYMBOLS = {(torch.float32, None): "paged_attention_f32",
+           (torch.bfloat16, None): "paged_attention_bf16",
+           (torch.float32, torch.int8): "paged_attention_f32_i8",
+           (torch.bfloat16, torch.int8): "paged_attention_bf16_i8",
+           (torch.float32, torch.uint8): "paged_attention_f32_f8",
+           (torch.bfloat16, torch.uint8): "paged_attention_bf16_f8"}
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _PAGED_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                _F32, _PTR, _INT, _I64]
-# int8 caches: the K and V scales follow the K and V codes
+# 8-bit caches: the K and V scales follow the K and V codes
 _PAGED_I8_ARGS = _PAGED_ARGS[:3] + [_PTR, _PTR] + _PAGED_ARGS[3:]
+_ROPE_KV_ARGS = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
+                 _INT]
+_ROPE_KV_I8_ARGS = _ROPE_KV_ARGS[:-1] + [_PTR, _PTR, _INT]
 ARGTYPES = {
     "paged_attention_f32": _PAGED_ARGS,
     "paged_attention_bf16": _PAGED_ARGS,
     "paged_attention_f32_i8": _PAGED_I8_ARGS,
     "paged_attention_bf16_i8": _PAGED_I8_ARGS,
+    "paged_attention_f32_f8": _PAGED_I8_ARGS,
+    "paged_attention_bf16_f8": _PAGED_I8_ARGS,
     "add_rms_norm_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_mul_bf16": [_PTR, _PTR, _I64, _I64, _INT],
     "lowbit_gemm": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
@@ -85,14 +95,14 @@ ARGTYPES = {
     "lowbit_vnni_rows": [],
     "gemm_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
     "gemm_bf16_available": [],
-    "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
+    "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
+                          _PTR],
     "prefill_attention_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
                                _F32, _PTR, _I64, _INT, _I64],
     "prefill_attention_available": [],
-    "rope_kv_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
-                     _PTR, _INT],
-    "rope_kv_bf16_i8": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
-                        _PTR, _PTR, _PTR, _INT],
+    "rope_kv_bf16": _ROPE_KV_ARGS,
+    "rope_kv_bf16_i8": _ROPE_KV_I8_ARGS,
+    "rope_kv_bf16_f8": _ROPE_KV_I8_ARGS,
 }
 RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int,
             "gemm_bf16_available": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
@@ -155,9 +165,11 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def paged_attention_kernel(device: torch.device, dtype: torch.dtype, quantized: bool = False):
+def paged_attention_kernel(device: torch.device, dtype: torch.dtype,
+                           codes: torch.dtype | None = None):
     """The native kernel for this cache device and query dtype (= the cache's, unless
-    ``quantized``: an int8 cache with scales), or None (use the torch path).
+    ``codes``: an 8-bit cache's storage, int8 or uint8 for fp8, read with its scales), or
+    None (use the torch path).
 
     The returned callable takes ``(q, layer_cache, block_tables, context_lens, q_len,
     scale, window=0, scales=None)``: ``q [B * q_len, heads, d]`` (rows of one token may be
@@ -166,15 +178,16 @@ def paged_attention_kernel(device: torch.device, dtype: torch.dtype, quantized: 
     ``context_lens [B]`` int64 (context including this step's tokens), ``window`` a
     sliding window (0: none; the query at ``p`` sees keys ``p - window + 1 .. p``, and
     blocks wholly before the first query's window are never read), ``scales`` an int8
-    cache's ``[2, blocks, block_size, kv_heads]`` float32; it returns float32
-    ``[B * q_len, heads * d]``.
+    cache's ``[2, blocks, block_size, kv_heads]`` or an fp8 cache's ``[2, kv_heads]``
+    float32; it returns float32 ``[B * q_len, heads * d]``.
     """
-    if torch.device(device).type != "cpu" or (dtype, quantized) not in SYMBOLS:
+    if torch.device(device).type != "cpu" or (dtype, codes) not in SYMBOLS:
         return None
     lib = _library()
     if lib is None:
         return None
-    fn = getattr(lib, SYMBOLS[dtype, quantized])
+    fn = getattr(lib, SYMBOLS[dtype, codes])
+    quantized = codes is not None
 
     def run(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, q_len: int, scale: float,
@@ -266,8 +279,9 @@ class RopeKV:
     """RoPE on q and k plus the K/V cache write in one native call (bfloat16)."""
 
     def __init__(self, lib: ctypes.CDLL, freqs: torch.Tensor) -> None:
-        self._fn = lib.rope_kv_bf16
-        self._fn_i8 = lib.rope_kv_bf16_i8
+        # by the cache's storage: bf16, int8 codes (scales written), E4M3 codes (read)
+        self._fns = {torch.bfloat16: lib.rope_kv_bf16, torch.int8: lib.rope_kv_bf16_i8,
+                     torch.uint8: lib.rope_kv_bf16_f8}
         self.freqs = torch.view_as_real(freqs).contiguous()  # [positions, d / 2, 2] float32
 
     def __call__(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -276,14 +290,14 @@ class RopeKV:
         """Rotate ``qk [T, q_heads + kv_heads, d]`` in place (rows may be strided, each
         row's heads contiguous) and write its keys and ``v [T, kv_heads, d]`` at
         ``slots`` of ``layer_cache [2, blocks, block_size, kv_heads, d]`` (an int8 cache:
-        quantized, scales into ``layer_scales [2, blocks, block_size, kv_heads]``)."""
+        quantized, scales into ``layer_scales [2, blocks, block_size, kv_heads]``; an fp8
+        cache: quantized with the static ``layer_scales [2, kv_heads]``)."""
         t, heads, d = qk.shape
         kv_heads = v.shape[1]
         cache = (layer_cache[0].data_ptr(), layer_cache[1].data_ptr())
-        fn = self._fn
+        fn = self._fns[layer_cache.dtype]
         if layer_scales is not None:
             cache += (layer_scales[0].data_ptr(), layer_scales[1].data_ptr())
-            fn = self._fn_i8
         fn(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), t, heads - kv_heads,
            kv_heads, d, self.freqs.data_ptr(), positions.data_ptr(), slots.data_ptr(),
            *cache, torch.get_num_threads())

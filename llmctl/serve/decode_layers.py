@@ -14,9 +14,9 @@ Sliding windows: each layer's window goes to its attention call (``Step.window``
 
 It applies when every matrix of every layer has a small-batch form (a bf16 weight in
 :file:`csrc/gemm_bf16.cpp`'s layout, or int4/int8 codes in the VNNI layout), no bias,
-no q/k norm, bfloat16 activations, a bfloat16 or int8 cache, and the step is one attention group of
-single-token sequences on the native kernel; :meth:`DecodeLayers.build` returns None
-otherwise.
+no q/k norm, bfloat16 activations, a bfloat16, int8 or fp8 cache, and the step is one
+attention group of single-token sequences on the native kernel;
+:meth:`DecodeLayers.build` returns None otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 # (4 MB for SmolLM2, ~30 MB for an 8B Llama); larger steps take the Python path, where
 # ten calls per layer are a small share of the step.
 MAX_ROWS = 256
+# the caches it runs on (csrc/decode_layer.cpp's kv_kind): bf16, int8 codes with scales
+# per slot, E4M3 codes (uint8) with static scales
+_KV_KINDS = {torch.bfloat16: 0, torch.int8: 1, torch.uint8: 2}
 
 
 class Matrix(ctypes.Structure):
@@ -123,12 +126,12 @@ class DecodeLayers:
 
     def applies(self, tokens: int, meta: AttnMetadata, kv_cache: torch.Tensor) -> bool:
         """A step of up to ``max_rows`` single-token sequences, one kernel group, a bf16
-        or int8 cache."""
+        or 8-bit cache."""
         if not 0 < tokens <= self.max_rows or len(meta.groups) != 1:
             return False
         grp = meta.groups[0]
         return (grp.q_len == 1 and grp.context_lens is not None
-                and kv_cache.dtype in (torch.bfloat16, torch.int8) and kv_cache.is_contiguous())
+                and kv_cache.dtype in _KV_KINDS and kv_cache.is_contiguous())
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
                  meta: AttnMetadata, kv_cache: torch.Tensor,
@@ -146,13 +149,14 @@ class DecodeLayers:
         # kv_cache [layers, 2, ...] contiguous: layer i's K and V at fixed byte offsets
         half = kv_cache.stride(1) * kv_cache.element_size()
         k_ptr = kv_cache.data_ptr()
-        # an int8 cache's scales [layers, 2, ...] likewise (null pointers: a bf16 cache)
+        # an 8-bit cache's scales [layers, 2, ...] likewise (null pointers: a bf16 cache)
         s_half = kv_scales.stride(1) * 4 if kv_scales is not None else 0
         s_ptr = kv_scales.data_ptr() if kv_scales is not None else None
+        kind = _KV_KINDS[kv_cache.dtype]
         for (qkv, o, gate_up, down, post, nxt), window in zip(self._layer_args, self._windows):
             st.window = window
             fn(ref, qkv, o, gate_up, down, k_ptr, k_ptr + half, s_ptr,
-               s_ptr + s_half if s_ptr else None, post, nxt)
+               s_ptr + s_half if s_ptr else None, kind, post, nxt)
             k_ptr += 2 * half
             if s_ptr:
                 s_ptr += 2 * s_half

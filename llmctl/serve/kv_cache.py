@@ -4,12 +4,13 @@ The whole cache is one preallocated tensor ``[layers, 2, blocks, block_size, kv_
 head_dim]`` (index 0 of dim 1 is K, 1 is V): a block id addresses the same slots in
 every layer, so one block table serves the whole model.
 
-An 8-bit cache (:mod:`llmctl.serve.kv_quant`) adds a scale tensor ``[layers, 2, blocks,
-block_size, kv_heads]`` addressed the same way.
+An int8 cache (:mod:`llmctl.serve.kv_quant`) adds a scale tensor ``[layers, 2, blocks,
+block_size, kv_heads]`` addressed the same way; an fp8 cache's scales are static,
+``[layers, 2, kv_heads]`` (:mod:`llmctl.serve.kv_scales`), and not part of the blocks.
 
 Sizing: ``bytes_per_block = layers * 2 * block_size * kv_heads * (head_dim * itemsize +
 scale_bytes)`` (scales are counted: int8 with a float32 scale per token and head holds
-``2d / (d + 4)`` times the blocks of bf16, 1.88x at head_dim 64); the block count is
+``2d / (d + 4)`` times the blocks of bf16, 1.88x at head_dim 64; fp8 exactly 2x); the block count is
 the budget (bytes, or a fraction of the memory available once the weights are loaded)
 over that, capped at what ``max_num_seqs`` full-length sequences could ever use.
 """

@@ -14,9 +14,22 @@ preemption (recompute) need no change: whatever moves a block's K/V moves its sc
 A scale is computed when the token's K/V are written (from those values alone) and never
 changes, so a block shared by several sequences reads the same everywhere.
 
-The native kernels (:file:`csrc/rope_kv.cpp`, :file:`csrc/paged_attention.cpp`) do the
-same arithmetic in the same order: these functions are the reference they are tested
-against and the torch path (``LLMCTL_CPU_KERNELS=0``) itself.
+fp8 (E4M3, vLLM's ``--kv-cache-dtype fp8``) with static scales, one per layer, K or V
+and KV head (a per-layer scale is the same value for every head), from the checkpoint's
+``kv_cache_scheme`` or calibrated (:mod:`llmctl.serve.kv_scales`)::
+
+    c = e4m3(clamp(x / s, -448, 448))   round to nearest even; 3 mantissa bits, so a
+    x ~ e4m3(c) * s                    relative error <= 2^-4 (normals, |x / s| >= 2^-6)
+
+The codes are stored as uint8 (torch has no CPU indexing for ``float8_e4m3fn``) and
+viewed as ``float8_e4m3fn`` to convert; the scales are ``[layers, 2, kv_heads]``
+float32, so a block holds only codes (2x the tokens of bf16) and nothing moves with it.
+A value beyond the calibrated range saturates at 448 s: the calibration's headroom
+(:data:`llmctl.serve.kv_scales.HEADROOM`) is what keeps that rare.
+
+The native kernels (:file:`csrc/rope_kv.cpp`, :file:`csrc/paged_attention.cpp`,
+:file:`csrc/fp8.h`) do the same arithmetic in the same order: these functions are the
+reference they are tested against and the torch path (``LLMCTL_CPU_KERNELS=0``) itself.
 """
 
 from __future__ import annotations
@@ -26,22 +39,27 @@ from dataclasses import dataclass
 import torch
 
 INT8_MAX = 127
+E4M3_MAX = 448.0
 
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How one ``--kv-cache-dtype`` stores K/V: the cache tensor's dtype, and the bytes of
-    scale kept per (token, KV head, K or V) next to it."""
+    """How one ``--kv-cache-dtype`` stores K/V: the cache tensor's dtype, the bytes of
+    scale kept per (token, KV head, K or V) next to it, or static scales per layer, K or
+    V and KV head (fp8)."""
 
     name: str
     storage: torch.dtype
     scale_bytes: int = 0
+    static_scales: bool = False
 
     @property
     def quantized(self) -> bool:
-        return self.scale_bytes > 0
+        return self.scale_bytes > 0 or self.static_scales
 
     def describe(self) -> str:
+        if self.static_scales:
+            return f"{self.name}, static scales per layer and KV head"
         return (f"{self.name}, a float32 scale per token and KV head" if self.quantized
                 else self.name)
 
@@ -52,6 +70,7 @@ KV_FORMATS: dict[str, KVFormat] = {
     "bfloat16": KVFormat("bfloat16", torch.bfloat16),
     "float16": KVFormat("float16", torch.float16),
     "int8": KVFormat("int8", torch.int8, scale_bytes=4),
+    "fp8": KVFormat("fp8", torch.uint8, static_scales=True),  # E4M3 codes
 }
 
 
@@ -95,3 +114,62 @@ def read_int8(layer_cache: torch.Tensor, layer_scales: torch.Tensor, slots: torc
     return tuple(dequantize_int8(layer_cache[i].view(-1, kv_heads, d)[slots],
                                  layer_scales[i].view(-1, kv_heads)[slots], dtype)
                  for i in range(2))
+
+
+def quantize_fp8(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [..., kv_heads, d]`` over ``scales [kv_heads]`` -> E4M3 codes as uint8."""
+    q = (x.float() / scales.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX)
+    return q.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+                   ) -> torch.Tensor:
+    """uint8 E4M3 ``codes [..., kv_heads, d]`` times ``scales`` (broadcast against
+    ``[..., kv_heads]``), computed in float32, returned as ``dtype``."""
+    return (codes.view(torch.float8_e4m3fn).float() * scales.unsqueeze(-1)).to(dtype)
+
+
+class Int8Codec:
+    """Per-token int8: ``layer_scales [2, blocks, block_size, kv_heads]``, written with
+    the codes."""
+
+    write = staticmethod(write_int8)
+    read = staticmethod(read_int8)
+
+    @staticmethod
+    def dequantize_gathered(kv: torch.Tensor, layer_scales: torch.Tensor,
+                            gather_index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``kv [2, B, S, kv_heads, d]``: the codes of the cache rows ``gather_index``
+        (:class:`llmctl.serve.attention.AttnGroup`); their scales gathered the same way."""
+        _, b, s, kv_heads, _ = kv.shape
+        rows = layer_scales.view(-1, layer_scales.shape[2] * kv_heads)
+        gathered = rows.index_select(0, gather_index).view(2, b, s, kv_heads)
+        return dequantize_int8(kv, gathered, dtype)
+
+
+class Fp8Codec:
+    """E4M3 with static ``layer_scales [2, kv_heads]``: read, never written."""
+
+    @staticmethod
+    def write(layer_cache: torch.Tensor, layer_scales: torch.Tensor, slots: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        kv_heads, d = k.shape[1], k.shape[2]
+        for i, x in enumerate((k, v)):
+            layer_cache[i].view(-1, kv_heads, d).index_copy_(0, slots,
+                                                             quantize_fp8(x, layer_scales[i]))
+
+    @staticmethod
+    def read(layer_cache: torch.Tensor, layer_scales: torch.Tensor, slots: torch.Tensor,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        kv_heads, d = layer_cache.shape[-2], layer_cache.shape[-1]
+        return tuple(dequantize_fp8(layer_cache[i].view(-1, kv_heads, d)[slots],
+                                    layer_scales[i], dtype) for i in range(2))
+
+    @staticmethod
+    def dequantize_gathered(kv: torch.Tensor, layer_scales: torch.Tensor,
+                            gather_index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(kv, layer_scales.view(2, 1, 1, -1), dtype)
+
+
+# an 8-bit cache's storage dtype -> how it is written and read
+CODECS = {torch.int8: Int8Codec, torch.uint8: Fp8Codec}

@@ -117,7 +117,8 @@ class _Built:
     """A model with its cache, block manager and runner (the target, or a draft model)."""
 
     def __init__(self, resolved, config: EngineConfig, device: torch.device, max_len: int,
-                 num_blocks: int | None = None, with_lora: bool = False) -> None:
+                 num_blocks: int | None = None, with_lora: bool = False,
+                 tokenizer=None) -> None:
         from llmctl.serve.weights import load_model
 
         path = resolved.path
@@ -147,10 +148,18 @@ class _Built:
         self.kv_cache = allocate_kv_cache(self.plan, num_layers=spec.num_layers,
                                           num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                                           dtype=fmt.storage, device=device)
-        # the scales of an 8-bit cache (kv_quant), None for a float cache
-        self.kv_scales = allocate_kv_scales(self.plan, num_layers=spec.num_layers,
-                                            num_kv_heads=spec.num_kv_heads,
-                                            device=device) if fmt.quantized else None
+        # the scales of an 8-bit cache (kv_quant), None for a float cache; fp8's are
+        # static, from the checkpoint or calibrated on ``tokenizer``'s text (kv_scales)
+        self.kv_scales = None
+        self.kv_scales_source = None
+        if fmt.static_scales:
+            from llmctl.serve.kv_scales import fp8_kv_scales
+
+            self.kv_scales, self.kv_scales_source = fp8_kv_scales(
+                path, self.model, tokenizer, config.kv_scale_granularity, max_len)
+        elif fmt.quantized:
+            self.kv_scales = allocate_kv_scales(self.plan, num_layers=spec.num_layers,
+                                                num_kv_heads=spec.num_kv_heads, device=device)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, with_lora,
                                   kv_scales=self.kv_scales)
 
@@ -248,7 +257,8 @@ class LLMEngine:
         self.max_model_len = self._check_max_len(config, spec.max_position_embeddings)
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer).path
                                         if config.tokenizer else self.model_path)
-        self.target = _Built(resolved, config, self.device, self.max_model_len, with_lora=True)
+        self.target = _Built(resolved, config, self.device, self.max_model_len, with_lora=True,
+                             tokenizer=self.tokenizer)
 
     def _perf_cost(self) -> tuple | None:
         """The cost model steps are metered with: FLOPs from the architecture in
@@ -341,7 +351,7 @@ class LLMEngine:
         from llmctl.models.resolve import resolve_model
 
         draft = _Built(resolve_model(spec_cfg.draft_model), self.config, self.device, max_len,
-                       num_blocks=self.kv_plan.num_blocks)
+                       num_blocks=self.kv_plan.num_blocks, tokenizer=self.tokenizer)
         if draft.spec.vocab_size != self.spec.vocab_size:
             raise ConfigError(
                 f"the draft model's vocabulary ({draft.spec.vocab_size}) differs from the "

@@ -38,7 +38,7 @@ from llmctl.models.architectures import get_architecture
 from llmctl.serve.attention import AttnMetadata, paged_attention
 from llmctl.serve.cpu_kernels import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.decode_layers import DecodeLayers
-from llmctl.serve.kv_quant import read_int8, write_int8
+from llmctl.serve.kv_quant import CODECS
 from llmctl.serve.rope import apply_rope, rope_freqs, rope_parameters
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ class LlamaModel:
                 kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None,
                 lora: LoRABatch | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; writes K/V into the cache
-        (``kv_scales``: the scales of an int8 cache, :mod:`llmctl.serve.kv_quant`).
+        (``kv_scales``: the scales of an int8 or fp8 cache, :mod:`llmctl.serve.kv_quant`).
 
         ``lora``: the step's rows that run with an adapter (:mod:`llmctl.serve.lora_batch`);
         such a step takes this Python path, not the fused native decode layers, which
@@ -276,6 +276,7 @@ class LlamaModel:
         t = input_ids.shape[0]
         nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         quantized = kv_scales is not None
+        codec = CODECS[kv_cache.dtype] if quantized else None
         rope_kv = self.rope_kv if kv_cache.dtype == torch.bfloat16 or quantized else None
         # Fresh prompts attend over their K/V as the cache holds them (quantized, then
         # dequantized), not over the full-precision values just computed: so a prefill's
@@ -312,7 +313,7 @@ class LlamaModel:
                 qk = apply_rope(qk, freqs)  # q and k rotated together
                 q, k = qk[:, :nh], qk[:, nh:]
                 if quantized:
-                    write_int8(layer_cache, layer_scales, slots, k, v)
+                    codec.write(layer_cache, layer_scales, slots, k, v)
                 else:
                     cache_dtype = layer_cache.dtype
                     if cache_dtype != q.dtype:
@@ -320,7 +321,7 @@ class LlamaModel:
                     layer_cache[0].view(-1, nkv, d).index_copy_(0, slots, k)
                     layer_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
             if reread:
-                k, v = read_int8(layer_cache, layer_scales, slots, q.dtype)
+                k, v = codec.read(layer_cache, layer_scales, slots, q.dtype)
             attn = paged_attention(q, k, v, layer_cache, meta, self.scale, windows[i],
                                    layer_scales)
             if lora is None:

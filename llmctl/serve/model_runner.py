@@ -97,7 +97,8 @@ class ModelRunner:
         # requests' LoRA adapters apply here (the target model; a draft model runs bare)
         self.with_lora = with_lora
         self.kv_cache = kv_cache
-        # an int8 cache's scales (llmctl.serve.kv_quant), moved with its blocks
+        # an 8-bit cache's scales (llmctl.serve.kv_quant): int8's per slot, moved with its
+        # blocks; fp8's static per layer and KV head
         self.kv_scales = kv_scales
         self.block_size = block_size
         # what attention computes in: the cache dtype for a float cache (queries are cast
@@ -109,8 +110,8 @@ class ModelRunner:
         # largest when every layer has one: keys before it are never gathered
         self.windows = sorted({w for w in model.spec.layer_windows if w})
         self.kv_window = model.spec.kv_window
-        self.kernel = paged_attention_kernel(self.device, self.attn_dtype,
-                                             quantized=kv_scales is not None)
+        self.kernel = paged_attention_kernel(
+            self.device, self.attn_dtype, codes=kv_cache.dtype if kv_scales is not None else None)
         self.prefill = prefill_attention_kernel(self.device, self.attn_dtype)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -119,7 +120,7 @@ class ModelRunner:
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        if self.kv_scales is not None:
+        if self.kv_scales is not None and self.kv_scales.dim() == 5:  # per slot (int8)
             self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
 
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[LogitRows]]:

@@ -26,7 +26,7 @@ from tests.serve.paged_cases import CASES, random_case
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(
-    cpu_kernels.paged_attention_kernel(CPU, torch.float32, quantized=True) is None,
+    cpu_kernels.paged_attention_kernel(CPU, torch.float32, codes=torch.int8) is None,
     reason="no C++ compiler: the native kernels are not built here")
 
 
@@ -63,7 +63,7 @@ def test_native_kernel_reads_int8_like_the_torch_path(case, q_len, dtype, window
     values = values.float() * torch.rand(*values.shape[:-1], 1, generator=gen) * 4
     codes, scales = quantize_int8(values)
     scale = d ** -0.5
-    kernel = cpu_kernels.paged_attention_kernel(CPU, dtype, quantized=True)
+    kernel = cpu_kernels.paged_attention_kernel(CPU, dtype, codes=torch.int8)
     grp = build_kernel_group(0, q_len, contexts, tables, device=CPU)
     out = kernel(q, codes, grp.block_tables, grp.context_lens, q_len, scale, window, scales)
     ref_grp = build_paged_group(0, q_len, contexts, tables, block_size=block_size,
@@ -264,8 +264,6 @@ def _usage_error(args: list[str], option: str, *expected: str) -> None:
 
 
 @pytest.mark.parametrize("args,option,expected", [
-    # fp8 is not implemented: refused, never accepted and ignored
-    (["serve", "m", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype", ["'int8'"]),
     (["eval", "m", "--kv-cache-dtype", "int4"], "--kv-cache-dtype", ["'int8'"]),
     (["eval", "m", "--kv-cache-dtype", "int8"], "--kv-cache-dtype", ["--backend serve"]),
     (["serve", "m", "--engine", "vllm", "--kv-cache-dtype", "int8"], "--kv-cache-dtype",
@@ -283,7 +281,7 @@ def test_engine_directories_and_the_config_refuse_other_kv_dtypes(tmp_path):
     with pytest.raises(UsageError, match="--kv-cache-dtype"):
         engine_dir_settings(tmp_path, {"kv_cache_dtype": "int8"})
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        make_engine_config("m", kv_cache_dtype="fp8")
+        make_engine_config("m", kv_cache_dtype="fp8_e5m2")
 
 
 # -- quality on a real model -----------------------------------------------------------

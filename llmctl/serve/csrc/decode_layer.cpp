@@ -13,8 +13,9 @@
 //
 // Each matrix is a bf16 weight in gemm_bf16.cpp's layout or int4/int8 codes in
 // lowbit_vnni.cpp's; a layer with a bias or a q/k norm stays on the Python path. The
-// cache is bf16, or int8 codes with their scales (k_scale, v_scale not null:
-// llmctl/serve/kv_quant.py), written and read by the _i8 kernels.
+// cache is bf16 (kv_kind 0), int8 codes with their scales per slot (1) or fp8 codes with
+// the layer's static scales (2) (llmctl/serve/kv_quant.py), written and read by the _i8
+// and _f8 kernels.
 
 #include <cstdint>
 
@@ -44,6 +45,17 @@ void rope_kv_bf16_i8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t
                      int8_t* k_cache, int8_t* v_cache, float* k_scale, float* v_scale,
                      int num_threads);
 void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v,
+                             const float* ks, const float* vs, const int64_t* bt,
+                             int64_t max_blocks, const int64_t* ctx, int64_t num_seqs,
+                             int64_t q_len, int64_t q_stride, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             float scale, float* out, int num_threads, int64_t window);
+void rope_kv_bf16_f8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
+                     int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
+                     const float* freqs, const int64_t* positions, const int64_t* slots,
+                     uint8_t* k_cache, uint8_t* v_cache, const float* k_scale,
+                     const float* v_scale, int num_threads);
+void paged_attention_bf16_f8(const uint16_t* q, const uint8_t* k, const uint8_t* v,
                              const float* ks, const float* vs, const int64_t* bt,
                              int64_t max_blocks, const int64_t* ctx, int64_t num_seqs,
                              int64_t q_len, int64_t q_stride, int64_t num_heads,
@@ -97,13 +109,21 @@ static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Ste
 
 void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
                        const Matrix* gate_up, const Matrix* down, void* k_cache,
-                       void* v_cache, float* k_scale, float* v_scale,
+                       void* v_cache, float* k_scale, float* v_scale, int64_t kv_kind,
                        const uint16_t* post_norm, const uint16_t* next_norm) {
   const Step& st = *step;
   const int64_t d = st.head_dim, q_size = st.q_heads * d, width = qkv->n;
   apply(*qkv, st.h, st.qkv, st);
   const uint16_t* v_new = st.qkv + q_size + st.kv_heads * d;
-  if (k_scale != nullptr) {
+  if (kv_kind == 2) {
+    uint8_t* kc = static_cast<uint8_t*>(k_cache);
+    uint8_t* vc = static_cast<uint8_t*>(v_cache);
+    rope_kv_bf16_f8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.freqs,
+                    st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
+    paged_attention_bf16_f8(st.qkv, kc, vc, k_scale, v_scale, st.block_tables, st.max_blocks,
+                            st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
+                            st.block_size, st.scale, st.attn_f, st.num_threads, st.window);
+  } else if (kv_kind == 1) {
     int8_t* kc = static_cast<int8_t*>(k_cache);
     int8_t* vc = static_cast<int8_t*>(v_cache);
     rope_kv_bf16_i8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.freqs,

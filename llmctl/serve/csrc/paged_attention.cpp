@@ -14,8 +14,8 @@
 // inside that key's block), so blocks before every window are never read: the engine
 // drops them from the block tables.
 //
-// Three implementations, picked by dispatch(): AVX512-BF16 for bf16 queries on a bf16 or
-// int8 cache (both products on vdpbf16ps, two passes), AVX-512 float32 math for float32
+// Three implementations, picked by dispatch(): AVX512-BF16 for bf16 queries on a bf16,
+// int8 or fp8 cache (both products on vdpbf16ps, two passes), AVX-512 float32 math for float32
 // or bf16 without that extension (online softmax over 16-key tiles), and a portable loop
 // for other head sizes, block sizes and CPUs. All three see a call through Call and a
 // work item through Item (where its query, output and K/V rows are); the two
@@ -30,6 +30,10 @@
 // s_k * (q . c_k), and a value row enters the second product with its probability
 // times s_v (the probabilities are rounded to bf16 there anyway).
 //
+// fp8 cache: E4M3 codes (fp8.h) with static scales, one per (layer, K or V, KV head),
+// x = e4m3(c) * s. The same arithmetic as int8 with the code widened from E4M3 (exact
+// in float32 and in bf16) and the scale of the item's KV head for every position.
+//
 // Built by llmctl/serve/cpu_kernels.py with -O3 -march=native -fopenmp and loaded with
 // ctypes (a C ABI, no torch headers: it compiles in a few seconds).
 
@@ -40,17 +44,21 @@
 #include <type_traits>
 #include <vector>
 
+#include "fp8.h"
 #include "simd_math.h"
 
 namespace {
 
 using namespace llmctl_simd;
+using llmctl_fp8::e4m3;
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
 
 inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+
+inline float load(const e4m3* p, int64_t i) { return llmctl_fp8::e4m3_to_float(p[i].bits); }
 
 // n values as float32 times scale (1 for a float cache: exact)
 template <typename T>
@@ -61,7 +69,8 @@ inline void to_float(const T* src, float* dst, int64_t n, float scale) {
 
 // One call: q [num_seqs * q_len, num_heads, head_dim] with q_stride elements between
 // tokens; k_cache, v_cache [blocks, block_size, num_kv_heads, head_dim] and, for an int8
-// cache, k_scale, v_scale [blocks, block_size, num_kv_heads] (null otherwise);
+// cache, k_scale, v_scale [blocks, block_size, num_kv_heads] (an fp8 cache:
+// [num_kv_heads]; null otherwise);
 // block_tables [num_seqs, max_blocks]; out float32 [num_seqs * q_len, num_heads, head_dim].
 template <typename Q, typename KV>
 struct Call {
@@ -107,13 +116,17 @@ struct Item {
   float* out_row(int64_t r) const {
     return c.out + ((seq * c.q_len + r / g) * c.num_heads + kvh * g + r % g) * c.head_dim;
   }
-  // where key / value `pos` of this KV head starts in k_cache / v_cache
-  int64_t kv_offset(int64_t pos) const { return scale_offset(pos) * c.head_dim; }
-  // where the scales of key / value `pos` of this KV head are in k_scale / v_scale
-  int64_t scale_offset(int64_t pos) const {
+  // fp8: one scale per KV head for every position, not one per slot
+  static constexpr bool static_scales = std::is_same<KV, e4m3>::value;
+  // (slot, KV head) index of key / value `pos` of this KV head
+  int64_t slot_head(int64_t pos) const {
     const int64_t block = table[pos / c.block_size];
     return (block * c.block_size + pos % c.block_size) * c.num_kv_heads + kvh;
   }
+  // where key / value `pos` of this KV head starts in k_cache / v_cache
+  int64_t kv_offset(int64_t pos) const { return slot_head(pos) * c.head_dim; }
+  // where the scales of key / value `pos` of this KV head are in k_scale / v_scale
+  int64_t scale_offset(int64_t pos) const { return static_scales ? kvh : slot_head(pos); }
   float k_scale(int64_t pos) const { return c.k_scale ? c.k_scale[scale_offset(pos)] : 1.f; }
   float v_scale(int64_t pos) const { return c.v_scale ? c.v_scale[scale_offset(pos)] : 1.f; }
 };
@@ -216,8 +229,8 @@ inline void prefetch_rows(const T* first, int64_t stride, int64_t row_elems) {
   }
 }
 
-// One K/V row of d = 16 * D4 elements as D4 float32 vectors (int8 codes times the
-// row's scale; a float row has none).
+// One K/V row of d = 16 * D4 elements as D4 float32 vectors (int8 or fp8 codes times
+// the row's scale; a float row has none).
 template <int D4>
 inline void load_row(const float* p, __m512* out, float) {
   for (int j = 0; j < D4; ++j) out[j] = _mm512_loadu_ps(p + 16 * j);
@@ -235,6 +248,13 @@ inline void load_row(const int8_t* p, __m512* out, float scale) {
     const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j));
     out[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), s);
   }
+}
+
+template <int D4>
+inline void load_row(const e4m3* p, __m512* out, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int j = 0; j < D4; ++j)
+    out[j] = _mm512_mul_ps(llmctl_fp8::e4m3x16_to_ps(&p[16 * j].bits), s);
 }
 
 // Blocks of up to 16 keys: the 16 scores of a row are one vector, so the softmax
@@ -365,6 +385,8 @@ inline __m512i bf16x32(const int8_t* p) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // elements 0-15 from lo, 16-31 from hi
 }
 
+inline __m512i bf16x32(const e4m3* p) { return llmctl_fp8::e4m3x32_to_bf16(&p->bits); }
+
 // bfloat16 queries and cache (or int8 codes, see the top) with AVX512-BF16: both
 // products run on vdpbf16ps (pairs of bf16 multiplied, summed into float32), so K/V rows
 // are used as loaded, never converted.
@@ -379,7 +401,7 @@ inline __m512i bf16x32(const int8_t* p) {
 // through a max -> exp -> rescale dependency and ran at a third of the speed.
 template <int D2, typename KV>  // head_dim = 32 * D2
 void attend_bf16(const Call<uint16_t, KV>& c) {
-  constexpr bool scaled = std::is_same<KV, int8_t>::value;
+  constexpr bool scaled = std::is_same<KV, int8_t>::value || std::is_same<KV, e4m3>::value;
   constexpr int64_t d = 32 * D2;
   const int64_t rows = c.rows();
   const int64_t stride = c.num_kv_heads * d;  // between the K/V rows of one KV head
@@ -394,7 +416,8 @@ void attend_bf16(const Call<uint16_t, KV>& c) {
     std::vector<float> scores(rows * padded);
     std::vector<uint32_t> pairs(rows * padded / 2);
     std::vector<float> inv(rows);
-    // int8: the item's K and V scales by key (0 past the context, whose lanes are masked)
+    // int8, fp8: the item's K and V scales by key (0 past the context, whose lanes are
+    // masked)
     std::vector<float> ks(scaled ? padded : 0), vs(scaled ? padded : 0);
 
 #pragma omp for schedule(dynamic, 1)
@@ -463,7 +486,7 @@ void attend_bf16(const Call<uint16_t, KV>& c) {
           const __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
           const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(sv, m)));
           lv = _mm512_add_ps(lv, p);
-          // int8: V's scales folded into the weights of its rows (the sum keeps p)
+          // int8, fp8: V's scales folded into the weights of its rows (the sum keeps p)
           const __m512 pw = scaled ? _mm512_mul_ps(p, _mm512_loadu_ps(vs.data() + tile * 16)) : p;
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + tile * 8),
                               (__m256i)_mm512_cvtneps_pbh(pw));
@@ -596,6 +619,31 @@ void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v
   dispatch_bf16(Call<uint16_t, int8_t>{q, k, v, ks, vs, bt, max_blocks, ctx, num_seqs, q_len,
                                        q_stride, num_heads, num_kv_heads, head_dim, block_size,
                                        scale, out, num_threads, window});
+}
+
+// fp8 (E4M3) caches: k, v hold the codes; ks, vs [num_kv_heads] the static scales
+void paged_attention_f32_f8(const float* q, const uint8_t* k, const uint8_t* v, const float* ks,
+                            const float* vs, const int64_t* bt, int64_t max_blocks,
+                            const int64_t* ctx, int64_t num_seqs, int64_t q_len,
+                            int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, float* out,
+                            int num_threads, int64_t window) {
+  dispatch(Call<float, e4m3>{q, reinterpret_cast<const e4m3*>(k),
+                             reinterpret_cast<const e4m3*>(v), ks, vs, bt, max_blocks, ctx,
+                             num_seqs, q_len, q_stride, num_heads, num_kv_heads, head_dim,
+                             block_size, scale, out, num_threads, window});
+}
+
+void paged_attention_bf16_f8(const uint16_t* q, const uint8_t* k, const uint8_t* v,
+                             const float* ks, const float* vs, const int64_t* bt,
+                             int64_t max_blocks, const int64_t* ctx, int64_t num_seqs,
+                             int64_t q_len, int64_t q_stride, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             float scale, float* out, int num_threads, int64_t window) {
+  dispatch_bf16(Call<uint16_t, e4m3>{q, reinterpret_cast<const e4m3*>(k),
+                                     reinterpret_cast<const e4m3*>(v), ks, vs, bt, max_blocks,
+                                     ctx, num_seqs, q_len, q_stride, num_heads, num_kv_heads,
+                                     head_dim, block_size, scale, out, num_threads, window});
 }
 
 }  // extern "C"

@@ -12,11 +12,15 @@
 // An int8 cache (llmctl/serve/kv_quant.py) gets each token's K and V heads quantized as
 // they are written, with kv_quant.quantize_int8's arithmetic (float32, IEEE division,
 // round half to even): s = max |x| / 127, c = round(x / s), s = 0 -> c = 0.
+//
+// An fp8 cache gets E4M3 codes of x / s with the layer's static scale s of each KV head
+// (kv_quant.quantize_fp8: float32 division, round to nearest even, saturate at 448).
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "fp8.h"
 #include "simd_math.h"
 
 using namespace llmctl_simd;
@@ -53,6 +57,14 @@ inline void quantize_heads(const uint16_t* src, int64_t kv_heads, int64_t d, int
     }
     scales[h] = scale;
   }
+}
+
+// kv_heads heads of d bf16 values -> E4M3 codes of x / scales[h]
+inline void quantize_heads_fp8(const uint16_t* src, int64_t kv_heads, int64_t d,
+                               const float* scales, uint8_t* codes) {
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t i = 0; i < d; ++i)
+      codes[h * d + i] = llmctl_fp8::float_to_e4m3(bf16_to_float(src[h * d + i]) / scales[h]);
 }
 
 }  // namespace
@@ -92,6 +104,23 @@ void rope_kv_bf16_i8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t
                    k_scale + slot * kv_heads);
     quantize_heads(v + t * v_stride, kv_heads, d, v_cache + slot * kv_heads * d,
                    v_scale + slot * kv_heads);
+  }
+}
+
+// The same into an fp8 cache: codes at [slots, kv_heads, d]; k_scale, v_scale
+// [kv_heads] are the layer's static scales (read, not written).
+void rope_kv_bf16_f8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
+                     int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
+                     const float* freqs, const int64_t* positions, const int64_t* slots,
+                     uint8_t* k_cache, uint8_t* v_cache, const float* k_scale,
+                     const float* v_scale, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= 64)
+  for (int64_t t = 0; t < tokens; ++t) {
+    uint16_t* row = qk + t * qk_stride;
+    rotate(row, q_heads + kv_heads, d, freqs + positions[t] * d);
+    const int64_t slot = slots[t];
+    quantize_heads_fp8(row + q_heads * d, kv_heads, d, k_scale, k_cache + slot * kv_heads * d);
+    quantize_heads_fp8(v + t * v_stride, kv_heads, d, v_scale, v_cache + slot * kv_heads * d);
   }
 }
 

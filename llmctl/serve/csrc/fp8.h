@@ -1,0 +1,100 @@
+// FP8 E4M3 ("e4m3fn": no infinities, one NaN pattern per sign) <-> float32 and bf16,
+// for an fp8 KV cache (llmctl/serve/kv_quant.py). Shared by paged_attention.cpp and
+// rope_kv.cpp; llmctl/serve/cpu_kernels.py hashes this file with the sources.
+//
+// A code is s eeee mmm, exponent bias 7:
+//   e > 0:  (-1)^s * 2^(e-7) * (1 + m/8)      largest finite: e=15, m=6 -> 448
+//   e = 0:  (-1)^s * 2^-6 * (m/8) = m * 2^-9  (subnormals)
+// Every code is exact in bfloat16 (8 exponent bits, 7 mantissa bits) and in float32, so
+// widening is exact; narrowing rounds to nearest even and saturates at +-448 (the
+// codes 0x7f/0xff, NaN, are never written), as torch's x.clamp(-448, 448).to(
+// torch.float8_e4m3fn) does: the kernels and kv_quant.quantize_fp8 give the same bits.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace llmctl_fp8 {
+
+// A cache element: the code's bits (a distinct type, so templates over the cache
+// element pick the fp8 overloads, not the uint8/int8 ones).
+struct e4m3 {
+  uint8_t bits;
+};
+
+constexpr float kE4M3Max = 448.f;
+
+inline float e4m3_to_float(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const float mag = e ? std::ldexp(static_cast<float>(8 + m), e - 10)
+                      : std::ldexp(static_cast<float>(m), -9);
+  return (b & 0x80) ? -mag : mag;
+}
+
+// float32 -> code, round to nearest even, saturating (NaN inputs are not expected).
+inline uint8_t float_to_e4m3(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const float a = std::fabs(x);
+  if (!(a < kE4M3Max)) return sign | 0x7E;  // 448 = e 15, m 6
+  if (a < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9 (a * 512 is exact)
+    const int m = static_cast<int>(std::nearbyint(a * 512.f));  // 8 rounds up to 0x08
+    return sign | static_cast<uint8_t>(m);
+  }
+  int e = static_cast<int>((u >> 23) & 0xFF) - 127 + 7;  // 1 .. 15
+  uint32_t m = (u >> 20) & 7;
+  const uint32_t rest = u & 0xFFFFF, half = 0x80000;
+  if (rest > half || (rest == half && (m & 1))) {
+    if (++m == 8) {
+      m = 0;
+      ++e;
+    }
+  }
+  if (e > 15 || (e == 15 && m == 7)) return sign | 0x7E;  // rounded past 448
+  return sign | static_cast<uint8_t>((e << 3) | m);
+}
+
+#if defined(__AVX512F__)
+// 16 codes -> 16 floats, exact: magnitude = mant * 2^(max(e, 1) - 10) with mant = m + 8
+// for normals and m for subnormals (scalef applies the power of two exactly).
+inline __m512 e4m3x16_to_ps(const uint8_t* p) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(v, 3), _mm512_set1_epi32(15));
+  const __m512i m = _mm512_and_si512(v, _mm512_set1_epi32(7));
+  const __mmask16 normal = _mm512_test_epi32_mask(e, e);
+  const __m512i mant = _mm512_mask_or_epi32(m, normal, m, _mm512_set1_epi32(8));
+  const __m512i ex = _mm512_sub_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(1)),
+                                      _mm512_set1_epi32(10));
+  const __m512 mag = _mm512_scalef_ps(_mm512_cvtepi32_ps(mant), _mm512_cvtepi32_ps(ex));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+}
+#endif
+
+#if defined(__AVX512BW__)
+// 32 codes -> 32 bfloat16 patterns, exact. Normals: the 7 magnitude bits shifted under
+// bf16's exponent field (e + 120 = e - 7 + 127), m into the mantissa's top 3 bits.
+// Subnormals (8 patterns) from a table indexed by m.
+inline __m512i e4m3x32_to_bf16(const uint8_t* p) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  // m * 2^-9 for m = 0..7 as bf16: 0, 2^-9, 2^-8, 1.5 * 2^-8, 2^-7, 1.25, 1.5, 1.75 * 2^-7
+  const __m512i table = _mm512_set_epi16(
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+      0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0x0000);
+  const __m512i sub = _mm512_permutexvar_epi16(mag, table);
+  const __mmask32 is_sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8);
+  return _mm512_or_si512(_mm512_mask_blend_epi16(is_sub, normal, sub), sign);
+}
+#endif
+
+}  // namespace llmctl_fp8

@@ -264,13 +264,14 @@ def ab_throughput(runs: Sequence[dict[str, Any]], rounds: int, sides: tuple[str,
                   ratio_key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """An alternating A/B run's output throughput: ``sides[0] / sides[1]`` within each
     round where both sides succeeded (``ratio_key``), and the medians over rounds of
-    each side and of that ratio. ``runs``: records with ``round``, ``side`` and a
+    each side and of that ratio (other sides in ``runs`` are ignored). ``runs``: records with ``round``, ``side`` and a
     ``result`` holding ``output_throughput``; a record with an ``error`` is left out."""
     a, b = sides
     ok = [r for r in runs if "result" in r and "error" not in r]
     per_round = []
     for rnd in range(1, rounds + 1):
-        got = {r["side"]: r["result"]["output_throughput"] for r in ok if r["round"] == rnd}
+        got = {r["side"]: r["result"]["output_throughput"] for r in ok
+               if r["round"] == rnd and r["side"] in sides}
         if set(got) == set(sides) and got[b]:
             per_round.append({"round": rnd, ratio_key: got[a] / got[b]})
     summary: dict[str, Any] = {side: {"output_throughput": median(

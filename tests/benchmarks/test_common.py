@@ -114,3 +114,8 @@ def test_ab_throughput_ratios_within_rounds_and_medians():
     assert summary["a"]["output_throughput"] == 100.0  # median of 120, 100, 90
     assert summary["b"]["output_throughput"] == 90.0
     assert summary["a_over_b"] == pytest.approx(1.225)
+    # a third side in the same rounds (kv_cache_dtype's int8 and fp8 against bf16)
+    third = [{"round": 1, "side": "c", "result": {"output_throughput": 50.0}}]
+    assert common.ab_throughput(runs + third, 3, ("a", "b"), "a_over_b") == (per_round, summary)
+    per_c, _ = common.ab_throughput(runs + third, 3, ("c", "b"), "c_over_b")
+    assert per_c == [{"round": 1, "c_over_b": 0.5}]

@@ -274,7 +274,9 @@ class Scheduler:
 
     def _make_room(self, out: SchedulerOutput) -> None:
         """Preempt running sequences the policy lets the head of the queue displace,
-        newest first, if (and only if) that frees enough slots and blocks to admit it."""
+        newest first, if (and only if) that frees enough slots and blocks to admit it,
+        and, for a head with a LoRA adapter, leaves room for that adapter under
+        ``max_loras`` (else the admission below would skip it, after the preemptions)."""
         head = self._order()[0]
         victims = self.policy.preemptible(head, self.running, self._aging_now)
         if not victims or self._promised is not None:
@@ -290,10 +292,21 @@ class Scheduler:
         free = bm.num_free_blocks
         left = len(self.running)
         chosen: list[Sequence] = []
+        adapter = head.request.lora
+        # running sequences per adapter id, as the victims leave
+        adapters: dict[int, int] = {}
+        if adapter is not None and self.max_loras is not None:
+            for seq in self.running:
+                if seq.request.lora is not None:
+                    lid = seq.request.lora.lora_id
+                    adapters[lid] = adapters.get(lid, 0) + 1
 
         def fits() -> bool:
             watermark = self.watermark_blocks if left else 0
-            return (1 + head.pending_fork <= slots or not left) and free - need >= watermark
+            lora_ok = adapter is None or self.max_loras is None \
+                or adapter.lora_id in adapters or len(adapters) < self.max_loras
+            return (1 + head.pending_fork <= slots or not left) and free - need >= watermark \
+                and lora_ok
 
         for victim in victims:
             if fits():
@@ -303,6 +316,11 @@ class Scheduler:
             # blocks only it holds return to the pool (shared prefix blocks stay)
             free += bm.exclusive_blocks(victim)
             left -= 1
+            if victim.request.lora is not None and victim.request.lora.lora_id in adapters:
+                lid = victim.request.lora.lora_id
+                adapters[lid] -= 1
+                if not adapters[lid]:
+                    del adapters[lid]
         if not chosen or not fits():
             return
         for victim in chosen:

@@ -91,6 +91,30 @@ def test_only_a_lower_class_is_displaced():
     assert out.preempted == [] and [s.request.request_id for s in sched.waiting] == ["late"]
 
 
+def test_displacement_leaves_room_for_the_head_adapter_under_max_loras():
+    """max_loras 2, running adapters L1, L2, L2: an interactive request with a third
+    adapter needs both L2 sequences gone, not only the newest (which frees the blocks
+    but leaves two adapters, so the admission would skip it after the preemption)."""
+    from llmctl.serve.lora_adapter import LoRAAdapter
+
+    sched = make(6)
+    sched.max_loras = 2
+    loras = [LoRAAdapter(name=f"l{i}", path="", rank=1, scaling=1.0, layers=[])
+             for i in range(3)]
+    batch = [make_seq(7, cls="batch", tenant="A", arrival=i, rid=f"b{i}") for i in range(3)]
+    for seq, lora in zip(batch, (loras[0], loras[1], loras[1])):
+        seq.request.lora = lora
+        sched.add(seq)
+    run_step(sched)
+    urgent = make_seq(7, cls="interactive", tenant="B", arrival=5, rid="urgent")
+    urgent.request.lora = loras[2]
+    sched.add(urgent)
+    out = run_step(sched)
+    assert out.preempted == [batch[2], batch[1]]
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(batch[0], 1), (urgent, 7)]
+    sched.block_manager.check_invariants(sched.running)
+
+
 def test_a_sequence_is_displaced_at_most_once():
     """Displaced once, a batch sequence keeps its place against later interactive
     arrivals: otherwise a steady interactive stream could push it out forever."""

@@ -224,13 +224,15 @@ def test_bfloat16_engine_applies_adapters(tiny_llama, tiny_loras, monkeypatch):
     assert (got[None] - base).abs().max().item() < 0.1 * effect
 
 
-def test_adapters_over_an_int8_kv_cache(llm, tiny_llama, tiny_loras, monkeypatch):
-    """LoRA rows and the int8 KV cache (llmctl.serve.kv_quant) in one step: the adapter
-    still applies (its effect on these logits is O(1)), and int8 moves the adapter's
-    logits as it moves the base model's (< 0.25 on this model: tests/serve/
-    test_kv_cache_int8.py), so neither path drops the other."""
-    int8 = LLM(str(tiny_llama), loras={k: str(v) for k, v in tiny_loras.items()},
-               kv_cache_memory="32MiB", max_num_seqs=16, kv_cache_dtype="int8")
+@pytest.mark.parametrize("kv_dtype,bound", [("int8", 0.25), ("fp8", 1.5)])
+def test_adapters_over_an_8bit_kv_cache(llm, tiny_llama, tiny_loras, monkeypatch, kv_dtype,
+                                        bound):
+    """LoRA rows and an 8-bit KV cache (llmctl.serve.kv_quant) in one step: the adapter
+    still applies (its effect on these logits is O(1)), and the cache moves the adapter's
+    logits as it moves the base model's (int8 < 0.25, fp8 < 1.5 on this model: tests/
+    serve/test_kv_cache_int8.py, test_kv_cache_fp8.py), so neither path drops the other."""
+    eight = LLM(str(tiny_llama), loras={k: str(v) for k, v in tiny_loras.items()},
+                kv_cache_memory="32MiB", max_num_seqs=16, kv_cache_dtype=kv_dtype)
     prompt, params = "The file object", SamplingParams(max_tokens=1, temperature=0)
 
     def first_logits(engine, lora):
@@ -239,6 +241,6 @@ def test_adapters_over_an_int8_kv_cache(llm, tiny_llama, tiny_loras, monkeypatch
         monkeypatch.undo()
         return steps[0][0][2]
 
-    quantized, full = first_logits(int8, "all4"), first_logits(llm, "all4")
-    assert 1e-4 < (quantized - full).abs().max().item() < 0.25
-    assert (quantized - first_logits(int8, None)).abs().max().item() > 0.5
+    quantized, full = first_logits(eight, "all4"), first_logits(llm, "all4")
+    assert 1e-4 < (quantized - full).abs().max().item() < bound
+    assert (quantized - first_logits(eight, None)).abs().max().item() > 0.5

@@ -206,9 +206,11 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
 
     def _admit(self, prompt_token_ids: list[int], params, priority: int,
-               priority_class: str | None, deadline: float | None) -> tuple[tuple, float]:
-        """Raise :class:`DeadlineError` if the request cannot finish by ``deadline``; else
-        its admission key and expected tokens (queued from now on). Under ``_lock``."""
+               priority_class: str | None, deadline: float | None
+               ) -> tuple[tuple[tuple, float], tuple]:
+        """Raise :class:`DeadlineError` if the request cannot finish by ``deadline``, or
+        :class:`QueueFullError`; else its (admission key, expected tokens) and its queue
+        (counted as queued from now on). Under ``_lock``."""
         key = self.engine.admission_key(priority, priority_class)
         queue = self.engine.queue_key(priority_class)
         if self.max_queue is not None:
@@ -237,7 +239,7 @@ class AsyncEngine:
                                      ahead_own=sum(w for k, w in work if k == key))
             if refusal is not None:
                 raise DeadlineError(refusal.reason(), refusal.retry_after)
-        return key, own
+        return (key, own), queue
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params,
                priority: int = 0, **who) -> _Stream:
@@ -252,15 +254,15 @@ class AsyncEngine:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id}")
-            work = self._admit(prompt_token_ids, params, priority, who.get("priority_class"),
-                               who.get("deadline"))
+            work, queue = self._admit(prompt_token_ids, params, priority,
+                                      who.get("priority_class"), who.get("deadline"))
             # Validates (context length, token ids) and raises here, in the caller.
             # who: tenant, priority_class, deadline (LLMEngine.add_request)
             self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
                                     arrival_time=time.time(), **who)
             self._streams[request_id] = stream
             self._added_work.append(work)
-            self._added_queues.append(self.engine.queue_key(who.get("priority_class")))
+            self._added_queues.append(queue)
         self._wake.set()
         return stream
 

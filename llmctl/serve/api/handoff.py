@@ -97,8 +97,9 @@ _LORA = {
           "engine (vLLM: its own --enable-lora --lora-modules): serve without --engine"
     for flag in ("--lora", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates")}
 _KV_CACHE = {"--kv-cache-dtype": "--kv-cache-dtype is the built-in engine's KV cache (int8 "
-                                 "with per-token scales); a hand-off engine sets its own: "
-                                 "drop the flag or serve without --engine"}
+                                 "with per-token scales, fp8 with static ones); a hand-off "
+                                 "engine sets its own (vLLM: its --kv-cache-dtype): drop "
+                                 "the flag or serve without --engine"}
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_LORA,
              **_KV_CACHE},

@@ -55,6 +55,17 @@ def assert_all_blocks_free(engine) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
+@pytest.fixture
+def kernels_off(monkeypatch):
+    """The pure-torch paths: the native CPU kernels switched off for one test."""
+    from llmctl.serve import cpu_kernels
+
+    monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
+    cpu_kernels._library.cache_clear()
+    yield
+    cpu_kernels._library.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_variants(tmp_path_factory):
     """``make(name, **config)``: tiny checkpoints of other families / RoPE variants."""

@@ -8,6 +8,12 @@ import pytest
 import torch
 
 from llmctl.serve import cpu_kernels
+from llmctl.serve.attention import (
+    AttnMetadata,
+    build_kernel_group,
+    build_paged_group,
+    paged_attention,
+)
 
 CPU = torch.device("cpu")
 
@@ -40,3 +46,25 @@ def random_case(*, heads, kv_heads, head_dim, block_size, contexts, q_len, dtype
         used += n
     fused = torch.randn((len(contexts) * q_len, heads + kv_heads, head_dim), generator=gen)
     return cache, tables, fused.to(dtype)[:, :heads], num_blocks
+
+
+def assert_8bit_kernel_reads_like_torch(case: str, codes, scales, tables, q, *, contexts,
+                                        q_len: int, window: int, num_blocks: int) -> None:
+    """The native kernel on an 8-bit cache (``codes`` int8 or uint8 E4M3 with their
+    ``scales``) against the torch fallback: gather the blocks, dequantize them, SDPA."""
+    heads, kv_heads, d, block_size = CASES[case]
+    dtype = q.dtype
+    scale = d ** -0.5
+    kernel = cpu_kernels.paged_attention_kernel(CPU, dtype, codes=codes.dtype)
+    grp = build_kernel_group(0, q_len, contexts, tables, device=CPU)
+    out = kernel(q, codes, grp.block_tables, grp.context_lens, q_len, scale, window, scales)
+    ref_grp = build_paged_group(0, q_len, contexts, tables, block_size=block_size,
+                                num_blocks=num_blocks, group_heads=heads // kv_heads,
+                                device=CPU, windows=[window] if window else ())
+    meta = AttnMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), groups=[ref_grp])
+    unused = torch.zeros(q.shape[0], kv_heads, d)
+    ref = paged_attention(q.float(), unused, unused, codes, meta, scale, window or None, scales)
+    assert out.shape == ref.shape
+    # bf16: the kernel rounds the probabilities (times V's scales) to bf16 for P.V
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)

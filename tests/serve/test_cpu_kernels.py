@@ -159,14 +159,6 @@ def test_kernels_absent_for_other_devices_and_dtypes():
     assert cpu_kernels.rope_kv_kernel(torch.device("cpu"), torch.float32, freqs) is None
 
 
-@pytest.fixture
-def kernels_off(monkeypatch):
-    monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
-    cpu_kernels._library.cache_clear()
-    yield
-    cpu_kernels._library.cache_clear()
-
-
 def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     fake = tmp_path / "c++"
     fake.write_text("#!/bin/sh\necho 'fatal: no compiler today' >&2\nexit 1\n")

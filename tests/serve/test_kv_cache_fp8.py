@@ -15,20 +15,21 @@ import torch
 from typer.testing import CliRunner
 
 from llmctl.serve import cpu_kernels
-from llmctl.serve.attention import (
-    AttnMetadata,
-    build_kernel_group,
-    build_paged_group,
-    paged_attention,
-)
 from llmctl.serve.kv_quant import E4M3_MAX, dequantize_fp8, quantize_fp8
 from llmctl.serve.kv_scales import HEADROOM
 from llmctl.serve.llm import LLM
 from llmctl.serve.sampling_params import SamplingParams
-from llmctl.serve.scoring import prompt_logits, teacher_forced_logits
 from llmctl.utils.cpu import cpu_flags
-from tests.serve.conftest import PROMPTS, assert_all_blocks_free, encode
-from tests.serve.paged_cases import CASES, random_case
+from tests.serve.conftest import PROMPTS, encode
+from tests.serve.kv_quant_engine import (
+    check,
+    check_fused_decode_layers_bit_for_bit,
+    check_prefix_hits_preemption_and_forks,
+    hf_kv_hooks,
+    prefill_logit_shift,
+    quantized_reference,
+)
+from tests.serve.paged_cases import CASES, assert_8bit_kernel_reads_like_torch, random_case
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(
@@ -89,20 +90,8 @@ def test_native_kernel_reads_fp8_like_the_torch_path(case, q_len, dtype, window)
     codes = finite[torch.randint(0, finite.numel(), values.shape, generator=gen)]
     # scales that differ by head and between K and V; |x| up to 448 s keeps scores sane
     scales = (torch.rand(2, kv_heads, generator=gen) + 0.5) * 0.004
-    scale = d ** -0.5
-    kernel = cpu_kernels.paged_attention_kernel(CPU, dtype, codes=torch.uint8)
-    grp = build_kernel_group(0, q_len, contexts, tables, device=CPU)
-    out = kernel(q, codes, grp.block_tables, grp.context_lens, q_len, scale, window, scales)
-    ref_grp = build_paged_group(0, q_len, contexts, tables, block_size=block_size,
-                                num_blocks=num_blocks, group_heads=heads // kv_heads,
-                                device=CPU, windows=[window] if window else ())
-    meta = AttnMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), groups=[ref_grp])
-    unused = torch.zeros(q.shape[0], kv_heads, d)
-    ref = paged_attention(q.float(), unused, unused, codes, meta, scale, window or None, scales)
-    assert out.shape == ref.shape
-    # bf16: the kernel rounds the probabilities (times V's scales) to bf16 for P.V
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    assert_8bit_kernel_reads_like_torch(case, codes, scales, tables, q, contexts=contexts,
+                                        q_len=q_len, window=window, num_blocks=num_blocks)
 
 
 @needs_kernels
@@ -142,47 +131,20 @@ def test_fused_rope_and_fp8_cache_write_quantize_like_torch(tokens):
 
 def _hf_kv(path, prompts_ids: list[list[int]]) -> list[torch.Tensor]:
     """Per layer, the post-RoPE keys and the values transformers (float32) computes for
-    the prompts: ``[2, tokens, kv_heads, d]`` each (HF's rotate-half order within a head:
-    a head's absmax does not depend on it)."""
-    import transformers.models.llama.modeling_llama as llama
-
+    the prompts: ``[2, tokens, kv_heads, d]`` each."""
     from llmctl.models.loading import load_model
 
     model = load_model(path)
-    heads = model.config.num_key_value_heads
-    seen: list[dict] = [{"k": [], "v": []} for _ in model.model.layers]
-    current = [0]
-    rope = llama.apply_rotary_pos_emb
+    seen = [([], []) for _ in model.model.layers]
 
-    def record_k(q, k, cos, sin, *args, **kwargs):
-        q, k = rope(q, k, cos, sin, *args, **kwargs)
-        seen[current[0]]["k"].append(k[0].transpose(0, 1))  # [T, H, d]
-        return q, k
+    def record(layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
+        seen[layer][kind].append(x[0])  # batch of one: [T, kv_heads, d]
+        return x
 
-    def record_v(i):
-        def hook(module, inputs, out):
-            seen[i]["v"].append(out[0].view(out.shape[1], heads, -1))
-        return hook
-
-    def enter(i):
-        def hook(module, args, kwargs):
-            current[0] = i
-        return hook
-
-    hooks = [layer.self_attn.register_forward_pre_hook(enter(i), with_kwargs=True)
-             for i, layer in enumerate(model.model.layers)]
-    hooks += [layer.self_attn.v_proj.register_forward_hook(record_v(i))
-              for i, layer in enumerate(model.model.layers)]
-    llama.apply_rotary_pos_emb = record_k
-    try:
-        with torch.no_grad():
-            for ids in prompts_ids:
-                model(torch.tensor([ids]))
-    finally:
-        llama.apply_rotary_pos_emb = rope
-        for h in hooks:
-            h.remove()
-    return [torch.stack([torch.cat(s["k"]), torch.cat(s["v"])]) for s in seen]
+    with hf_kv_hooks(model, record), torch.no_grad():
+        for ids in prompts_ids:
+            model(torch.tensor([ids]))
+    return [torch.stack([torch.cat(k), torch.cat(v)]) for k, v in seen]
 
 
 def test_calibrated_scales_are_the_headroom_times_the_amax_transformers_sees(tiny_llama):
@@ -259,78 +221,18 @@ def test_checkpoint_scales_are_used_as_stored(tiny_llama, tmp_path):
 # -- the engine against transformers with the same quantization -----------------------
 
 
-def _quantized_reference(path, prompts_ids: list[list[int]], max_tokens: int,
-                         scales: torch.Tensor) -> list[list[int]]:
-    """transformers greedy decoding (float32) whose K (after RoPE) and V pass through
-    quantize_fp8 -> dequantize_fp8 with the engine's static ``scales [layers, 2, kv_heads]``
-    before its cache stores them."""
-    import transformers.models.llama.modeling_llama as llama
-
-    from llmctl.models.hf_generate import hf_generate
-    from llmctl.models.loading import load_model, load_tokenizer
-
-    def fake(x, s):  # [..., kv_heads, d]
-        return dequantize_fp8(quantize_fp8(x, s), s, x.dtype)
-
-    model = load_model(path)
-    tokenizer = load_tokenizer(path)
-    heads = model.config.num_key_value_heads
-    rope = llama.apply_rotary_pos_emb
-    current = [0]
-
-    def rotated_then_quantized(q, k, cos, sin, *args, **kwargs):
-        q, k = rope(q, k, cos, sin, *args, **kwargs)  # k [B, H, T, d]
-        return q, fake(k.transpose(1, 2), scales[current[0], 0]).transpose(1, 2)
-
-    def enter(i):
-        def hook(module, args, kwargs):
-            current[0] = i
-        return hook
-
-    def quantize_v(i):
-        def hook(module, inputs, out):
-            return fake(out.view(*out.shape[:-1], heads, -1), scales[i, 1]).view(out.shape)
-        return hook
-
-    hooks = [layer.self_attn.register_forward_pre_hook(enter(i), with_kwargs=True)
-             for i, layer in enumerate(model.model.layers)]
-    hooks += [layer.self_attn.v_proj.register_forward_hook(quantize_v(i))
-              for i, layer in enumerate(model.model.layers)]
-    llama.apply_rotary_pos_emb = rotated_then_quantized
-    try:
-        return [hf_generate(model, tokenizer, ids, max_tokens=max_tokens) for ids in prompts_ids]
-    finally:
-        llama.apply_rotary_pos_emb = rope
-        for h in hooks:
-            h.remove()
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     """Greedy continuations of PROMPTS under fp8 K/V with the engine's calibrated scales,
-    30 tokens (computed once), and those scales."""
+    30 tokens (computed once)."""
     scales = LLM(str(tiny_llama), kv_cache_dtype="fp8",
                  kv_cache_memory="4MiB").engine.target.kv_scales
-    ids = [encode(tiny_llama, p) for p in PROMPTS]
-    return dict(zip(map(tuple, ids), _quantized_reference(tiny_llama, ids, 30, scales)))
 
+    def fp8(layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
+        s = scales[layer, kind]
+        return dequantize_fp8(quantize_fp8(x, s), s, x.dtype)
 
-def _check(llm: LLM, reference, path, prompts=PROMPTS, max_tokens=30, n=1) -> list:
-    ids = [encode(path, p) for p in prompts]
-    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens, n=n))
-    for prompt_ids, out in zip(ids, outs):
-        for o in out.outputs:
-            assert o.token_ids == reference[tuple(prompt_ids)][:max_tokens], out.request_id
-    assert_all_blocks_free(llm.engine)
-    return outs
-
-
-@pytest.fixture
-def kernels_off(monkeypatch):
-    monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
-    cpu_kernels._library.cache_clear()
-    yield
-    cpu_kernels._library.cache_clear()
+    return quantized_reference(tiny_llama, [encode(tiny_llama, p) for p in PROMPTS], 30, fp8)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["kernels", "torch"])
@@ -339,7 +241,7 @@ def test_greedy_equals_transformers_with_fp8_kv(tiny_llama, reference, native, r
         request.getfixturevalue("kernels_off")
     llm = LLM(str(tiny_llama), kv_cache_dtype="fp8", kv_cache_memory="4MiB")
     assert (llm.engine.runner.kernel is not None) == native
-    _check(llm, reference, tiny_llama)
+    check(llm, reference, tiny_llama)
 
 
 def test_unquantized_kv_gives_other_tokens(tiny_llama, reference):
@@ -352,51 +254,21 @@ def test_unquantized_kv_gives_other_tokens(tiny_llama, reference):
 
 
 def test_prefix_cache_hits_preemption_and_forks_keep_the_tokens(tiny_llama, reference):
-    """A prefix-cache hit reads another request's codes; preemption recomputes them; a
-    fork of a partial block copies them (copy-on-write; the static scales stay): every
-    path gives the reference's tokens."""
-    llm = LLM(str(tiny_llama), kv_cache_dtype="fp8", block_size=4, num_kv_blocks=30,
-              max_model_len=112, max_num_batched_tokens=5)
-    _check(llm, reference, tiny_llama)
-    assert llm.engine.stats()["num_preemptions"] > 0
-    llm = LLM(str(tiny_llama), kv_cache_dtype="fp8", kv_cache_memory="4MiB")
-    _check(llm, reference, tiny_llama, PROMPTS[3:4])
-    again = _check(llm, reference, tiny_llama, PROMPTS[3:4], max_tokens=20)
-    assert again[0].metrics.num_cached_tokens >= 16
-    _check(llm, reference, tiny_llama, PROMPTS[1:2], max_tokens=20, n=3)
+    check_prefix_hits_preemption_and_forks(tiny_llama, reference, "fp8")
 
 
 def test_prefill_sees_the_cache_decode_sees(tiny_llama):
-    """A fresh prompt attends over its K/V as stored (fp8), so one prefill's rows equal
-    decoding token by token through the cache (float32 noise: 1e-4). fp8 moves this
-    model's logits (span ~+-5) by 0.62 (int8: 0.10): E4M3 keeps 3 mantissa bits, and the
-    error hardly depends on the scale (a power-of-two change only shifts exponents: x0.5
-    to x16 measured the same 0.62), except that scales 10x too small saturate (6.4)."""
-    ids = encode(tiny_llama, PROMPTS[3])
-    llm = LLM(str(tiny_llama), kv_cache_dtype="fp8", kv_cache_memory="4MiB")
-    prefill = prompt_logits(llm.engine, ids)
-    decoded = teacher_forced_logits(llm.engine, ids, 1)
-    torch.testing.assert_close(prefill, decoded, atol=1e-4, rtol=1e-4)
-    full = teacher_forced_logits(LLM(str(tiny_llama), kv_cache_memory="4MiB").engine, ids, 1)
-    diff = (decoded - full).abs().max().item()
-    assert 1e-3 < diff < 1.5
+    """fp8 moves this model's logits (span ~+-5) by 0.62 (int8: 0.10): E4M3 keeps 3
+    mantissa bits, and the error hardly depends on the scale (a power-of-two change only
+    shifts exponents: x0.5 to x16 measured the same 0.62), except that scales 10x too
+    small saturate (6.4)."""
+    assert 1e-3 < prefill_logit_shift(tiny_llama, "fp8") < 1.5
 
 
 @pytest.mark.skipif(not {"avx512_bf16", "avx512_vnni"} <= cpu_flags(),
                     reason="the fused decode layer needs AVX512-BF16 and AVX512-VNNI")
 def test_fused_decode_layers_read_fp8_bit_for_bit_like_the_layer_loop(tiny_llama):
-    llm = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_dtype="fp8", max_num_seqs=4,
-              kv_cache_memory="4MiB", bf16_gemm="own", enable_prefix_caching=False)
-    net = llm.engine.target.model
-    assert net.decode_layers is not None
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
-    prompts = PROMPTS[:4]
-    fused = llm.generate(prompts, params)
-    net.decode_layers = None
-    plain = llm.generate(prompts, params)
-    for a, b in zip(fused, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    check_fused_decode_layers_bit_for_bit(tiny_llama, "fp8")
 
 
 # -- memory, command line ---------------------------------------------------------------

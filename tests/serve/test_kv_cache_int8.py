@@ -10,19 +10,18 @@ import torch
 from typer.testing import CliRunner
 
 from llmctl.serve import cpu_kernels
-from llmctl.serve.attention import (
-    AttnMetadata,
-    build_kernel_group,
-    build_paged_group,
-    paged_attention,
-)
 from llmctl.serve.kv_quant import dequantize_int8, quantize_int8
 from llmctl.serve.llm import LLM
-from llmctl.serve.sampling_params import SamplingParams
-from llmctl.serve.scoring import prompt_logits, teacher_forced_logits
 from llmctl.utils.cpu import cpu_flags
-from tests.serve.conftest import PROMPTS, assert_all_blocks_free, encode
-from tests.serve.paged_cases import CASES, random_case
+from tests.serve.conftest import PROMPTS, encode
+from tests.serve.kv_quant_engine import (
+    check,
+    check_fused_decode_layers_bit_for_bit,
+    check_prefix_hits_preemption_and_forks,
+    prefill_logit_shift,
+    quantized_reference,
+)
+from tests.serve.paged_cases import CASES, assert_8bit_kernel_reads_like_torch, random_case
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(
@@ -62,20 +61,8 @@ def test_native_kernel_reads_int8_like_the_torch_path(case, q_len, dtype, window
     gen = torch.Generator().manual_seed(q_len)
     values = values.float() * torch.rand(*values.shape[:-1], 1, generator=gen) * 4
     codes, scales = quantize_int8(values)
-    scale = d ** -0.5
-    kernel = cpu_kernels.paged_attention_kernel(CPU, dtype, codes=torch.int8)
-    grp = build_kernel_group(0, q_len, contexts, tables, device=CPU)
-    out = kernel(q, codes, grp.block_tables, grp.context_lens, q_len, scale, window, scales)
-    ref_grp = build_paged_group(0, q_len, contexts, tables, block_size=block_size,
-                                num_blocks=num_blocks, group_heads=heads // kv_heads,
-                                device=CPU, windows=[window] if window else ())
-    meta = AttnMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), groups=[ref_grp])
-    unused = torch.zeros(q.shape[0], kv_heads, d)
-    ref = paged_attention(q.float(), unused, unused, codes, meta, scale, window or None, scales)
-    assert out.shape == ref.shape
-    # bf16: the kernel rounds the probabilities (times V's scales) to bf16 for P.V
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    assert_8bit_kernel_reads_like_torch(case, codes, scales, tables, q, contexts=contexts,
+                                        q_len=q_len, window=window, num_blocks=num_blocks)
 
 
 @needs_kernels
@@ -110,66 +97,15 @@ def test_fused_rope_and_int8_cache_write_quantize_like_kv_quant(tokens):
 # -- the engine against transformers with the same quantization -----------------------
 
 
-def _quantized_reference(path, prompts_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers greedy decoding (float32) whose K (after RoPE) and V pass through
-    quantize_int8 -> dequantize_int8 per token and head before its cache stores them:
-    each token's K/V quantized once, from its own values, as the engine does. (HF's
-    rotate-half layout permutes a head's dimensions relative to the engine's interleaved
-    pairs; a head's absmax, hence its scale and codes, does not depend on the order.)"""
-    import transformers.models.llama.modeling_llama as llama
-
-    from llmctl.models.hf_generate import hf_generate
-    from llmctl.models.loading import load_model, load_tokenizer
-
-    def fake(x):  # [..., d] per head
-        return dequantize_int8(*quantize_int8(x), x.dtype)
-
-    model = load_model(path)
-    tokenizer = load_tokenizer(path)
-    heads = model.config.num_key_value_heads
-    rope = llama.apply_rotary_pos_emb
-
-    def rotated_then_quantized(q, k, cos, sin, *args, **kwargs):
-        q, k = rope(q, k, cos, sin, *args, **kwargs)
-        return q, fake(k)
-
-    def quantize_v(module, inputs, out):
-        return fake(out.view(*out.shape[:-1], heads, -1)).view(out.shape)
-
-    hooks = [layer.self_attn.v_proj.register_forward_hook(quantize_v)
-             for layer in model.model.layers]
-    llama.apply_rotary_pos_emb = rotated_then_quantized
-    try:
-        return [hf_generate(model, tokenizer, ids, max_tokens=max_tokens) for ids in prompts_ids]
-    finally:
-        llama.apply_rotary_pos_emb = rope
-        for h in hooks:
-            h.remove()
+def _int8(layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
+    """Each token's K/V quantized once per head, from its own values, as the engine does."""
+    return dequantize_int8(*quantize_int8(x), x.dtype)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     """Greedy continuations of PROMPTS under int8 K/V, 30 tokens (computed once)."""
-    ids = [encode(tiny_llama, p) for p in PROMPTS]
-    return dict(zip(map(tuple, ids), _quantized_reference(tiny_llama, ids, 30)))
-
-
-def _check(llm: LLM, reference, path, prompts=PROMPTS, max_tokens=30, n=1) -> list:
-    ids = [encode(path, p) for p in prompts]
-    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens, n=n))
-    for prompt_ids, out in zip(ids, outs):
-        for o in out.outputs:
-            assert o.token_ids == reference[tuple(prompt_ids)][:max_tokens], out.request_id
-    assert_all_blocks_free(llm.engine)
-    return outs
-
-
-@pytest.fixture
-def kernels_off(monkeypatch):
-    monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
-    cpu_kernels._library.cache_clear()
-    yield
-    cpu_kernels._library.cache_clear()
+    return quantized_reference(tiny_llama, [encode(tiny_llama, p) for p in PROMPTS], 30, _int8)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["kernels", "torch"])
@@ -178,57 +114,23 @@ def test_greedy_equals_transformers_with_int8_kv(tiny_llama, reference, native, 
         request.getfixturevalue("kernels_off")
     llm = LLM(str(tiny_llama), kv_cache_dtype="int8", kv_cache_memory="4MiB")
     assert (llm.engine.runner.kernel is not None) == native
-    _check(llm, reference, tiny_llama)
+    check(llm, reference, tiny_llama)
 
 
 def test_prefix_cache_hits_preemption_and_forks_keep_the_tokens(tiny_llama, reference):
-    """A prefix-cache hit reads another request's codes and scales; preemption recomputes
-    them; a fork of a partial block copies both (copy-on-write): every path gives the
-    reference's tokens, which the run without any of it gives too (the test above)."""
-    # 30 blocks of 4 tokens for six sequences of up to 99 tokens: preemption
-    llm = LLM(str(tiny_llama), kv_cache_dtype="int8", block_size=4, num_kv_blocks=30,
-              max_model_len=112, max_num_batched_tokens=5)
-    _check(llm, reference, tiny_llama)
-    assert llm.engine.stats()["num_preemptions"] > 0
-    llm = LLM(str(tiny_llama), kv_cache_dtype="int8", kv_cache_memory="4MiB")
-    _check(llm, reference, tiny_llama, PROMPTS[3:4])
-    again = _check(llm, reference, tiny_llama, PROMPTS[3:4], max_tokens=20)
-    assert again[0].metrics.num_cached_tokens >= 16  # read back from the first request's blocks
-    # PROMPTS[1] is 10 tokens: the three forks share a partial block until they write it
-    _check(llm, reference, tiny_llama, PROMPTS[1:2], max_tokens=20, n=3)
+    check_prefix_hits_preemption_and_forks(tiny_llama, reference, "int8")
 
 
 def test_prefill_sees_the_cache_decode_sees_and_logits_stay_close(tiny_llama):
-    """A fresh prompt attends over its K/V as stored (quantized), so one prefill's rows
-    equal decoding token by token through the cache (float32 noise: 1e-4); and int8 moves
-    the logits of this model by at most 0.25 (measured: 0.10; its logits span ~+-6)."""
-    ids = encode(tiny_llama, PROMPTS[3])
-    llm = LLM(str(tiny_llama), kv_cache_dtype="int8", kv_cache_memory="4MiB")
-    prefill = prompt_logits(llm.engine, ids)
-    decoded = teacher_forced_logits(llm.engine, ids, 1)
-    torch.testing.assert_close(prefill, decoded, atol=1e-4, rtol=1e-4)
-    full = teacher_forced_logits(LLM(str(tiny_llama), kv_cache_memory="4MiB").engine, ids, 1)
-    diff = (decoded - full).abs().max().item()
-    assert 1e-3 < diff < 0.25
+    """int8 moves the logits of this model by at most 0.25 (measured: 0.10; its logits
+    span ~+-6)."""
+    assert 1e-3 < prefill_logit_shift(tiny_llama, "int8") < 0.25
 
 
 @pytest.mark.skipif(not {"avx512_bf16", "avx512_vnni"} <= cpu_flags(),
                     reason="the fused decode layer needs AVX512-BF16 and AVX512-VNNI")
 def test_fused_decode_layers_read_int8_bit_for_bit_like_the_layer_loop(tiny_llama):
-    # no prefix caching: the second run's prompts would start from cached blocks, whose
-    # prefill takes another (bf16-rounded) path than the first run's fresh one
-    llm = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_dtype="int8", max_num_seqs=4,
-              kv_cache_memory="4MiB", bf16_gemm="own", enable_prefix_caching=False)
-    net = llm.engine.target.model
-    assert net.decode_layers is not None
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
-    prompts = PROMPTS[:4]
-    fused = llm.generate(prompts, params)
-    net.decode_layers = None
-    plain = llm.generate(prompts, params)
-    for a, b in zip(fused, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    check_fused_decode_layers_bit_for_bit(tiny_llama, "int8")
 
 
 # -- memory, configuration, command line ---------------------------------------------

@@ -899,7 +899,8 @@ class LLMEngine:
         work, count = self._queued_work(rate.output_fraction if rate else 1.0)
         return {
             "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
+            # the scheduler's queue and the requests added but not yet taken in
+            "num_waiting": sum(n for _, n in count),
             "kv_cache_usage": bm.usage,
             "kv_cache_blocks": bm.num_blocks,
             "kv_cache_tokens": bm.num_blocks * bm.block_size,

@@ -111,8 +111,14 @@ class AsyncEngine:
                 and not self.draining and getattr(self.engine, "healthy", True))
 
     def stats(self) -> dict:
-        """The snapshot taken after a recent step (never touches the engine)."""
-        return self._stats
+        """The snapshot taken after a recent step (never touches the engine), with the
+        requests submitted since counted as waiting: a snapshot from before a burst of
+        submissions must not read as an idle engine."""
+        with self._lock:
+            stats, added = self._stats, len(self._added_queues)
+        if not added:
+            return stats
+        return {**stats, "num_waiting": stats.get("num_waiting", 0) + added}
 
     @property
     def num_streams(self) -> int:
@@ -171,8 +177,9 @@ class AsyncEngine:
                 outputs = self.engine.step()  # raises only on an engine fault: fatal
                 # the step that empties the engine is snapshotted before its outputs go
                 # out: a client reading /metrics right after its last response (a bench's
-                # closing scrape) sees every token counted, not the idle snapshot before
-                snapshot = (not self.engine.has_unfinished_requests()
+                # closing scrape) sees every token counted, not the idle snapshot before;
+                # so is the first step after submissions (their requests now run)
+                snapshot = (not self.engine.has_unfinished_requests() or self._added_queues
                             or time.monotonic() - self._stats_time > _STATS_EVERY)
                 self._deliver_many([(out.request_id, out, out.finished) for out in outputs],
                                    snapshot)

@@ -114,3 +114,53 @@ def test_metrics_read_right_after_the_last_response_count_every_token(tiny_llama
     totals = stats["perf_totals"]
     assert totals["prefill"].flops > 0 and totals["decode"].flops > 0
     assert totals == engine.stats()["perf_totals"]
+
+
+def test_a_snapshot_from_before_a_burst_never_reads_as_idle(tiny_llama):
+    """Snapshots are taken every 0.1 s while busy; a burst of submissions right after an
+    idle snapshot, and a client that leaves as soon as it has its first tokens, found
+    ``stats()`` still idle with the burst's requests running (test_load's 200 streams
+    then 50 disconnects saw 12-29 open streams). Submitted requests count as waiting
+    until a snapshot sees them, and the first step after submissions is snapshotted."""
+    import asyncio
+    import threading
+
+    from llmctl.serve.api.async_engine import AsyncEngine
+
+    engine = LLM(str(tiny_llama), kv_cache_memory="32MiB").engine
+    front = AsyncEngine(engine)
+    front.start()
+    step = engine.step
+    hold, stepped = threading.Event(), threading.Event()
+
+    def held_step():
+        hold.wait(5)
+        out = step()
+        stepped.set()
+        return out
+
+    engine.step = held_step
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+
+    async def run() -> tuple[dict, dict]:
+        for _ in range(100):  # an idle snapshot first
+            if front.stats().get("num_waiting") == 0:
+                break
+            await asyncio.sleep(0.01)
+        streams = [front.submit(f"r{i}", [5, 17, 33 + i], params) for i in range(3)]
+        before = front.stats()  # the engine thread is held before its first step
+        hold.set()
+        await asyncio.to_thread(stepped.wait, 5)
+        await asyncio.sleep(0.01)  # the step's outputs delivered (and snapshotted)
+        after = front.stats()
+        for i, stream in enumerate(streams):
+            front.abort(f"r{i}")
+            del stream
+        return before, after
+
+    try:
+        before, after = asyncio.run(run())
+    finally:
+        front.shutdown()
+    assert before["num_running"] + before["num_waiting"] == 3
+    assert after["num_running"] == 3

@@ -83,8 +83,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def attention(h: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
-              shape: BlockShape, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Self-attention output *before* o_proj, (batch, seq, heads * head_dim)."""
+              shape: BlockShape, cos: torch.Tensor, sin: torch.Tensor,
+              observe_kv: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+              ) -> torch.Tensor:
+    """Self-attention output *before* o_proj, (batch, seq, heads * head_dim);
+    ``observe_kv(k, v)`` sees the post-RoPE keys and the values, (batch, kv_heads, seq,
+    head_dim), as a KV cache would store them."""
     b, t, _ = h.shape
     q = linear("self_attn.q_proj", h).view(b, t, shape.heads, shape.head_dim)
     k = linear("self_attn.k_proj", h).view(b, t, shape.kv_heads, shape.head_dim)
@@ -95,6 +99,8 @@ def attention(h: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     c, s = cos[:, None, :t], sin[:, None, :t]
     q, k = _rotate(q, c, s), _rotate(k, c, s)
+    if observe_kv is not None:
+        observe_kv(k, v)
     if shape.kv_heads != shape.heads:
         rep = shape.heads // shape.kv_heads
         k = k.repeat_interleave(rep, dim=1)

@@ -17,6 +17,12 @@ from dataclasses import dataclass
 import torch
 
 E4M3_MAX = 448.0
+# KV-cache scales (a recipe's kv_cache_scheme; llmctl.serve.kv_scales when the checkpoint
+# has none): twice the calibrated absmax over 448. E4M3's relative precision is the same
+# from 2^-6 to 448, so the headroom costs nothing until values fall below 2^-6 s, while a
+# K/V value past the calibrated range would saturate.
+KV_HEADROOM = 2.0
+_MIN_KV_SCALE = 1e-8  # a head that only saw zeros must not divide by zero
 _MIN_NORMAL_EXP = -6  # 2^-6 is the smallest normal magnitude
 _MANTISSA_BITS = 3
 
@@ -85,3 +91,8 @@ def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
 def fake_quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Static per-tensor FP8 activations with a calibrated scale."""
     return fake_quantize(x, scale.reshape(()))
+
+
+def kv_cache_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Static E4M3 scales for K/V whose calibrated absolute maximum is ``amax``."""
+    return (KV_HEADROOM * amax.float() / E4M3_MAX).clamp(min=_MIN_KV_SCALE)

@@ -35,7 +35,7 @@ from llmctl.errors import ConfigError
 from llmctl.quant import awq, block, fp8, rtn, smoothquant
 from llmctl.quant.calibration import CalibrationSet
 from llmctl.quant.checkpoint import Checkpoint
-from llmctl.quant.fp8 import FP8Grid
+from llmctl.quant.fp8 import FP8Grid, kv_cache_scales
 from llmctl.quant.gptq import gptq_quantize
 from llmctl.quant.hessian import HessianAccumulator
 from llmctl.quant.plan import ModulePlan, QuantPlan, WeightSpec, name_matches
@@ -251,7 +251,13 @@ class LayerQuantizer:
         self._moments = {}
         if isinstance(self.modifier, AWQModifier) or self.recipe.smoothquant is not None:
             smoothing = self._smooth(i, X, work, plans)
+        self._kv_amax = torch.zeros(2, self.shape.kv_heads)
         quantized = self._quantize_layer(i, X, work, plans, smoothing)
+        if self.plan.kv_cache_scheme is not None:
+            amax = self._kv_amax if self.plan.kv_per_head else self._kv_amax.amax(1, keepdim=True)
+            scales = kv_cache_scales(amax)
+            writer.add(f"{prefix}self_attn.k_scale", scales[0].clone())
+            writer.add(f"{prefix}self_attn.v_scale", scales[1].clone())
         for k, plan in plans.items():
             name = prefix + k
             bias = work.get(f"{k}.bias")
@@ -267,6 +273,12 @@ class LayerQuantizer:
                 writer.add(f"{prefix}{norm}.weight",
                            work[norm].to(self.ckpt.dtype(f"{prefix}{norm}.weight")))
         writer.add_all(extra)
+
+    def _observe_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Running absmax per KV head of the keys and values, ``(batch, kv_heads, seq, d)``."""
+        for j, x in enumerate((k, v)):
+            seen = x.abs().amax(dim=(0, 2, 3)).float().cpu()
+            self._kv_amax[j] = torch.maximum(self._kv_amax[j], seen)
 
     def _forward_weights(self, work: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.cdt) for k, v in work.items()}
@@ -306,8 +318,11 @@ class LayerQuantizer:
             if tap == "attn_in":
                 h = block.attn_input(X[c], fw, self.shape)
             elif tap == "attn_out":
+                # K/V scales from the quantization pass: q/k/v are already quantized
+                # here, as llm-compressor observes the KV cache of the model it builds
+                observe = self._observe_kv if advance and self.plan.kv_cache_scheme else None
                 h = block.attention(block.attn_input(X[c], fw, self.shape), fw, linear,
-                                    self.shape, self.cos, self.sin)
+                                    self.shape, self.cos, self.sin, observe)
                 A[c] = h
             elif tap == "mlp_in":
                 x2 = X[c] + linear("self_attn.o_proj", A[c])
@@ -614,4 +629,12 @@ def output_specs(ckpt: Checkpoint, plan: QuantPlan) -> dict[str, TensorSpec]:
             specs.update(module_tensor_specs(quantized[name], ckpt.dtype(name)))
         else:
             specs[name] = TensorSpec(ckpt.dtype(name), ckpt.shape(name))
+    if plan.kv_cache_scheme is not None:  # one scale per layer, or one per KV head
+        config = ckpt.text_config or ckpt.config
+        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        shape = (int(heads),) if plan.kv_per_head else (1,)
+        for i in range(int(config["num_hidden_layers"])):
+            for kv in "kv":
+                specs[f"model.layers.{i}.self_attn.{kv}_scale"] = TensorSpec(torch.float32,
+                                                                            shape)
     return specs

@@ -103,6 +103,13 @@ class QuantPlan:
     bytes_after: int
     dtype: str
     warnings: list[str] = field(default_factory=list)
+    # static FP8 K/V scales to calibrate and write (compressed-tensors QuantizationArgs)
+    kv_cache_scheme: Any = None
+
+    @property
+    def kv_per_head(self) -> bool:
+        return getattr(self.kv_cache_scheme.strategy, "value", self.kv_cache_scheme.strategy) \
+            == "attn_head"
 
     @property
     def quantized(self) -> list[ModulePlan]:
@@ -116,7 +123,9 @@ class QuantPlan:
                 "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
                 "modules": [m.to_dict() for m in self.modules], "warnings": self.warnings,
                 "ignore": self.ignore,
-                "config_groups": {k: v.model_dump(mode="json") for k, v in self.groups.items()}}
+                "config_groups": {k: v.model_dump(mode="json") for k, v in self.groups.items()},
+                "kv_cache_scheme": (None if self.kv_cache_scheme is None
+                                    else self.kv_cache_scheme.model_dump(mode="json"))}
 
 
 # --- matching (compressed-tensors' precedence) -------------------------------------------
@@ -310,8 +319,19 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
     linear_bytes = {f"{m.name}.weight": (m.bytes_before, m.bytes_after) for m in modules}
     before = sum(ckpt.nbytes(n) for n in ckpt.names())
     after = before - sum(b - a for b, a in linear_bytes.values())
+    kv = modifier.kv_cache_scheme
+    if kv is not None:  # one float32 scale (or one per KV head) for K and V of each layer
+        per_layer = 2 * 4 * (_kv_heads(ckpt) if getattr(kv.strategy, "value", kv.strategy)
+                             == "attn_head" else 1)
+        after += per_layer * int(ckpt.text_config.get("num_hidden_layers",
+                                                      ckpt.config.get("num_hidden_layers", 0)))
     return QuantPlan(recipe.method, modules, out_groups, ignore, fmt, before,
-                     after, dtype, warnings)
+                     after, dtype, warnings, kv_cache_scheme=kv)
+
+
+def _kv_heads(ckpt: Checkpoint) -> int:
+    config = ckpt.text_config or ckpt.config
+    return int(config.get("num_key_value_heads") or config["num_attention_heads"])
 
 
 def _output_groups(groups: dict[str, Any], modules: list[ModulePlan]) -> dict[str, Any]:

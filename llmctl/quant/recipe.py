@@ -61,13 +61,28 @@ class _QuantizationFields(_Strict):
     ignore: list[str] = Field(default_factory=list)
     scheme: str | dict[str, list[str]] | None = None
     config_groups: dict[str, QuantizationScheme] | None = None  # type: ignore[valid-type]
-    kv_cache_scheme: None = None  # KV-cache quantization is not implemented
+    # static FP8 (E4M3) K/V scales per layer ("tensor") or per KV head ("attn_head"),
+    # calibrated with the weights and written as self_attn.k_scale / v_scale
+    kv_cache_scheme: QuantizationArgs | None = None  # type: ignore[valid-type]
     sequential_targets: str | list[str] | None = None  # accepted; llmctl is always per layer
 
     @field_validator("targets", "ignore", mode="before")
     @classmethod
     def _listify(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("kv_cache_scheme")
+    @classmethod
+    def _static_fp8_kv(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        strategy = getattr(value.strategy, "value", value.strategy)
+        if (value.num_bits, getattr(value.type, "value", value.type)) != (8, "float") \
+                or value.dynamic or not value.symmetric or strategy not in ("tensor", "attn_head"):
+            raise ValueError("kv_cache_scheme: llmctl writes static symmetric FP8 K/V scales "
+                             "only (num_bits: 8, type: float, dynamic: false, symmetric: true, "
+                             "strategy: tensor or attn_head)")
+        return value
 
     @field_validator("scheme")
     @classmethod

@@ -202,7 +202,8 @@ def quantization_config(plan: QuantPlan):
     from compressed_tensors.quantization import QuantizationConfig
 
     return QuantizationConfig(config_groups=dict(plan.groups), ignore=list(plan.ignore),
-                              format=plan.format, quantization_status="compressed")
+                              format=plan.format, quantization_status="compressed",
+                              kv_cache_scheme=plan.kv_cache_scheme)
 
 
 def write_config(directory: Path, config: dict, plan: QuantPlan) -> None:

@@ -25,7 +25,7 @@ The codes are stored as uint8 (torch has no CPU indexing for ``float8_e4m3fn``) 
 viewed as ``float8_e4m3fn`` to convert; the scales are ``[layers, 2, kv_heads]``
 float32, so a block holds only codes (2x the tokens of bf16) and nothing moves with it.
 A value beyond the calibrated range saturates at 448 s: the calibration's headroom
-(:data:`llmctl.serve.kv_scales.HEADROOM`) is what keeps that rare.
+(:data:`llmctl.quant.fp8.KV_HEADROOM`) is what keeps that rare.
 
 The native kernels (:file:`csrc/rope_kv.cpp`, :file:`csrc/paged_attention.cpp`,
 :file:`csrc/fp8.h`) do the same arithmetic in the same order: these functions are the
@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
+from llmctl.quant.fp8 import E4M3_MAX
+
 INT8_MAX = 127
-E4M3_MAX = 448.0
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ token is written:
   bf16/float cache and takes, per layer, K or V and KV head (or per layer: ``granularity
   "layer"``), the largest magnitude written: post-RoPE keys, as the cache holds them.
 
-      s = HEADROOM * amax / 448
+      s = 2 * amax / 448     (llmctl.quant.fp8.kv_cache_scales, as `llmctl quantize` writes)
 
   E4M3 has the same relative precision (3 mantissa bits) from 2^-6 to 448, so headroom
-  costs nothing until values fall below 2^-6 s (amax / 57344 at HEADROOM 2), while a
-  value past the calibrated range saturates. vLLM's ``--calculate-kv-scales`` takes
-  amax / 200 for K and / 100 for V from the first batch, the same idea with more margin.
+  costs nothing until values fall below 2^-6 s (amax / 57344), while a value past the
+  calibrated range saturates. vLLM's ``--calculate-kv-scales`` takes amax / 200 for K
+  and / 100 for V from the first batch, the same idea with more margin.
 """
 
 from __future__ import annotations
@@ -28,14 +28,11 @@ from typing import Literal
 
 import torch
 
+from llmctl.quant.fp8 import kv_cache_scales
 from llmctl.serve.attention import AttnGroup, AttnMetadata
-from llmctl.serve.kv_quant import E4M3_MAX
 
 log = logging.getLogger("llmctl.serve")
 
-HEADROOM = 2.0
-# smallest scale: a head whose calibration saw only zeros must not divide by zero
-MIN_SCALE = 1e-8
 Granularity = Literal["head", "layer"]
 
 
@@ -109,7 +106,7 @@ def calibrate_kv_scales(model, windows: torch.Tensor, granularity: Granularity =
         amax = torch.maximum(amax, seen.clone())
     if granularity == "layer":
         amax = amax.amax(dim=2, keepdim=True).expand(-1, -1, nkv)
-    return (HEADROOM * amax / E4M3_MAX).clamp(min=MIN_SCALE).contiguous()
+    return kv_cache_scales(amax).contiguous()
 
 
 def fp8_kv_scales(path: Path, model, tokenizer, granularity: Granularity = "head",

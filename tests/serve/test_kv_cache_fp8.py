@@ -14,9 +14,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from llmctl.quant.fp8 import E4M3_MAX, KV_HEADROOM
 from llmctl.serve import cpu_kernels
-from llmctl.serve.kv_quant import E4M3_MAX, dequantize_fp8, quantize_fp8
-from llmctl.serve.kv_scales import HEADROOM
+from llmctl.serve.kv_quant import dequantize_fp8, quantize_fp8
 from llmctl.serve.llm import LLM
 from llmctl.serve.sampling_params import SamplingParams
 from llmctl.utils.cpu import cpu_flags
@@ -161,7 +161,7 @@ def test_calibrated_scales_are_the_headroom_times_the_amax_transformers_sees(tin
     calib = build_calibration(load_tokenizer(tiny_llama), _calibration_spec())
     kv = _hf_kv(tiny_llama, calib.ids.tolist())
     amax = torch.stack([x.abs().amax(dim=(1, 3)) for x in kv])  # [layers, 2, kv_heads]
-    torch.testing.assert_close(scales, HEADROOM * amax / E4M3_MAX, rtol=1e-4, atol=0)
+    torch.testing.assert_close(scales, KV_HEADROOM * amax / E4M3_MAX, rtol=1e-4, atol=0)
     assert (scales[:, :, 0] != scales[:, :, 1]).all()  # per head, really
     per_layer = LLM(str(tiny_llama), kv_cache_dtype="fp8", kv_cache_memory="4MiB",
                     kv_scale_granularity="layer").engine.target.kv_scales

@@ -239,13 +239,10 @@ def render_markdown(report: dict) -> str:
                      f"{fmt(x['duration'], '.1f')} | {wall} | "
                      f"{r['load_before'][0]} / {r['load_after'][0]} | "
                      f"{r['foreign_cpu_cores']} |")
-    lines += ["", "| round | output tok/s batch / serve |", "|---|---|"]
-    lines += [f"| {p['round']} | {p['batch_over_serve']:.3f} |" for p in res["per_round"]]
-    s = res["summary"]
-    lines += ["", (f"Median over rounds: {fmt(s['batch']['output_throughput'], '.1f')} tok/s "
-                   f"batch, {fmt(s['serve']['output_throughput'], '.1f')} serve; batch/serve "
-                   f"{fmt(s['batch_over_serve'], '.3f')}."),
-              "", ("Measured spans: batch, first line in to last line out (its summary); serve, "
+    lines += [""] + common.ab_markdown(res["per_round"], res["summary"],
+                                       [("batch", "batch"), ("serve", "serve")],
+                                       [("batch_over_serve", "batch / serve")])
+    lines += ["", ("Measured spans: batch, first line in to last line out (its summary); serve, "
                    "the bench's duration (first request sent to last response done).")]
     return "\n".join(lines) + "\n"
 

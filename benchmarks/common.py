@@ -279,3 +279,19 @@ def ab_throughput(runs: Sequence[dict[str, Any]], rounds: int, sides: tuple[str,
         for side in sides}
     summary[ratio_key] = median([p[ratio_key] for p in per_round])
     return per_round, summary
+
+
+def ab_markdown(per_round: Sequence[dict[str, Any]], summary: dict[str, Any],
+                sides: Sequence[tuple[str, str]], ratios: Sequence[tuple[str, str]]) -> list[str]:
+    """:func:`ab_throughput`'s output as markdown: a table of each round's ratios and a
+    line of the medians. ``sides``: (side, label) pairs; ``ratios``: (ratio key,
+    "a / b") pairs, as the table heads name them."""
+    lines = ["| round | " + " | ".join(f"output tok/s {name}" for _, name in ratios) + " |",
+             "|---|" + "---|" * len(ratios)]
+    lines += [f"| {p['round']} | " + " | ".join(fmt(p.get(key), ".3f") for key, _ in ratios)
+              + " |" for p in per_round]
+    medians = ", ".join(f"{fmt(summary[side]['output_throughput'], '.1f')} {label}"
+                        for side, label in sides)
+    ratio_text = "; ".join(f"{name.replace(' ', '')} {fmt(summary[key], '.3f')}"
+                           for key, name in ratios)
+    return lines + ["", f"Median over rounds (output tok/s): {medians}; {ratio_text}."]

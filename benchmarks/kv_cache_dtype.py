@@ -138,16 +138,9 @@ def render_markdown(report: dict) -> str:
                      f"({kv.get('tokens', '?')}) | {fmt(x['output_throughput'], '.1f')} | "
                      f"{fmt(x['duration'], '.1f')} | {r['load_before'][0]} / "
                      f"{r['load_after'][0]} | {r['foreign_cpu_cores']} |")
-    keys = [f"{q}_over_bf16" for q in quantized]
-    lines += ["", "| round | " + " | ".join(f"output tok/s {q} / bf16" for q in quantized)
-              + " |", "|---|" + "---|" * len(quantized)]
-    lines += [f"| {p['round']} | " + " | ".join(fmt(p.get(k), ".3f") for k in keys) + " |"
-              for p in res["per_round"]]
-    s = res["summary"]
-    medians = ", ".join(f"{fmt(s[side]['output_throughput'], '.1f')} {side} KV"
-                        for side in sides)
-    ratios = "; ".join(f"{q}/bf16 {fmt(s[k], '.3f')}" for q, k in zip(quantized, keys))
-    lines += ["", f"Median over rounds (tok/s): {medians}; {ratios}."]
+    lines += [""] + common.ab_markdown(res["per_round"], res["summary"],
+                                       [(side, f"{side} KV") for side in sides],
+                                       [(f"{q}_over_bf16", f"{q} / bf16") for q in quantized])
     for side, ev in (res.get("eval") or {}).items():
         lines += ["", f"## Quality: {side} KV against bf16 KV (`llmctl eval --backend serve`)",
                   ""]

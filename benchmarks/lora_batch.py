@@ -118,12 +118,9 @@ def render_markdown(report: dict) -> str:
                      f"{fmt(x['output_throughput'], '.1f')} | {x['seconds']:.2f} | "
                      f"{r['load_before'][0]} / {r['load_after'][0]} | "
                      f"{r['foreign_cpu_cores']} |")
-    lines += ["", "| round | output tok/s mixed / base |", "|---|---|"]
-    lines += [f"| {p['round']} | {p['mixed_over_base']:.3f} |" for p in res["per_round"]]
-    s = res["summary"]
-    lines += ["", (f"Median over rounds: {fmt(s['mixed']['output_throughput'], '.1f')} tok/s "
-                   f"mixed, {fmt(s['base']['output_throughput'], '.1f')} base; mixed/base "
-                   f"{fmt(s['mixed_over_base'], '.3f')}.")]
+    lines += [""] + common.ab_markdown(res["per_round"], res["summary"],
+                                       [("mixed", "mixed"), ("base", "base")],
+                                       [("mixed_over_base", "mixed / base")])
     return "\n".join(lines) + "\n"
 
 

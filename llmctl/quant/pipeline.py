@@ -38,7 +38,7 @@ from llmctl.quant.checkpoint import Checkpoint
 from llmctl.quant.fp8 import FP8Grid, kv_cache_scales
 from llmctl.quant.gptq import gptq_quantize
 from llmctl.quant.hessian import HessianAccumulator
-from llmctl.quant.plan import ModulePlan, QuantPlan, WeightSpec, name_matches
+from llmctl.quant.plan import ModulePlan, QuantPlan, WeightSpec, kv_heads, name_matches
 from llmctl.quant.recipe import AWQModifier, GPTQModifier, Recipe
 from llmctl.quant.writer import (
     PlannedWriter,
@@ -630,9 +630,8 @@ def output_specs(ckpt: Checkpoint, plan: QuantPlan) -> dict[str, TensorSpec]:
         else:
             specs[name] = TensorSpec(ckpt.dtype(name), ckpt.shape(name))
     if plan.kv_cache_scheme is not None:  # one scale per layer, or one per KV head
+        shape = (kv_heads(ckpt),) if plan.kv_per_head else (1,)
         config = ckpt.text_config or ckpt.config
-        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-        shape = (int(heads),) if plan.kv_per_head else (1,)
         for i in range(int(config["num_hidden_layers"])):
             for kv in "kv":
                 specs[f"model.layers.{i}.self_attn.{kv}_scale"] = TensorSpec(torch.float32,

@@ -321,7 +321,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
     after = before - sum(b - a for b, a in linear_bytes.values())
     kv = modifier.kv_cache_scheme
     if kv is not None:  # one float32 scale (or one per KV head) for K and V of each layer
-        per_layer = 2 * 4 * (_kv_heads(ckpt) if getattr(kv.strategy, "value", kv.strategy)
+        per_layer = 2 * 4 * (kv_heads(ckpt) if getattr(kv.strategy, "value", kv.strategy)
                              == "attn_head" else 1)
         after += per_layer * int(ckpt.text_config.get("num_hidden_layers",
                                                       ckpt.config.get("num_hidden_layers", 0)))
@@ -329,7 +329,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
                      after, dtype, warnings, kv_cache_scheme=kv)
 
 
-def _kv_heads(ckpt: Checkpoint) -> int:
+def kv_heads(ckpt: Checkpoint) -> int:
     config = ckpt.text_config or ckpt.config
     return int(config.get("num_key_value_heads") or config["num_attention_heads"])
 

@@ -119,3 +119,15 @@ def test_ab_throughput_ratios_within_rounds_and_medians():
     assert common.ab_throughput(runs + third, 3, ("a", "b"), "a_over_b") == (per_round, summary)
     per_c, _ = common.ab_throughput(runs + third, 3, ("c", "b"), "c_over_b")
     assert per_c == [{"round": 1, "c_over_b": 0.5}]
+
+
+def test_ab_markdown_has_every_round_and_the_medians():
+    per_round = [{"round": 1, "a_over_b": 1.2, "c_over_b": 0.5}, {"round": 2, "a_over_b": 1.25}]
+    summary = {"a": {"output_throughput": 100.0}, "b": {"output_throughput": 90.0},
+               "a_over_b": 1.225, "c_over_b": 0.5}
+    lines = common.ab_markdown(per_round, summary, [("a", "A side"), ("b", "B side")],
+                               [("a_over_b", "a / b"), ("c_over_b", "c / b")])
+    assert lines[:4] == ["| round | output tok/s a / b | output tok/s c / b |", "|---|---|---|",
+                         "| 1 | 1.200 | 0.500 |", "| 2 | 1.250 | ? |"]  # round 2 lost c
+    assert lines[-1] == ("Median over rounds (output tok/s): 100.0 A side, 90.0 B side; "
+                         "a/b 1.225; c/b 0.500.")

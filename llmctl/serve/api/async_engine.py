@@ -177,9 +177,8 @@ class AsyncEngine:
                 outputs = self.engine.step()  # raises only on an engine fault: fatal
                 # the step that empties the engine is snapshotted before its outputs go
                 # out: a client reading /metrics right after its last response (a bench's
-                # closing scrape) sees every token counted, not the idle snapshot before;
-                # so is the first step after submissions (their requests now run)
-                snapshot = (not self.engine.has_unfinished_requests() or self._added_queues
+                # closing scrape) sees every token counted, not the idle snapshot before
+                snapshot = (not self.engine.has_unfinished_requests()
                             or time.monotonic() - self._stats_time > _STATS_EVERY)
                 self._deliver_many([(out.request_id, out, out.finished) for out in outputs],
                                    snapshot)

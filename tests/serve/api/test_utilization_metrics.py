@@ -121,7 +121,8 @@ def test_a_snapshot_from_before_a_burst_never_reads_as_idle(tiny_llama):
     idle snapshot, and a client that leaves as soon as it has its first tokens, found
     ``stats()`` still idle with the burst's requests running (test_load's 200 streams
     then 50 disconnects saw 12-29 open streams). Submitted requests count as waiting
-    until a snapshot sees them, and the first step after submissions is snapshotted."""
+    until a snapshot sees them (a step does not snapshot more often for it: stats()
+    walks the batch)."""
     import asyncio
     import threading
 
@@ -163,4 +164,4 @@ def test_a_snapshot_from_before_a_burst_never_reads_as_idle(tiny_llama):
     finally:
         front.shutdown()
     assert before["num_running"] + before["num_waiting"] == 3
-    assert after["num_running"] == 3
+    assert after["num_running"] + after["num_waiting"] == 3

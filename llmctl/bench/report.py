@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from llmctl.bench.metrics import LATENCIES, percentile_key
+from llmctl.bench.slo import misses_allowed, parse_bound
 from llmctl.utils.atomic import write_text
 
 SCHEMA = "llmctl-bench/1"
@@ -324,6 +325,29 @@ def capacity_title(section: dict) -> str:
     return f"Capacity search by {section['by']}, SLO {', '.join(section['slo'])}"
 
 
+def capacity_notes(section: dict) -> list[str]:
+    """Levels stopped early, and levels too short for their tightest percentile bound to
+    tolerate one slow request (whose verdict a single stall decides)."""
+    notes = []
+    for row in section["levels"]:
+        if row["stopped_early"]:
+            notes.append(f"{_level_text(row['level'], section['by'])}: {row['stopped_early']}")
+    tightest = max((b.percentile for b in map(parse_bound, section["slo"])
+                    if b.percentile is not None), default=None)
+    if tightest is not None and tightest < 100:  # p100 is the maximum: no miss, by choice
+        short = [row for row in section["levels"] if not row["stopped_early"]
+                 and misses_allowed(tightest, row["num_requests"]) == 0]
+        if short:
+            need = math.ceil(100.0 / (100.0 - tightest) - 1e-9)
+            fewest = min(row["num_requests"] for row in short)
+            notes.append(
+                f"{len(short)} of {len(section['levels'])} levels sent fewer requests (as few "
+                f"as {fewest}) than the {need} p{tightest:g} needs to allow one miss: one "
+                "request slowed by the machine decides such a level; a longer --duration "
+                "makes the search steadier")
+    return notes
+
+
 def capacity_markdown(section: dict) -> str:
     header, rows = capacity_table(section)
     lines = ["", f"## {capacity_title(section)}", "", capacity_summary(section), "",
@@ -334,9 +358,7 @@ def capacity_markdown(section: dict) -> str:
                    "percentile bound holds when that share of the level's requests (failed ones "
                    "count as misses) meets its limit; an over-saturated level was stopped early "
                    "and fails.")]
-    for row in section["levels"]:
-        if row["stopped_early"]:
-            lines.append(f"- {_level_text(row['level'], section['by'])}: {row['stopped_early']}")
+    lines += [f"- {note}" for note in capacity_notes(section)]
     if section.get("curve"):
         lines += ["", f"![throughput vs latency]({section['curve']})"]
     return "\n".join(lines) + "\n"
@@ -356,3 +378,5 @@ def render_capacity(console, section: dict) -> None:
         table.add_row(*row[:-1], f"[{styles[row[-1]]}]{row[-1]}[/{styles[row[-1]]}]")
     console.print(table)
     console.print(f"[bold]{escape(capacity_summary(section))}[/bold]")
+    for note in capacity_notes(section):
+        console.print(f"[yellow]{escape(note)}[/yellow]")

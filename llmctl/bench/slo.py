@@ -160,5 +160,12 @@ def check_level(bounds: Sequence[SloBound], records: Sequence[RequestRecord],
     return checks
 
 
+def misses_allowed(percentile: float, n: int) -> int:
+    """How many of ``n`` requests may miss a ``p<percentile>`` bound with the level still
+    passing: below ``100 / (100 - P)`` requests (20 for p95) none may, and one request
+    the machine stalls decides the level."""
+    return int(n * (1.0 - percentile / 100.0) + 1e-9)
+
+
 def percentiles_needed(bounds: Sequence[SloBound]) -> list[float]:
     return sorted({b.percentile for b in bounds if b.percentile is not None})

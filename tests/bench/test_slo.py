@@ -8,6 +8,7 @@ from llmctl.bench.slo import (
     SloBound,
     attainment,
     check_level,
+    misses_allowed,
     parse_bound,
     parse_slo_flags,
     percentiles_needed,
@@ -87,6 +88,22 @@ def test_a_level_meets_p95_when_95_percent_of_requests_do():
     failed = ok[:19] + [rec(19, None, error="boom")]
     [check] = check_level([bound], failed, compute_metrics(failed, 2.0, [95.0]))
     assert check.passed and check.attained == pytest.approx(0.95)
+
+
+@pytest.mark.parametrize("percentile", [50.0, 90.0, 95.0, 99.0, 99.9])
+def test_misses_allowed_is_what_check_level_lets_through(percentile):
+    """With ``misses_allowed`` slow requests a level passes; with one more it fails. The
+    capacity report's short-level note relies on it (below 20 requests p95 allows none)."""
+    bound = SloBound("ttft", 500.0, percentile)
+    for n in [1, 2, 5, 10, 19, 20, 21, 39, 40, 99, 100, 101, 999, 1000]:
+        allowed = misses_allowed(percentile, n)
+        for misses, passed in ((allowed, True), (allowed + 1, False)):
+            if misses > n:
+                continue
+            records = [rec(i, 0.1 if i >= misses else 0.9) for i in range(n)]
+            [check] = check_level([bound], records, compute_metrics(records, 2.0, [percentile]))
+            assert check.passed is passed, (percentile, n, misses)
+    assert [misses_allowed(95.0, n) for n in (5, 19, 20, 39, 40)] == [0, 0, 1, 1, 2]
 
 
 def test_mean_bound_uses_the_completed_mean():

@@ -28,7 +28,8 @@ KvCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8", 
 KvCacheDtypeOpt = Annotated[
     KvCacheDtype,
     typer.Option("--kv-cache-dtype",
-                 help="KV cache: auto (the model's dtype) | bfloat16 | float16 | float32 | "
+                 help="KV cache: auto (the model's dtype; fp8 when the checkpoint has an "
+                      "FP8 kv_cache_scheme, as in vLLM) | bfloat16 | float16 | float32 | "
                       "int8 (a scale per token and KV head: ~1.9x the tokens of bfloat16 "
                       "in the same memory) | fp8 = fp8_e4m3 (static scales per layer and "
                       "KV head, from the checkpoint's kv_cache_scheme or calibrated at "

@@ -130,3 +130,14 @@ def checkpoint_dtype(reference: str) -> str | None:
     except (OSError, ValueError):
         return None
     return config.get("torch_dtype") or config.get("dtype")
+
+
+def kv_cache_scheme(path: Path) -> dict | None:
+    """The ``quantization_config.kv_cache_scheme`` of the checkpoint at ``path`` (static
+    FP8 K/V scales, as llm-compressor and ``llmctl quantize`` write them), or None."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    scheme = (config.get("quantization_config") or {}).get("kv_cache_scheme")
+    return scheme if isinstance(scheme, dict) else None

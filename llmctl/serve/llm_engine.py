@@ -135,7 +135,7 @@ class _Built:
                                             spec=self.spec, reader=reader,
                                             lm_head=config.lm_head,
                                             bf16_gemm=config.bf16_gemm)
-        fmt = kv_format(config.kv_cache_dtype, dtype)
+        fmt = kv_format(_kv_cache_dtype(config.kv_cache_dtype, path), dtype)
         spec = self.spec
         self.plan: KVCachePlan = plan_kv_cache(
             num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
@@ -162,6 +162,20 @@ class _Built:
                                                 num_kv_heads=spec.num_kv_heads, device=device)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, with_lora,
                                   kv_scales=self.kv_scales)
+
+
+def _kv_cache_dtype(asked: str, path: Path) -> str:
+    """``auto`` is fp8 for a checkpoint whose ``kv_cache_scheme`` asks for it (its author
+    calibrated the scales; vLLM's ``auto`` does the same), else the model's dtype. An
+    explicit choice wins."""
+    from llmctl.models.resolve import kv_cache_scheme
+
+    scheme = kv_cache_scheme(path) if asked == "auto" else None
+    if scheme is not None and (scheme.get("type"), scheme.get("num_bits")) == ("float", 8):
+        log.info("KV cache: fp8, as the checkpoint's kv_cache_scheme asks (--kv-cache-dtype "
+                 "bfloat16 or float32 keeps a float cache)")
+        return "fp8"
+    return asked
 
 
 def _gguf_native(resolved, config: EngineConfig) -> bool:

@@ -186,12 +186,18 @@ def supervision(settings: ServeSettings):
 def handoff_command(settings: ServeSettings) -> list[str]:
     """The hand-off engine's own command line for these settings."""
     from llmctl.models.resolve import resolve_model
-    from llmctl.serve.api.handoff import HANDOFF_ENGINES, HandoffOptions, refuse_unsupported
+    from llmctl.serve.api.handoff import (
+        HANDOFF_ENGINES,
+        HandoffOptions,
+        kv_scale_note,
+        refuse_unsupported,
+    )
     from llmctl.utils.device import canonical_dtype
 
-    given = {"--" + name.replace("_", "-") for name in settings.given}
+    given = {"--" + name.replace("_", "-"): getattr(settings, name, None)
+             for name in settings.given}
     if settings.api_key:  # from the flag or $LLMCTL_API_KEY
-        given.add("--api-key")
+        given["--api-key"] = settings.api_key
     refuse_unsupported(settings.engine, given)
     resolved = resolve_model(settings.model)
     opts = HandoffOptions(
@@ -201,8 +207,12 @@ def handoff_command(settings: ServeSettings) -> list[str]:
         python=settings.engine_python, tensor_parallel_size=settings.tensor_parallel_size,
         otlp_traces_endpoint=settings.otlp_traces_endpoint,
         enable_auto_tool_choice=settings.enable_auto_tool_choice,
-        tool_call_parser=settings.tool_call_parser)
-    return HANDOFF_ENGINES[settings.engine](opts)
+        tool_call_parser=settings.tool_call_parser,
+        kv_cache_dtype=settings.kv_cache_dtype if "kv_cache_dtype" in settings.given else None)
+    cmd = HANDOFF_ENGINES[settings.engine](opts)
+    if note := kv_scale_note(resolved.path, opts.kv_cache_dtype):
+        log.warning("%s", note)
+    return cmd
 
 
 def engine_kwargs(settings: ServeSettings, engine_dir: bool) -> dict[str, Any]:

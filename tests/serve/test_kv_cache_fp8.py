@@ -204,8 +204,18 @@ def test_checkpoint_scales_are_used_as_stored(tiny_llama, tmp_path):
     target = LLM(str(model), kv_cache_dtype="fp8", kv_cache_memory="4MiB").engine.target
     assert "(per head)" in target.kv_scales_source
     assert torch.equal(target.kv_scales[1, 0], torch.tensor([0.03, 0.15]))
-    # a bf16 cache ignores them (as vLLM's auto does)
-    assert LLM(str(model), kv_cache_memory="4MiB").engine.target.kv_scales is None
+    # auto is fp8 for a checkpoint whose kv_cache_scheme asks for it (vLLM's auto too);
+    # an explicit float cache ignores the scales
+    auto = LLM(str(model), kv_cache_memory="4MiB").engine.target
+    assert auto.kv_cache.dtype == torch.uint8 and torch.equal(auto.kv_scales, target.kv_scales)
+    for kv in ("float32", "bfloat16"):
+        target = LLM(str(model), kv_cache_dtype=kv, kv_cache_memory="4MiB").engine.target
+        assert target.kv_scales is None and target.kv_cache.dtype == getattr(torch, kv)
+    # a scheme other than FP8 is not a request for fp8
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"].update(type="int", num_bits=8)
+    (model / "config.json").write_text(json.dumps(config))
+    assert LLM(str(model), kv_cache_memory="4MiB").engine.target.kv_cache.dtype == torch.float32
     # incomplete or malformed: refused with the name
     bad = dict(per_layer)
     del bad["model.layers.1.self_attn.v_scale"]
@@ -293,6 +303,46 @@ def test_command_line_takes_fp8_and_refuses_e5m2():
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines[0].startswith("error: ") and "--kv-cache-dtype" in lines[0]
     assert "'fp8'" in lines[0] and "'fp8_e4m3'" in lines[0]
+
+
+def test_the_vllm_handoff_forwards_what_vllm_has(tiny_llama, tmp_path, monkeypatch, caplog):
+    """``--engine vllm --kv-cache-dtype fp8`` becomes vLLM's flag of the same name, with a
+    warning when the checkpoint has no scales (vLLM then uses 1.0; llmctl would calibrate);
+    int8 and float32, which vLLM lacks, exit 2, and so does any value for trtllm."""
+    from llmctl.cli.app import build_app
+    from llmctl.serve.api import handoff
+
+    commands = []
+    monkeypatch.setattr(handoff, "run_handoff", lambda cmd: commands.append(cmd) or 0)
+    python = tmp_path / "python"
+    python.write_text("")
+    scaled = _with_kv_scales(tiny_llama, tmp_path / "scaled",
+                             {n: torch.tensor([0.01]) for n in _names(2)})
+    app = build_app()
+
+    def serve(model, *flags):
+        return CliRunner().invoke(app, ["serve", str(model), "--engine", "vllm",
+                                        "--engine-python", str(python), *flags])
+
+    for model, kv, warned in ((tiny_llama, "fp8", True), (scaled, "fp8_e4m3", False),
+                              (tiny_llama, "bfloat16", False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="llmctl.serve.startup"):
+            result = serve(model, "--kv-cache-dtype", kv)
+        assert result.exit_code == 0, result.output
+        cmd = commands.pop()
+        assert cmd[cmd.index("--kv-cache-dtype") + 1] == kv
+        assert ("has no kv_cache_scheme: vLLM's fp8 KV cache will use K/V scales of 1.0"
+                in caplog.text) is warned, caplog.text
+    assert serve(tiny_llama).exit_code == 0 and "--kv-cache-dtype" not in commands.pop()
+    for kv in ("int8", "float32"):
+        result = serve(tiny_llama, "--kv-cache-dtype", kv)
+        assert result.exit_code == 2 and not commands, result.output
+        assert f"--engine vllm does not support --kv-cache-dtype {kv}" in result.output
+    result = CliRunner().invoke(app, ["serve", str(tiny_llama), "--engine", "trtllm",
+                                      "--kv-cache-dtype", "fp8"])
+    assert result.exit_code == 2 and "--engine trtllm does not support --kv-cache-dtype" \
+        in result.output and not commands
 
 
 def test_batch_runs_with_an_fp8_cache(tiny_llama, tmp_path):

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llmctl.errors import MissingDependencyError, UsageError
 
@@ -33,6 +34,7 @@ class HandoffOptions:
     otlp_traces_endpoint: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # hermes / llama3_json: vLLM has the same names
+    kv_cache_dtype: str | None = None  # given on the command line (None: the engine's default)
     extra_args: tuple[str, ...] = ()
 
 
@@ -71,7 +73,22 @@ def vllm_command(opts: HandoffOptions) -> list[str]:
         cmd += ["--enable-auto-tool-choice"]
     if opts.tool_call_parser:
         cmd += ["--tool-call-parser", opts.tool_call_parser]
+    if opts.kv_cache_dtype:
+        cmd += ["--kv-cache-dtype", opts.kv_cache_dtype]
     return cmd + list(opts.extra_args)
+
+
+def kv_scale_note(model_path: Path, kv_cache_dtype: str | None) -> str | None:
+    """What vLLM will use for K/V scales when llmctl would calibrate its own: a
+    checkpoint without a kv_cache_scheme gets 1.0 there (saturating any |K| or |V| above
+    448) where the built-in engine calibrates at start."""
+    from llmctl.models.resolve import kv_cache_scheme
+
+    if kv_cache_dtype not in ("fp8", "fp8_e4m3") or kv_cache_scheme(model_path) is not None:
+        return None
+    return (f"{model_path} has no kv_cache_scheme: vLLM's fp8 KV cache will use K/V scales "
+            "of 1.0 (the built-in engine calibrates them); write calibrated scales with "
+            "`llmctl quantize` and a recipe's kv_cache_scheme")
 
 
 # llmctl serve options a hand-off engine has no equivalent for: refused, never dropped
@@ -96,13 +113,11 @@ _LORA = {
     flag: f"{flag} is the built-in engine's; LoRA adapters are not forwarded to a hand-off "
           "engine (vLLM: its own --enable-lora --lora-modules): serve without --engine"
     for flag in ("--lora", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates")}
-_KV_CACHE = {"--kv-cache-dtype": "--kv-cache-dtype is the built-in engine's KV cache (int8 "
-                                 "with per-token scales, fp8 with static ones); a hand-off "
-                                 "engine sets its own (vLLM: its --kv-cache-dtype): drop "
-                                 "the flag or serve without --engine"}
+_KV_CACHE = {"--kv-cache-dtype": "--kv-cache-dtype is not forwarded to trtllm-serve (its "
+                                 "KV cache dtype is an LLM API option): drop the flag, or "
+                                 "serve with --engine vllm or the built-in engine"}
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_LORA,
-             **_KV_CACHE},
+    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_LORA},
     "trtllm": {
         "--auth-file": _NO_TENANTS,
         **_SCHEDULING,
@@ -122,11 +137,28 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 }
 
 
-def refuse_unsupported(engine: str, given: set[str]) -> None:
-    """UsageError naming the first option in ``given`` that ``engine`` cannot honour."""
+# Options a hand-off engine takes under the same name, but not with every value llmctl
+# accepts: (the values it takes with the same meaning, the remedy for the others).
+# vLLM's fp8 KV cache reads the static scales of a checkpoint's kv_cache_scheme (per
+# layer; its CPU backend takes the max over heads of per-head ones) and otherwise 1.0.
+PARTIAL: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
+    "vllm": {"--kv-cache-dtype": (("auto", "bfloat16", "float16", "fp8", "fp8_e4m3"),
+                                  ("vLLM has no int8 or float32 KV cache: use fp8 with vLLM, "
+                                   "or serve without --engine"))},
+}
+
+
+def refuse_unsupported(engine: str, given: set[str] | dict[str, Any]) -> None:
+    """UsageError naming the first option in ``given`` that ``engine`` cannot honour: an
+    option it lacks, or (``given`` mapping options to values) a value it does not take."""
     for flag, remedy in UNSUPPORTED.get(engine, {}).items():
         if flag in given:
             raise UsageError(f"--engine {engine} does not support {flag}", remedy)
+    if isinstance(given, dict):
+        for flag, (values, remedy) in PARTIAL.get(engine, {}).items():
+            if flag in given and given[flag] not in values:
+                raise UsageError(f"--engine {engine} does not support {flag} {given[flag]} "
+                                 f"(it takes {', '.join(values)})", remedy)
 
 
 def _llm_api_options_file(options: dict) -> Path:

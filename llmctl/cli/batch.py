@@ -18,6 +18,7 @@ import typer
 from llmctl.cli.errors import guarded
 from llmctl.cli.options import DtypeOpt, JsonOpt, KvCacheDtypeOpt
 from llmctl.cli.serve import (
+    EnableAutoToolChoice,
     KvCacheMemory,
     LoraOpt,
     MaxBatchedTokens,
@@ -27,6 +28,7 @@ from llmctl.cli.serve import (
     ServedName,
     ServeModelArg,
     Threads,
+    ToolCallParser,
     _given,
 )
 
@@ -48,7 +50,8 @@ def batch(
     max_model_len: MaxModelLen = None,
     max_num_seqs: MaxNumSeqs = 64, max_num_batched_tokens: MaxBatchedTokens = 512,
     threads: Threads = None, window: Window = None, lora: LoraOpt = None,
-    max_lora_rank: MaxLoraRank = 64, json_: JsonOpt = False,
+    max_lora_rank: MaxLoraRank = 64, enable_auto_tool_choice: EnableAutoToolChoice = False,
+    tool_call_parser: ToolCallParser = None, json_: JsonOpt = False,
 ) -> None:
     """Run an OpenAI Batch API input file on a model; resumable."""
     import llmctl.engines  # noqa: F401 - registers engine directories as a model source
@@ -56,7 +59,7 @@ def batch(
     from llmctl.serve.api.batch import check_paths, run_batch, stop_on_signals
     from llmctl.serve.config import EngineConfig
     from llmctl.serve.sources import CheckpointSource, source_for
-    from llmctl.serve.startup import ServeSettings, engine_kwargs
+    from llmctl.serve.startup import ServeSettings, auto_tool_parser, engine_kwargs
 
     out = Output(json_mode=json_)
     check_paths(input_file, output)
@@ -67,13 +70,16 @@ def batch(
                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, threads=threads,
                              lora=tuple(lora or ()), max_lora_rank=max_lora_rank,
+                             enable_auto_tool_choice=enable_auto_tool_choice,
+                             tool_call_parser=tool_call_parser,
                              given=frozenset(n for n in names if _given(ctx, n)))
+    tool_parser = auto_tool_parser(settings)  # a parser missing or unknown: exit 2
     kwargs = engine_kwargs(settings, not isinstance(source_for(model), CheckpointSource))
     EngineConfig(model=model, **kwargs)  # a bad option fails before anything loads (exit 2)
     with out.progress("batch") as update, stop_on_signals() as stopped:
         summary = run_batch(input_file, output, model, kwargs,
                             served_model_name=served_model_name, window=window, stop=stopped,
-                            progress=update, say=out.status)
+                            progress=update, say=out.status, auto_tool_parser=tool_parser)
 
     def render(console) -> None:
         console.print(f"{summary.written} lines written to {output} ({summary.skipped} "

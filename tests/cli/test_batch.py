@@ -87,3 +87,38 @@ def test_duplicate_custom_ids_exit_2(tiny_llama, src, tmp_path):
     out = tmp_path / "out.jsonl"
     _usage_error(run(src, "-o", out, tiny_llama), "custom_id 'a' is on lines 1 and 3")
     assert not out.exists() or out.read_text() == ""
+
+
+def test_tool_choice_auto_takes_the_parser_flags(tiny_llama, tmp_path):
+    """A line with tools and tool_choice "auto" fails (400 in its error body) unless the
+    batch has vLLM's --enable-auto-tool-choice --tool-call-parser; with them the model's
+    Llama 3 style call (forced by a schema on the tiny model) comes back as tool_calls."""
+    from tests.serve.api.test_tools import TIME, TOOLS
+
+    call = {"type": "object", "properties": {"name": {"type": "string", "enum": ["get_time"]},
+                                             "parameters": TIME},
+            "required": ["name", "parameters"], "additionalProperties": False}
+    src = tmp_path / "tools.jsonl"
+    src.write_text(_line("t", {
+        "messages": [{"role": "user", "content": "What time is it?"}], "tools": TOOLS,
+        "tool_choice": "auto", "max_tokens": 60, "temperature": 0,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "call", "schema": call}}},
+        "/v1/chat/completions") + "\n")
+    off = tmp_path / "off.jsonl"
+    assert run(src, "-o", off, tiny_llama, *ENGINE).exit_code == 1
+    [line] = map(json.loads, off.read_text().splitlines())
+    assert line["response"]["status_code"] == 400
+    assert "--enable-auto-tool-choice" in line["response"]["body"]["error"]["message"]
+    _usage_error(run(src, "-o", tmp_path / "x.jsonl", tiny_llama, "--enable-auto-tool-choice"),
+                 "--enable-auto-tool-choice needs --tool-call-parser")
+    on = tmp_path / "on.jsonl"
+    result = run(src, "-o", on, tiny_llama, *ENGINE, "--enable-auto-tool-choice",
+                 "--tool-call-parser", "llama3_json")
+    assert result.exit_code == 0, result.output
+    [line] = map(json.loads, on.read_text().splitlines())
+    [choice] = line["response"]["body"]["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [tool_call] = choice["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "get_time"
+    assert json.loads(tool_call["function"]["arguments"])["tz"] in ("UTC", "CET")

@@ -263,8 +263,10 @@ def run_batch(input_path: Path, output_path: Path, model: str, engine_kwargs: di
               *, served_model_name: str | None = None, window: int | None = None,
               stop: Callable[[], bool] = lambda: False,
               progress: Callable[[int, int], None] = lambda done, total: None,
-              say: Callable[[str], None] = lambda message: None) -> BatchSummary:
-    """The whole command: check the files, load the model, run the remaining lines."""
+              say: Callable[[str], None] = lambda message: None,
+              auto_tool_parser: str | None = None) -> BatchSummary:
+    """The whole command: check the files, load the model, run the remaining lines.
+    ``auto_tool_parser``: what reads tool_choice "auto" answers (None: such lines fail)."""
     check_paths(input_path, output_path)
     keys = batch_file.survey_input(input_path)  # duplicates fail before the model loads
     output = batch_file.OutputFile.open(output_path)
@@ -278,7 +280,8 @@ def run_batch(input_path: Path, output_path: Path, model: str, engine_kwargs: di
             say(f"resuming: {len(skip)} of {len(keys)} lines are already in {output_path}")
         if len(skip) == len(keys):
             return BatchSummary(len(keys), len(skip), 0, failed_before, False, 0, 0, 0.0)
-        runner = _open(model, engine_kwargs, served_model_name, window, say)
+        runner = _open(model, engine_kwargs, served_model_name, window, say,
+                       auto_tool_parser)
         done = len(skip)
         progress(done, len(keys))
 
@@ -321,7 +324,8 @@ def check_paths(input_path: Path, output_path: Path) -> None:
 
 
 def _open(model: str, engine_kwargs: dict[str, Any], served_model_name: str | None,
-          window: int | None, say: Callable[[str], None]) -> BatchRunner:
+          window: int | None, say: Callable[[str], None],
+          auto_tool_parser: str | None = None) -> BatchRunner:
     from llmctl.serve.api.launch import vocab_and_grammars
     from llmctl.serve.sources import open_model
 
@@ -332,7 +336,8 @@ def _open(model: str, engine_kwargs: dict[str, Any], served_model_name: str | No
                                                                        opened.aliases)
     vocab_size, grammars = vocab_and_grammars(engine)
     config = ServerConfig(model_name=name, max_model_len=engine.max_model_len,
-                          vocab_size=vocab_size, extra_model_names=aliases)
+                          vocab_size=vocab_size, extra_model_names=aliases,
+                          auto_tool_parser=auto_tool_parser)
     frontend = Frontend(engine.tokenizer, config, grammars, engine.lora_names)
     return BatchRunner(engine, frontend, window or 4 * engine.config.max_num_seqs)
 

@@ -119,9 +119,9 @@ def plan_tools(req, grammars, auto_parser_name: str | None) -> ToolPlan:
     if mode == "auto":
         if auto_parser_name is None:
             raise ToolRequestError(
-                'tool_choice "auto" (the default when tools are given) needs a server '
-                "started with --enable-auto-tool-choice --tool-call-parser NAME; send "
-                'tool_choice "required", a named function or "none" instead',
+                'tool_choice "auto" (the default when tools are given) needs '
+                "--enable-auto-tool-choice --tool-call-parser NAME (llmctl serve or batch); "
+                'send tool_choice "required", a named function or "none" instead',
                 "tool_choice")
         return ToolPlan("auto", parser=auto_parser(auto_parser_name), parallel=parallel)
     if grammars is None:

@@ -28,7 +28,7 @@ from llmctl.eval.candidates import (
     ServeEngineCandidate,
     open_candidate,
 )
-from llmctl.eval.memory import pin_mmap_threshold
+from llmctl.eval.memory import flat_heap
 from llmctl.eval.metrics import (
     PositionStats,
     comparison_summary,
@@ -303,10 +303,16 @@ def counted_metrics(config: EvalConfig) -> set[str]:
 
 
 def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
+    """The eval's report. Its windows run with glibc's mmap threshold pinned, and the
+    process gets usable malloc settings back afterwards (:mod:`llmctl.eval.memory`)."""
+    with flat_heap():
+        return _run_eval(config, ui)
+
+
+def _run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
     from llmctl.report import run_metadata
 
     ui = ui or _Quiet()
-    pin_mmap_threshold()
     if config.threads:
         import torch
 

@@ -23,8 +23,6 @@ E4M3_MAX = 448.0
 # K/V value past the calibrated range would saturate.
 KV_HEADROOM = 2.0
 _MIN_KV_SCALE = 1e-8  # a head that only saw zeros must not divide by zero
-_MIN_NORMAL_EXP = -6  # 2^-6 is the smallest normal magnitude
-_MANTISSA_BITS = 3
 
 
 @dataclass(frozen=True)
@@ -35,16 +33,11 @@ class FP8Grid:
 
 
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E4M3 value (ties to even), as float32, without using an FP8 dtype."""
-    x = x.float()
-    mag = x.abs().clamp(max=E4M3_MAX)
-    # frexp: mag = m * 2^E with m in [0.5, 1), so floor(log2(mag)) = E - 1.
-    _, exp = torch.frexp(mag)
-    e = torch.clamp(exp - 1, min=_MIN_NORMAL_EXP)
-    step = torch.ldexp(torch.ones_like(mag), e - _MANTISSA_BITS)
-    # mag / step is exact (power-of-two division); torch.round ties to even.
-    rounded = torch.round(mag / step) * step
-    return torch.copysign(rounded.clamp(max=E4M3_MAX), x)
+    """Nearest E4M3 value (ties to even, subnormals included), saturated at +-448, as
+    float32. torch's cast rounds exactly so but turns values past 448 into NaN, hence the
+    clamp; a frexp/ldexp emulation of the same rounding took 3.3x as long per GPTQ column
+    (~8 torch calls), and GPTQ rounds one column at a time."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
 def scale_for(amax: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""FP8 E4M3 emulation agrees with torch's float8_e4m3fn bit for bit."""
+"""FP8 E4M3 rounding agrees bit for bit with an independent emulation (frexp/ldexp, no
+FP8 dtype) and with torch's float8_e4m3fn."""
 
 import torch
 
@@ -16,9 +17,20 @@ def _probe_values() -> torch.Tensor:
     return torch.cat([values, -values])
 
 
-def test_rounding_matches_torch_float8():
+def _emulated(x: torch.Tensor) -> torch.Tensor:
+    """E4M3 rounding from its definition: a normal magnitude in [2^e, 2^(e+1)) is spaced
+    2^(e-3) (3 mantissa bits), below 2^-6 the subnormals 2^-9; ties to even; saturate."""
+    mag = x.abs().clamp(max=448.0)
+    _, exp = torch.frexp(mag)  # mag = m * 2^exp, m in [0.5, 1)
+    step = torch.ldexp(torch.ones_like(mag), torch.clamp(exp - 1, min=-6) - 3)
+    return torch.copysign((torch.round(mag / step) * step).clamp(max=448.0), x)
+
+
+def test_rounding_matches_the_definition_and_torch_float8():
     x = _probe_values()
+    assert torch.equal(fp8.round_to_e4m3(x), _emulated(x))
     assert torch.equal(fp8.round_to_e4m3(x), x.to(torch.float8_e4m3fn).float())
+    assert torch.equal(fp8.round_to_e4m3(x * 4), _emulated(x * 4))  # past 448: saturated
 
 
 def test_rounding_saturates_at_448():

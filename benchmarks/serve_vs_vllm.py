@@ -20,7 +20,15 @@ Workloads (``WORKLOADS``; vLLM's ``random`` dataset, EOS ignored, temperature 0)
 - ``poisson-256-64``: 64 prompts of 256 in / 64 out, Poisson arrivals at 1.5 req/s
   (the client seeds the arrival times: both servers see the same schedule);
 - ``shared-prefix-400``: 32 prompts = one shared 400-token prefix + 32 own tokens, 64
-  out, at most 8 in flight (a system prompt shared by users; the server starts cold).
+  out, at most 8 in flight (a system prompt shared by users; the server starts cold);
+- ``lora-4x-128-128``: ``random-128-128`` with each request naming one of 4 LoRA adapters
+  (vLLM's client picks one at random per request, seeded: both servers get the same
+  picks). Both servers load the same 4 random PEFT adapters of rank ``--lora-rank`` on
+  every projection (``lora_batch.make_adapters``, into the log directory) with
+  ``--max-loras 4``: llmctl with ``--lora NAME=PATH``, vLLM with ``--enable-lora
+  --lora-modules NAME=PATH``. Servers of the other workloads load no adapters, so run
+  with ``random-128-128`` the report gives each server's "4 adapters / base model"
+  output throughput within every round.
 
 ``--llmctl-variant NAME=MODEL`` (repeatable) adds a server ``llmctl-NAME``: llmctl on
 another checkpoint of the same model (e.g. its W4A16 quantization) with the same limits,
@@ -76,6 +84,7 @@ class Workload:
     prefix_len: int = 0
     request_rate: float = float("inf")
     max_concurrency: int | None = None
+    loras: int = 0  # requests spread over this many adapters (module doc)
 
 
 WORKLOADS = {
@@ -83,7 +92,10 @@ WORKLOADS = {
     "poisson-256-64": Workload(num_prompts=64, input_len=256, output_len=64, request_rate=1.5),
     "shared-prefix-400": Workload(num_prompts=32, input_len=32, output_len=64, prefix_len=400,
                                   max_concurrency=8),
+    "lora-4x-128-128": Workload(num_prompts=64, input_len=128, output_len=128, loras=4),
 }
+# the pair whose per-round output-throughput ratio the report gives for every server
+LORA_PAIR = ("lora-4x-128-128", "random-128-128")
 
 
 @dataclass(frozen=True)
@@ -126,14 +138,28 @@ def server_env(server: str, lim: Limits) -> dict[str, str]:
     return env
 
 
-def full_command(server: str, args, model: str, port: int, lim: Limits) -> list[str]:
+def lora_flags(server: str, adapters: dict[str, str], rank: int) -> list[str]:
+    """Each server's way of loading the same adapters, at most ``len(adapters)`` at once."""
+    if not adapters:
+        return []
+    limits = ["--max-loras", str(len(adapters)), "--max-lora-rank", str(rank)]
+    specs = [f"{name}={path}" for name, path in adapters.items()]
+    if server == "vllm":
+        return ["--enable-lora", *limits, "--lora-modules", *specs]
+    return [*limits, *(x for spec in specs for x in ("--lora", spec))]
+
+
+def full_command(server: str, args, model: str, port: int, lim: Limits,
+                 w: Workload | None = None) -> list[str]:
     variants = dict(getattr(args, "variants", ()))  # serve_breakdown, serve_env_ab: none
     flags = dict(getattr(args, "flag_variants", ()))
     name = server.removeprefix("llmctl-")
+    adapters = getattr(args, "adapters", {}) if w is not None and w.loras else {}
     if server == "vllm":
         base = vllm_command(args.vllm_python, model, port, lim)
     else:  # llmctl on the model, a variant on its own checkpoint, or with more flags
         base = llmctl_command(variants.get(name, model), port, lim) + flags.get(name, [])
+    base += lora_flags(server, adapters, getattr(args, "lora_rank", 0))
     env = [f"{k}={v}" for k, v in server_env(server, lim).items()]
     return ["env", *env, "taskset", "-c", ",".join(map(str, lim.cpus)), *base]
 
@@ -152,6 +178,8 @@ def client_command(args, model: str, port: int, w: Workload, result: Path) -> li
            "--result-dir", str(result.parent), "--result-filename", result.name]
     if w.max_concurrency is not None:
         cmd += ["--max-concurrency", str(w.max_concurrency)]
+    if w.loras:
+        cmd += ["--lora-modules", *list(args.adapters)[:w.loras]]
     return cmd
 
 
@@ -198,7 +226,7 @@ def run_one(server: str, name: str, w: Workload, rnd: int, args, model: str, lim
     record = {"name": f"round {rnd} {name} {server}", "round": rnd, "workload": name,
               "server": server, "port": port,
               "load_before_start": [round(x, 2) for x in os.getloadavg()]}
-    cmd = full_command(server, args, model, port, lim)
+    cmd = full_command(server, args, model, port, lim, w)
     record["server_command"] = cmd
     launched = LaunchedServer(cmd, f"http://127.0.0.1:{port}", timeout=args.start_timeout)
     try:
@@ -280,6 +308,21 @@ def medians(records: list[dict]) -> dict:
     return summary
 
 
+def lora_ratios(records: list[dict]) -> dict:
+    """Per server and round: output throughput of LORA_PAIR's adapter workload over its
+    base workload (both run in that round), and the median over rounds."""
+    tput = {(r["server"], r["round"], r["workload"]): r["result"]["output_throughput"]
+            for r in records if "result" in r}
+    lora, base = LORA_PAIR
+    per_round = [{"server": server, "round": rnd, "lora_over_base": x / tput[server, rnd, base]}
+                 for (server, rnd, name), x in sorted(tput.items())
+                 if name == lora and tput.get((server, rnd, base))]
+    servers = dict.fromkeys(r["server"] for r in per_round)
+    return {"per_round": per_round,
+            "median": {s: common.median([r["lora_over_base"] for r in per_round
+                                         if r["server"] == s]) for s in servers}}
+
+
 def workload_json(w: Workload) -> dict:
     """JSON has no infinity: an unlimited rate is written "inf"."""
     d = asdict(w)
@@ -350,6 +393,18 @@ def render_markdown(report: dict) -> str:
                                f"median TPOT {ratio.get('median_tpot_ms', float('nan')):.2f}x, "
                                f"median TTFT {ratio.get('median_ttft_ms', float('nan')):.2f}x.")]
         lines.append("")
+    ratios = report["results"].get("lora_over_base", {})
+    if ratios.get("per_round"):
+        servers = list(ratios["median"])
+        lines += [f"## {LORA_PAIR[0]} / {LORA_PAIR[1]}: output throughput with 4 adapters "
+                  "over the base model, per server within each round", "",
+                  "| round | " + " | ".join(servers) + " |", "|" + "---|" * (len(servers) + 1)]
+        for rnd in sorted({r["round"] for r in ratios["per_round"]}):
+            cells = {r["server"]: f"{r['lora_over_base']:.3f}" for r in ratios["per_round"]
+                     if r["round"] == rnd}
+            lines.append(f"| {rnd} | " + " | ".join(cells.get(s, "?") for s in servers) + " |")
+        lines += ["| median | " + " | ".join(f"{ratios['median'][s]:.3f}" for s in servers)
+                  + " |", ""]
     lines.append("TPOT as vLLM defines it: (E2E latency - TTFT) / (output tokens - 1), per "
                  "request; ITL: gaps between streamed chunks, pooled over requests.")
     return "\n".join(lines) + "\n"
@@ -358,7 +413,8 @@ def render_markdown(report: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workloads", default="random-128-128,poisson-256-64,shared-prefix-400",
+                    help=f"comma-separated, of {', '.join(WORKLOADS)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="override every workload's prompt count (smoke runs)")
@@ -383,6 +439,8 @@ def main(argv=None) -> int:
     ap.add_argument("--llmctl-flags", action="append", default=[], metavar="NAME=FLAGS",
                     help="also serve --model with llmctl plus FLAGS as server llmctl-NAME")
     ap.add_argument("--no-vllm", action="store_true", help="only the llmctl servers")
+    ap.add_argument("--lora-rank", type=int, default=8,
+                    help="rank of the random adapters of the lora workloads")
     common.add_run_arguments(ap)
     args = ap.parse_args(argv)
     import shlex
@@ -426,12 +484,18 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_dir = Path(args.log_dir or f"/tmp/llmctl-serve-vs-vllm/{args.label}-{stamp}")
     log_dir.mkdir(parents=True, exist_ok=True)
+    args.adapters = {}
+    if any(w.loras for w in workloads.values()):
+        from lora_batch import make_adapters
+
+        args.adapters = make_adapters(Path(model), log_dir / "adapters", args.lora_rank)
     cfg = {"model": args.model, "model_path": model, "limits": asdict(lim),
            "workloads": {n: workload_json(w) for n, w in workloads.items()}, "rounds": args.rounds,
            "seed": args.seed, "served_model_name": SERVED_NAME, "log_dir": str(log_dir),
            "order": "llmctl first in odd rounds, vLLM first in even rounds",
            "vllm_python": args.vllm_python, "servers": servers,
-           "variants": dict(args.variants), "flag_variants": dict(args.flag_variants)}
+           "variants": dict(args.variants), "flag_variants": dict(args.flag_variants),
+           "adapters": args.adapters, "lora_rank": args.lora_rank if args.adapters else None}
     report = common.start_run(
         "serve-vs-vllm", cfg, allow_dirty=args.allow_dirty, threads=len(cpus),
         out=args.out_dir,
@@ -452,7 +516,8 @@ def main(argv=None) -> int:
                     f"{r.get('median_ttft_ms', 0):.0f} ms, failed {r.get('failed')}, other "
                     f"processes {rec.get('foreign_cpu_cores')} cores"
                     if r else rec.get("error", "?")), file=sys.stderr, flush=True)
-    report["results"] = {"runs": runs, "medians": medians(runs)}
+    report["results"] = {"runs": runs, "medians": medians(runs),
+                         "lora_over_base": lora_ratios(runs)}
     common.finish_run(report, runs)
     markdown = render_markdown(report)
     common.write_report(Path(args.out_dir), f"serve-vs-vllm-{args.label}", report, markdown)

@@ -21,9 +21,9 @@ Workloads (``WORKLOADS``; vLLM's ``random`` dataset, EOS ignored, temperature 0)
   (the client seeds the arrival times: both servers see the same schedule);
 - ``shared-prefix-400``: 32 prompts = one shared 400-token prefix + 32 own tokens, 64
   out, at most 8 in flight (a system prompt shared by users; the server starts cold);
-- ``lora-4x-128-128``: ``random-128-128`` with each request naming one of 4 LoRA adapters
-  (vLLM's client picks one at random per request, seeded: both servers get the same
-  picks). Both servers load the same 4 random PEFT adapters of rank ``--lora-rank`` on
+- ``lora-4x-128-128``: ``random-128-128`` with request ``i`` naming LoRA adapter ``i % 4``
+  (vLLM's client, ``--lora-assignment round-robin``; ``lora_batch.py`` assigns the same
+  way offline). Both servers load the same 4 random PEFT adapters of rank ``--lora-rank`` on
   every projection (``lora_batch.make_adapters``, into the log directory) with
   ``--max-loras 4``: llmctl with ``--lora NAME=PATH``, vLLM with ``--enable-lora
   --lora-modules NAME=PATH``. Servers of the other workloads load no adapters, so run
@@ -179,7 +179,8 @@ def client_command(args, model: str, port: int, w: Workload, result: Path) -> li
     if w.max_concurrency is not None:
         cmd += ["--max-concurrency", str(w.max_concurrency)]
     if w.loras:
-        cmd += ["--lora-modules", *list(args.adapters)[:w.loras]]
+        cmd += ["--lora-modules", *list(args.adapters)[:w.loras],
+                "--lora-assignment", "round-robin"]
     return cmd
 
 

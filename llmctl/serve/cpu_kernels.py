@@ -19,6 +19,9 @@
   products as small GEMMs on vdpbf16ps (torch's SDPA flash kernel took twice as long).
 - :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
   pass for bfloat16 (nine torch ops per layer before), quantizing for an int8 or fp8 cache.
+- :file:`csrc/lora.cpp`: the LoRA terms of a fused linear for bfloat16 activations, per
+  adapter row range (:mod:`llmctl.serve.lora_batch`), for the layer loop and the fused
+  decode layers alike.
 - :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use;
   :file:`csrc/fp8.h`: E4M3 <-> float32 and bf16.
 
@@ -58,8 +61,8 @@ log = logging.getLogger("llmctl.serve")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
                              "lowbit_vnni.cpp", "gemm_bf16.cpp", "rope_kv.cpp",
-                             "decode_layer.cpp", "prefill_attention.cpp", "simd_math.h",
-                             "fp8.h"))
+                             "decode_layer.cpp", "prefill_attention.cpp", "lora.cpp",
+                             "simd_math.h", "fp8.h", "lora.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
 # (query dtype, 8-bit cache's storage or None) -> exported symbol; a float cache has the
@@ -103,6 +106,7 @@ ARGTYPES = {
     "rope_kv_bf16": _ROPE_KV_ARGS,
     "rope_kv_bf16_i8": _ROPE_KV_I8_ARGS,
     "rope_kv_bf16_f8": _ROPE_KV_I8_ARGS,
+    "lora_add_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
 }
 RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int,
             "gemm_bf16_available": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
@@ -353,3 +357,9 @@ def decode_layer_kernel():
     if lib is None or not lib.gemm_bf16_available() or not lib.lowbit_vnni_rows():
         return None
     return lib.decode_layer_bf16
+
+
+def lora_kernel():
+    """:file:`csrc/lora.cpp`'s ``lora_add_bf16``, or None without a build."""
+    lib = _library()
+    return None if lib is None else lib.lora_add_bf16

@@ -12,6 +12,10 @@ median 62.5 vs 65.9 ms, same tokens).
 
 Sliding windows: each layer's window goes to its attention call (``Step.window``).
 
+LoRA: a step whose adapters each have one row range (:class:`LoRABatch.native`) runs here
+too; each fused linear adds its adapters' terms with :file:`csrc/lora.cpp`, the kernel
+the layer loop calls, so the bits stay the layer loop's.
+
 It applies when every matrix of every layer has a small-batch form (a bf16 weight in
 :file:`csrc/gemm_bf16.cpp`'s layout, or int4/int8 codes in the VNNI layout), no bias,
 no q/k norm, bfloat16 activations, a bfloat16, int8 or fp8 cache, and the step is one
@@ -22,6 +26,7 @@ attention group of single-token sequences on the native kernel;
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +34,9 @@ from llmctl.serve.attention import AttnMetadata
 from llmctl.serve.cpu_kernels import decode_layer_kernel
 from llmctl.serve.lowbit import LowBitLinear
 from llmctl.serve.quant_linear import PackedLinear
+
+if TYPE_CHECKING:
+    from llmctl.serve.lora_batch import LoRABatch
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # The most tokens a step runs here on bf16 weights: the scratch buffers are sized for it
@@ -55,7 +63,8 @@ class Step(ctypes.Structure):
                 ("block_tables", _PTR), ("max_blocks", _I64), ("context_lens", _PTR),
                 ("block_size", _I64), ("scale", _F32), ("eps", _F32), ("x", _PTR), ("h", _PTR),
                 ("qkv", _PTR), ("attn", _PTR), ("attn_f", _PTR), ("proj", _PTR),
-                ("gate_up", _PTR), ("act", _PTR), ("num_threads", _INT), ("window", _I64)]
+                ("gate_up", _PTR), ("act", _PTR), ("num_threads", _INT), ("window", _I64),
+                ("lora", _PTR), ("lora_n", _I64), ("layer", _I64)]
 
 
 def matrix(layer) -> tuple[Matrix, int] | None:
@@ -135,12 +144,17 @@ class DecodeLayers:
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
                  meta: AttnMetadata, kv_cache: torch.Tensor,
-                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                 kv_scales: torch.Tensor | None = None,
+                 lora: LoRABatch | None = None) -> torch.Tensor:
         """Every layer on ``x`` (residual, updated) and ``h`` (the first layer's normed
-        input); returns the final norm's output, as ``forward`` does."""
+        input); returns the final norm's output, as ``forward`` does. ``lora``: the step's
+        adapter rows, with ``native`` segments (the caller checks)."""
         grp = meta.groups[0]
         st = self._step
         st.m = x.shape[0]
+        segs = lora.native if lora is not None else None
+        st.lora = ctypes.addressof(segs) if segs is not None else None
+        st.lora_n = len(segs) if segs is not None else 0
         st.positions, st.slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
         st.block_tables, st.max_blocks = grp.block_tables.data_ptr(), grp.block_tables.shape[1]
         st.context_lens, st.block_size = grp.context_lens.data_ptr(), kv_cache.shape[3]
@@ -153,8 +167,9 @@ class DecodeLayers:
         s_half = kv_scales.stride(1) * 4 if kv_scales is not None else 0
         s_ptr = kv_scales.data_ptr() if kv_scales is not None else None
         kind = _KV_KINDS[kv_cache.dtype]
-        for (qkv, o, gate_up, down, post, nxt), window in zip(self._layer_args, self._windows):
-            st.window = window
+        for layer, ((qkv, o, gate_up, down, post, nxt), window) in enumerate(
+                zip(self._layer_args, self._windows)):
+            st.window, st.layer = window, layer
             fn(ref, qkv, o, gate_up, down, k_ptr, k_ptr + half, s_ptr,
                s_ptr + s_half if s_ptr else None, kind, post, nxt)
             k_ptr += 2 * half

@@ -128,9 +128,11 @@ class AdapterConfig:
 
 @dataclass
 class LoRAAdapter:
-    """One adapter in the engine's layout: ``layers[i][fused] = (A^T, B^T)`` with
-    ``A^T: in x R`` and ``B^T: R x out`` (scale folded in), ready for ``(x @ A^T) @ B^T``;
-    a fused linear the adapter does not touch in that layer is absent."""
+    """One adapter in the engine's layout: ``layers[i][fused] = (A, B^T)`` with
+    ``A: R x in`` and ``B^T: R x out`` (scale folded in), both contiguous, for
+    ``(x @ A^T) @ B^T``; a fused linear the adapter does not touch in that layer is
+    absent. ``table`` is the native kernels' view of the same tensors, made on first use
+    (:mod:`llmctl.serve.lora_batch`)."""
 
     name: str
     path: str
@@ -138,6 +140,7 @@ class LoRAAdapter:
     scaling: float
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
     lora_id: int = field(default_factory=lambda: next(_ids))
+    table: object = field(default=None, repr=False, compare=False)
 
     @property
     def cache_salt(self) -> bytes:
@@ -223,7 +226,7 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec, *, max_rank: int,
             if not present:
                 continue
             r = config.rank
-            a_t = torch.cat([parts[(i, p)]["A"].float() for p in present]).T
+            a = torch.cat([parts[(i, p)]["A"].float() for p in present])
             b = torch.zeros(sum(shapes[p][0] for p in projs), r * len(present))
             row, col = 0, 0
             for p in projs:
@@ -235,7 +238,7 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec, *, max_rank: int,
                     b[row:row + rows, col:col + r] = part
                     col += r
                 row += rows
-            fused[target] = (a_t.to(device=device, dtype=dtype).contiguous(),
+            fused[target] = (a.to(device=device, dtype=dtype).contiguous(),
                              b.T.to(device=device, dtype=dtype).contiguous())
         layers.append(fused)
     return LoRAAdapter(name=name, path=str(path), rank=config.rank, scaling=config.scaling,

@@ -268,8 +268,8 @@ class LlamaModel:
         (``kv_scales``: the scales of an int8 or fp8 cache, :mod:`llmctl.serve.kv_quant`).
 
         ``lora``: the step's rows that run with an adapter (:mod:`llmctl.serve.lora_batch`);
-        such a step takes this Python path, not the fused native decode layers, which
-        run base-only steps as before."""
+        the fused native decode layers take such a step when its adapters' sums run
+        natively (one row range each), the layer loop below otherwise."""
         spec = self.spec
         eps = spec.rms_norm_eps
         head = (spec.head_dim,)
@@ -294,8 +294,9 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)
         h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
         fused = self.decode_layers
-        if fused is not None and lora is None and fused.applies(t, meta, kv_cache):
-            return fused(x, h, positions, meta, kv_cache, kv_scales)
+        if fused is not None and (lora is None or lora.native is not None) \
+                and fused.applies(t, meta, kv_cache):
+            return fused(x, h, positions, meta, kv_cache, kv_scales, lora)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             if lora is not None:

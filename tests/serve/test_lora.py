@@ -59,8 +59,8 @@ def test_logits_and_greedy_match_peft_with_adapters_and_base_in_one_batch(
         llm, tiny_llama, tiny_loras, monkeypatch):
     steps = _record_steps(llm, monkeypatch)
     # two prompt lengths: two attention groups in the prefill, each ordered by adapter, so
-    # "all4" has rows in both (gathered) and the span from "some8" to "attn1" holds the
-    # second group's base and "all4" rows (which its delta must leave alone)
+    # "all4" has rows in both (two segments) and the span from "some8" to "attn1" holds
+    # the second group's base and "all4" rows (which its delta must leave alone)
     names = [None, "all4", "some8", None, "attn1", "all4"]
     prompts = ["The file object"] * 3 + ["In Python, a class is"] * 3
     outs = llm.generate(prompts, GREEDY, lora=names)
@@ -244,3 +244,105 @@ def test_adapters_over_an_8bit_kv_cache(llm, tiny_llama, tiny_loras, monkeypatch
     quantized, full = first_logits(eight, "all4"), first_logits(llm, "all4")
     assert 1e-4 < (quantized - full).abs().max().item() < bound
     assert (quantized - first_logits(eight, None)).abs().max().item() > 0.5
+
+
+# -- the native LoRA sums (csrc/lora.cpp) ----------------------------------------------
+
+
+def _random_adapter(layers: list[dict[str, tuple[int, int, int]]], seed: int):
+    """A LoRAAdapter with random float32 (A, B^T) of the given (rank, in, out) per fused
+    linear and layer."""
+    from llmctl.serve.lora_adapter import LoRAAdapter
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [{t: (torch.randn(r, i, generator=gen) * 0.1, torch.randn(r, o, generator=gen))
+                for t, (r, i, o) in layer.items()} for layer in layers]
+    return LoRAAdapter(name=f"r{seed}", path="-", rank=0, scaling=1.0, layers=tensors)
+
+
+@pytest.mark.parametrize("rows,rank", [(9, 4), (40, 16)])  # 40 x 16: the threaded branch
+def test_native_lora_sums_add_what_the_torch_path_adds(rows, rank):
+    """lora_add_bf16 against the torch path of the same LoRABatch (float32 sums, then
+    torch's `y += delta.to(bf16)`): base rows untouched bit for bit, adapter rows within
+    one bf16 step (the sums' order differs, which moves a rare rounding), on a delta as
+    large as y; an adapter without this linear adds nothing."""
+    from llmctl.serve.cpu_kernels import lora_kernel
+    from llmctl.serve.lora_batch import LoRABatch
+
+    kernel = lora_kernel()
+    if kernel is None:
+        pytest.skip("no C++ compiler: the native kernels are not built here")
+    d_in, d_out = 256, 768
+    first = _random_adapter([{"gate_up": (rank, d_in, d_out)}], 1)
+    second = _random_adapter([{"gate_up": (rank // 2, d_in, d_out)}], 2)
+    untargeted = _random_adapter([{"o": (rank, d_in, d_in)}], 3)
+    segments = [(first, slice(0, rows // 3)), (untargeted, slice(rows // 3, rows // 2)),
+                (second, slice(rows // 2 + 1, rows))]  # row rows // 2: the base model
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, d_in, generator=gen).bfloat16()
+    y0 = torch.randn(rows, d_out, generator=gen).bfloat16()
+    native, reference = y0.clone(), y0.clone()
+    batch = LoRABatch(segments, kernel)
+    assert batch.native is not None
+    batch.apply(0, "gate_up", x, native)
+    LoRABatch(segments).apply(0, "gate_up", x, reference)  # no kernel: the torch path
+    untouched = list(range(rows // 3, rows // 2 + 1))
+    assert torch.equal(native[untouched], y0[untouched])
+    assert (reference[:rows // 3].float() - y0[:rows // 3].float()).abs().mean() > 0.3
+    torch.testing.assert_close(native.float(), reference.float(), rtol=2.0 ** -7, atol=1e-3)
+    assert (native != reference).float().mean() < 0.01
+
+
+def test_segments_merge_adjoining_rows_of_one_adapter_only():
+    from llmctl.serve.cpu_kernels import lora_kernel
+    from llmctl.serve.lora_batch import LoRABatch
+
+    a, b = _random_adapter([{"o": (4, 8, 8)}], 1), _random_adapter([{"o": (4, 8, 8)}], 2)
+    batch = LoRABatch.from_runs([(a, 0, 2), (a, 2, 3), (None, 3, 4), (a, 4, 6), (b, 6, 7),
+                                 (a, 7, 8), (a, 8, 8)], "cpu")
+    assert [(x.name, r.start, r.stop) for x, r in batch.segments] == [
+        ("r1", 0, 3), ("r1", 4, 6), ("r2", 6, 7), ("r1", 7, 8)]
+    assert batch.rows == 7
+    assert (batch.native is not None) == (lora_kernel() is not None)
+    assert LoRABatch.from_runs([(None, 0, 5)], "cpu") is None
+
+
+def test_adapter_decode_steps_run_the_fused_layers_bit_for_bit_like_the_layer_loop(
+        tiny_llama, tiny_loras, monkeypatch):
+    """bf16 decode steps mixing three adapters and the base model go through
+    csrc/decode_layer.cpp (their adapters' rows are one range each) and give the very
+    tokens and log-probs of the Python layer loop, which calls the same LoRA kernel."""
+    from llmctl.serve import cpu_kernels, decode_layers
+    from llmctl.utils.cpu import cpu_flags
+
+    if cpu_kernels.decode_layer_kernel() is None:
+        assert not {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
+        pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VNNI")
+    # no prefix caching: the second run would start from cached blocks
+    llm = LLM(str(tiny_llama), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="16MiB",
+              bf16_gemm="own", enable_prefix_caching=False,
+              loras={k: str(v) for k, v in tiny_loras.items()})
+    net = llm.engine.target.model
+    assert net.decode_layers is not None
+    adapter_steps = []
+    real = decode_layers.DecodeLayers.__call__
+
+    def spy(self, *args):
+        lora = args[6] if len(args) > 6 else None
+        adapter_steps.append(lora is not None)
+        return real(self, *args)
+
+    monkeypatch.setattr(decode_layers.DecodeLayers, "__call__", spy)
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
+    prompts = ["the quick brown", "a b c d e f", "hello", "x y", "one two", "z"]
+    names = ["all4", None, "some8", "attn1", "all4", None]
+    fused = llm.generate(prompts, params, lora=names)
+    assert sum(adapter_steps) >= params.max_tokens - 1  # every decode step, fused
+    net.decode_layers = None
+    plain = llm.generate(prompts, params, lora=names)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    base = llm.generate(prompts, params)
+    assert sum(a.outputs[0].token_ids != b.outputs[0].token_ids
+               for a, b in zip(fused, base)) >= 3  # the adapters changed the answers

@@ -16,9 +16,14 @@
 // cache is bf16 (kv_kind 0), int8 codes with their scales per slot (1) or fp8 codes with
 // the layer's static scales (2) (llmctl/serve/kv_quant.py), written and read by the _i8
 // and _f8 kernels.
+//
+// LoRA: a step whose rows carry adapters (Step.lora, one contiguous row range per
+// adapter) adds each fused linear's adapter terms right after its product, with the
+// kernel the layer loop calls (lora.cpp), so the result stays the layer loop's.
 
 #include <cstdint>
 
+#include "lora.h"
 #include "simd_math.h"
 
 using namespace llmctl_simd;
@@ -95,9 +100,14 @@ struct Step {  // what every layer of one step shares
   uint16_t* act;  // scratch [m, gate_up n / 2]
   int num_threads;
   int64_t window;  // this layer's sliding window, 0: none (set before each layer's call)
+  const LoraSeg* lora;  // the step's adapter row ranges (lora.h), lora_n of them (0: none)
+  int64_t lora_n;
+  int64_t layer;  // this layer's index, for the adapters' tables (set before each call)
 };
 
-static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Step& st) {
+// out = W x for the step's rows, then the adapters' terms of fused linear `target`
+static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Step& st,
+                  int64_t target) {
   if (mat.kind == 0)
     gemm_bf16(x, mat.k, static_cast<const uint16_t*>(mat.w), st.m, mat.blocks, mat.k, out, mat.n,
               mat.n, st.num_threads);
@@ -105,6 +115,9 @@ static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Ste
     lowbit_gemv_vnni(x, mat.k, static_cast<const uint8_t*>(mat.w), static_cast<int>(mat.bits),
                      mat.s, mat.z, st.m, mat.blocks, mat.k, mat.group, out, mat.n, mat.n, 0,
                      st.num_threads);
+  if (st.lora_n)
+    lora_add_bf16(x, mat.k, out, mat.n, mat.k, mat.n, st.lora, st.lora_n, st.layer * 4 + target,
+                  st.num_threads);
 }
 
 void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
@@ -113,7 +126,7 @@ void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
                        const uint16_t* post_norm, const uint16_t* next_norm) {
   const Step& st = *step;
   const int64_t d = st.head_dim, q_size = st.q_heads * d, width = qkv->n;
-  apply(*qkv, st.h, st.qkv, st);
+  apply(*qkv, st.h, st.qkv, st, 0);
   const uint16_t* v_new = st.qkv + q_size + st.kv_heads * d;
   if (kv_kind == 2) {
     uint8_t* kc = static_cast<uint8_t*>(k_cache);
@@ -141,11 +154,11 @@ void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
                          st.attn_f, st.num_threads, st.window);
   }
   for (int64_t i = 0; i < st.m * q_size; ++i) st.attn[i] = float_to_bf16(st.attn_f[i]);
-  apply(*o, st.attn, st.proj, st);
+  apply(*o, st.attn, st.proj, st, 1);
   add_rms_norm_bf16(st.x, st.proj, post_norm, st.h, st.m, st.hidden, st.eps, st.num_threads);
-  apply(*gate_up, st.h, st.gate_up, st);
+  apply(*gate_up, st.h, st.gate_up, st, 2);
   silu_mul_bf16(st.gate_up, st.act, st.m, gate_up->n / 2, st.num_threads);
-  apply(*down, st.act, st.proj, st);
+  apply(*down, st.act, st.proj, st, 3);
   add_rms_norm_bf16(st.x, st.proj, next_norm, st.h, st.m, st.hidden, st.eps, st.num_threads);
 }
 

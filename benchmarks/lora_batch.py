@@ -20,8 +20,9 @@ Workload: ``--num-prompts`` random prompts of ``--input-len`` token ids (seeded)
 ``--output-len`` tokens out, EOS ignored, greedy. "mixed": request ``i`` runs adapter
 ``i % 4`` (each step holds all four adapters: one small matmul pair per adapter and
 fused linear, :mod:`llmctl.serve.lora_batch`); "base": the same requests, no adapter.
-A step with adapter rows runs the Python layer loop, not the fused native decode layers
-(bf16 only), so "mixed" also pays for leaving that path.
+Decode steps of both sides run the fused native decode layers (bf16), the adapters' sums
+inside them (csrc/lora.cpp); before that kernel (the 70abe10 report in git history) a
+step with adapter rows left that path for the Python layer loop.
 
 Each round runs both sides back to back (mixed first in odd rounds, base first in even
 ones); throughput is output tokens / the wall time of ``LLM.generate`` (model load and

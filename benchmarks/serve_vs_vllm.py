@@ -397,7 +397,8 @@ def render_markdown(report: dict) -> str:
     ratios = report["results"].get("lora_over_base", {})
     if ratios.get("per_round"):
         servers = list(ratios["median"])
-        lines += [(f"## {LORA_PAIR[0]} / {LORA_PAIR[1]}: output throughput with 4 adapters "
+        lines += [(f"## {LORA_PAIR[0]} / {LORA_PAIR[1]}: output throughput with "
+                   f"{WORKLOADS[LORA_PAIR[0]].loras} adapters "
                    "over the base model, per server within each round"), "",
                   "| round | " + " | ".join(servers) + " |", "|" + "---|" * (len(servers) + 1)]
         for rnd in sorted({r["round"] for r in ratios["per_round"]}):

@@ -12,9 +12,9 @@ median 62.5 vs 65.9 ms, same tokens).
 
 Sliding windows: each layer's window goes to its attention call (``Step.window``).
 
-LoRA: a step whose adapters each have one row range (:class:`LoRABatch.native`) runs here
-too; each fused linear adds its adapters' terms with :file:`csrc/lora.cpp`, the kernel
-the layer loop calls, so the bits stay the layer loop's.
+LoRA: a step with adapter rows runs here too when its segments are native
+(:class:`LoRABatch.native`); each fused linear adds its adapters' terms with
+:file:`csrc/lora.cpp`, the kernel the layer loop calls, so the bits stay the layer loop's.
 
 It applies when every matrix of every layer has a small-batch form (a bf16 weight in
 :file:`csrc/gemm_bf16.cpp`'s layout, or int4/int8 codes in the VNNI layout), no bias,

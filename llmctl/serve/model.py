@@ -269,7 +269,7 @@ class LlamaModel:
 
         ``lora``: the step's rows that run with an adapter (:mod:`llmctl.serve.lora_batch`);
         the fused native decode layers take such a step when its adapters' sums run
-        natively (one row range each), the layer loop below otherwise."""
+        natively (``lora.native``: the LoRA kernel is built), the layer loop otherwise."""
         spec = self.spec
         eps = spec.rms_norm_eps
         head = (spec.head_dim,)

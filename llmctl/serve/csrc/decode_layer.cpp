@@ -17,9 +17,9 @@
 // the layer's static scales (2) (llmctl/serve/kv_quant.py), written and read by the _i8
 // and _f8 kernels.
 //
-// LoRA: a step whose rows carry adapters (Step.lora, one contiguous row range per
-// adapter) adds each fused linear's adapter terms right after its product, with the
-// kernel the layer loop calls (lora.cpp), so the result stays the layer loop's.
+// LoRA: a step whose rows carry adapters (Step.lora: row ranges, each with its adapter)
+// adds each fused linear's adapter terms right after its product, with the kernel the
+// layer loop calls (lora.cpp), so the result stays the layer loop's.
 
 #include <cstdint>
 

@@ -281,6 +281,27 @@ def ab_throughput(runs: Sequence[dict[str, Any]], rounds: int, sides: tuple[str,
     return per_round, summary
 
 
+def rotation(sides: Sequence[str], rnd: int) -> list[str]:
+    """Round ``rnd``'s order (from 1): it starts with side ``rnd`` of ``sides``, so over
+    ``len(sides)`` rounds every side runs in every position once."""
+    shift = (rnd - 1) % len(sides)
+    return list(sides[shift:]) + list(sides[:shift])
+
+
+def against_base(runs: Sequence[dict[str, Any]], rounds: int, others: Sequence[str],
+                 base: str, key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """:func:`ab_throughput` of every side in ``others`` against ``base``, merged: one
+    row per round holding each side's ratio (``key.format(side)``), one summary."""
+    by_round: dict[int, dict[str, Any]] = {}
+    summary: dict[str, Any] = {}
+    for side in others:
+        rows, part = ab_throughput(runs, rounds, (side, base), key.format(side))
+        for row in rows:
+            by_round.setdefault(row["round"], {"round": row["round"]}).update(row)
+        summary.update(part)
+    return [by_round[r] for r in sorted(by_round)], summary
+
+
 def ab_markdown(per_round: Sequence[dict[str, Any]], summary: dict[str, Any],
                 sides: Sequence[tuple[str, str]], ratios: Sequence[tuple[str, str]]) -> list[str]:
     """:func:`ab_throughput`'s output as markdown: a table of each round's ratios and a

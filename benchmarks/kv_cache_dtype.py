@@ -192,22 +192,15 @@ def main(argv=None) -> int:
         allow_dirty=args.allow_dirty, threads=len(cpus), out=args.out_dir)
     runs = []
     for rnd in range(1, args.rounds + 1):
-        shift = (rnd - 1) % len(sides)
-        for side in sides[shift:] + sides[:shift]:
+        for side in common.rotation(sides, rnd):
             print(f"[kv-cache-dtype] round {rnd} {side} ...", file=sys.stderr, flush=True)
             rec = run_side(rnd, side, model, lim, w, src, args.kv_memory, log_dir)
             runs.append(rec)
             print("[kv-cache-dtype]   " + (rec.get("error") or
                                            f"{rec['result']['output_throughput']:.1f} tok/s"),
                   file=sys.stderr, flush=True)
-    by_round: dict[int, dict] = {}
-    summary: dict = {}
-    for q in quantized:
-        rows, part = common.ab_throughput(runs, args.rounds, (q, BASE), f"{q}_over_bf16")
-        for row in rows:
-            by_round.setdefault(row["round"], {"round": row["round"]}).update(row)
-        summary.update(part)
-    per_round = [by_round[r] for r in sorted(by_round)]
+    per_round, summary = common.against_base(runs, args.rounds, quantized, BASE,
+                                             "{}_over_bf16")
     report["results"] = {"runs": runs, "per_round": per_round, "summary": summary}
     if args.eval_windows:
         report["results"]["eval"] = {}

@@ -1,8 +1,8 @@
 """What serving several LoRA adapters in one batch costs: output tokens/s of a batch
 whose requests are spread over 4 adapters against the same requests on the base model
-alone, in one engine, alternating.
+alone, in one engine, rotating the order.
 
-    python benchmarks/lora_batch.py                      # 3 rounds: mixed, base, mixed, base, ...
+    python benchmarks/lora_batch.py                      # 3 rounds of mixed, mixed-torch, base
     python benchmarks/lora_batch.py --rounds 1 --num-prompts 4 --input-len 16 \\
         --output-len 8 --out-dir /tmp/lora-smoke --allow-dirty     # a smoke run
 
@@ -20,14 +20,16 @@ Workload: ``--num-prompts`` random prompts of ``--input-len`` token ids (seeded)
 ``--output-len`` tokens out, EOS ignored, greedy. "mixed": request ``i`` runs adapter
 ``i % 4`` (each step holds all four adapters: one small matmul pair per adapter and
 fused linear, :mod:`llmctl.serve.lora_batch`); "base": the same requests, no adapter.
-Decode steps of both sides run the fused native decode layers (bf16), the adapters' sums
-inside them (csrc/lora.cpp); before that kernel (the 70abe10 report in git history) a
-step with adapter rows left that path for the Python layer loop.
+Decode steps of "mixed" run the fused native decode layers (bf16) with the adapters' sums
+inside them (csrc/lora.cpp). "mixed-torch": the same requests with that kernel switched
+off in this process (``lora_batch.lora_kernel`` returns None), so the adapters' sums are
+torch products and steps with adapter rows take the Python layer loop, as before the
+kernel existed: the kernel's gain, measured in the same run.
 
-Each round runs both sides back to back (mixed first in odd rounds, base first in even
-ones); throughput is output tokens / the wall time of ``LLM.generate`` (model load and
-adapter load excluded); the ratio mixed/base is taken within a round, the summary is
-the median over rounds. Every round records the load before/after and the CPU other
+Each round runs the three sides back to back, round r starting with side r (rotating);
+throughput is output tokens / the wall time of ``LLM.generate`` (model load and adapter
+load excluded); the ratios against base are taken within a round, the summary is the
+median over rounds. Every round records the load before/after and the CPU other
 processes used (``common.py``).
 """
 
@@ -48,7 +50,7 @@ import common  # noqa: E402 (after the sys.path lines above)
 
 fmt = common.fmt  # a table cell: '?' when not measured
 
-SIDES = ("mixed", "base")
+SIDES = ("mixed", "mixed-torch", "base")
 NUM_ADAPTERS = 4
 
 
@@ -84,14 +86,22 @@ def run_side(llm, side: str, rnd: int, batch: list[list[int]], w: Workload,
              threads: int) -> dict:
     from llmctl.serve.sampling_params import SamplingParams
 
-    names = [f"lora{i % NUM_ADAPTERS + 1}" for i in range(len(batch))] if side == "mixed" \
+    from llmctl.serve import lora_batch
+
+    names = [f"lora{i % NUM_ADAPTERS + 1}" for i in range(len(batch))] if side != "base" \
         else None
     params = SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True)
     record = {"name": f"round {rnd} {side}", "round": rnd, "side": side}
-    with common.measured_round(record, threads):
-        start = time.perf_counter()
-        outs = llm.generate(batch, params, lora=names)
-        seconds = time.perf_counter() - start
+    kernel = lora_batch.lora_kernel
+    if side == "mixed-torch":
+        lora_batch.lora_kernel = lambda: None
+    try:
+        with common.measured_round(record, threads):
+            start = time.perf_counter()
+            outs = llm.generate(batch, params, lora=names)
+            seconds = time.perf_counter() - start
+    finally:
+        lora_batch.lora_kernel = kernel
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     if tokens != w.num_prompts * w.output_len:
         record["error"] = f"{tokens} output tokens, not {w.num_prompts * w.output_len}"
@@ -120,8 +130,9 @@ def render_markdown(report: dict) -> str:
                      f"{r['load_before'][0]} / {r['load_after'][0]} | "
                      f"{r['foreign_cpu_cores']} |")
     lines += [""] + common.ab_markdown(res["per_round"], res["summary"],
-                                       [("mixed", "mixed"), ("base", "base")],
-                                       [("mixed_over_base", "mixed / base")])
+                                       [(side, side) for side in SIDES],
+                                       [("mixed_over_base", "mixed / base"),
+                                        ("mixed-torch_over_base", "mixed-torch / base")])
     return "\n".join(lines) + "\n"
 
 
@@ -149,7 +160,7 @@ def main(argv=None) -> int:
     report = common.start_run("lora-batch", {
         "model": args.model, "model_path": str(model), "dtype": args.dtype,
         "workload": asdict(w), "rounds": args.rounds, "adapter_dir": str(log_dir),
-        "order": "mixed first in odd rounds, base first in even rounds"},
+        "order": "round r starts with side r of sides, rotating", "sides": list(SIDES)},
         allow_dirty=args.allow_dirty, threads=threads, out=args.out_dir)
     adapters = make_adapters(Path(model), log_dir, w.rank)
     llm = LLM(str(model), dtype=args.dtype, loras=adapters, max_loras=NUM_ADAPTERS,
@@ -159,14 +170,15 @@ def main(argv=None) -> int:
     batch = prompts(w, llm.engine.spec.vocab_size)
     runs = []
     for rnd in range(1, args.rounds + 1):
-        for side in SIDES if rnd % 2 else SIDES[::-1]:
+        for side in common.rotation(SIDES, rnd):
             print(f"[lora-batch] round {rnd} {side} ...", file=sys.stderr, flush=True)
             rec = run_side(llm, side, rnd, batch, w, threads)
             runs.append(rec)
             print(f"[lora-batch]   {rec['result']['output_throughput']:.1f} tok/s"
                   + (f" ({rec['error']})" if "error" in rec else ""), file=sys.stderr,
                   flush=True)
-    per_round, summary = common.ab_throughput(runs, args.rounds, SIDES, "mixed_over_base")
+    per_round, summary = common.against_base(runs, args.rounds, SIDES[:2], "base",
+                                             "{}_over_base")
     report["results"] = {"runs": runs, "per_round": per_round, "summary": summary}
     common.finish_run(report, runs)
     markdown = render_markdown(report)

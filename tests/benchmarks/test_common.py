@@ -119,6 +119,17 @@ def test_ab_throughput_ratios_within_rounds_and_medians():
     assert common.ab_throughput(runs + third, 3, ("a", "b"), "a_over_b") == (per_round, summary)
     per_c, _ = common.ab_throughput(runs + third, 3, ("c", "b"), "c_over_b")
     assert per_c == [{"round": 1, "c_over_b": 0.5}]
+    # both against b, merged per round (kv_cache_dtype, lora_batch)
+    merged, both = common.against_base(runs + third, 3, ("a", "c"), "b", "{}_over_b")
+    assert merged == [{"round": 1, "a_over_b": 1.2, "c_over_b": 0.5},
+                      {"round": 2, "a_over_b": 1.25}]
+    assert both["a_over_b"] == pytest.approx(1.225) and both["c_over_b"] == 0.5
+    assert both["c"]["output_throughput"] == 50.0
+
+
+def test_rotation_puts_every_side_in_every_position():
+    orders = [common.rotation(("x", "y", "z"), rnd) for rnd in (1, 2, 3, 4)]
+    assert orders == [["x", "y", "z"], ["y", "z", "x"], ["z", "x", "y"], ["x", "y", "z"]]
 
 
 def test_ab_markdown_has_every_round_and_the_medians():

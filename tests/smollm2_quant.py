@@ -78,8 +78,6 @@ class SmolLM2Quants:
 
     def checkpoint(self, name: str) -> Path:
         if name not in self._checkpoints:
-            import torch
-
             from llmctl.quant.calibration import CalibrationSpec
             from llmctl.quant.pipeline import PipelineOptions
             from llmctl.quant.run import QuantizeRequest, quantize
@@ -91,10 +89,11 @@ class SmolLM2Quants:
                 path.write_text(recipe)
                 recipe = path
             out = self.root / name
-            # bf16 compute: the pipeline's default, what `llmctl quantize` users get
+            # the pipeline's default compute dtype, what `llmctl quantize` users get (bf16
+            # on a CPU with native bf16, float32 on an AVX2-only one)
             quantize(QuantizeRequest(str(self.model), str(recipe), out,
                                      CalibrationSpec(samples=SAMPLES[name], seq_len=SEQ_LEN),
-                                     PipelineOptions(compute_dtype=torch.bfloat16)))
+                                     PipelineOptions()))
             self._checkpoints[name] = out
         return self._checkpoints[name]
 

@@ -61,8 +61,9 @@ class QuantizeStep(_Strict):
     samples: int = Field(128, ge=1, description="calibration windows")
     seq_len: int = Field(512, ge=2, description="tokens per calibration window")
     seed: int = Field(0, description="seed for drawing the calibration windows")
-    calib_dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="dtype of the calibration activations")
+    calib_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="dtype of the calibration activations (auto: bfloat16 on a GPU "
+        "or a CPU with native bf16, else float32)")
 
     @model_validator(mode="after")
     def _one_source(self) -> QuantizeStep:

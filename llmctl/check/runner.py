@@ -205,7 +205,10 @@ class CheckRunner:
     def quantize(self, cand: Candidate, run: CandidateRun) -> None:
         from llmctl.quant.recipe import load_recipe
 
+        from llmctl.utils.device import resolve_calib_dtype
+
         q = self.pipeline.quantize
+        calib_dtype = resolve_calib_dtype(q.calib_dtype).dtype  # "auto" differs by machine
         with _step("quantize", cand.name):
             recipe = load_recipe(cand.recipe)
             calib = self.calibration()
@@ -216,7 +219,7 @@ class CheckRunner:
                                        "source_sha256": calib["source_sha256"],
                                        "samples": q.samples, "seq_len": q.seq_len,
                                        "seed": q.seed, "ids_sha256": calib["ids_sha256"]},
-                       "calib_dtype": q.calib_dtype, "versions": self.versions}
+                       "calib_dtype": calib_dtype, "versions": self.versions}
         artifact = artifact_id(lineage)
         path = self.home / "artifacts" / f"quantize-{artifact}"
         run.path, run.artifact_id, run.lineage = str(path), artifact, lineage
@@ -237,7 +240,7 @@ class CheckRunner:
         with _step("quantize", cand.name), self.ui.progress(f"{cand.name}: quantizing") as update:
             request = QuantizeRequest(str(self.model_path()), cand.recipe, path,
                                       calib["spec"], PipelineOptions(
-                                          compute_dtype=torch_dtype(q.calib_dtype)),
+                                          compute_dtype=torch_dtype(calib_dtype)),
                                       overwrite=True)
             run_quantize(request, progress=update, warn=self.ui.warn, status=self.ui.status)
             write_text(path.parent / f"{path.name}.lineage.json",

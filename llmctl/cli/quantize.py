@@ -81,8 +81,10 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
         device: Annotated[Device | None, typer.Option(
             "--device", help="cpu | cuda (default: cuda if present).")] = None,
-        calib_dtype: str = typer.Option("bfloat16", "--calib-dtype",
-                                        help="Dtype of calibration activations: bfloat16 | float32."),
+        calib_dtype: str = typer.Option(
+            "auto", "--calib-dtype",
+            help="Dtype of calibration activations: auto | bfloat16 | float32 (auto: bfloat16 "
+                 "on a GPU or a CPU with native bf16, else float32)."),
         threads: ThreadsOpt = None,
         gguf_type: str = typer.Option(None, "--type", help="GGUF file type, e.g. Q4_K_M (--format gguf)."),
         imatrix: str = typer.Option(None, "--imatrix", help="GGUF importance matrix: auto or a file."),
@@ -103,7 +105,7 @@ def register(app: typer.Typer) -> None:
         from llmctl.models.loading import torch_dtype
         from llmctl.quant.calibration import DEFAULT_SOURCE, CalibrationSpec
         from llmctl.quant.pipeline import PipelineOptions
-        from llmctl.utils.device import resolve_device
+        from llmctl.utils.device import resolve_calib_dtype, resolve_device
 
         if device is not None:  # unset: the pipeline takes CUDA when there is one
             device = resolve_device(device)
@@ -111,7 +113,8 @@ def register(app: typer.Typer) -> None:
             torch.set_num_threads(threads)
         spec = CalibrationSpec(calibration or DEFAULT_SOURCE, field, samples, seq_len, seed,
                                chat_template)
-        options = PipelineOptions(compute_dtype=torch_dtype(calib_dtype), device=device)
+        calib = resolve_calib_dtype(calib_dtype, device=device)
+        options = PipelineOptions(compute_dtype=torch_dtype(calib.dtype), device=device)
         if dry_run:
             _dry_run(out, model, recipe, spec, options, strict_group_size)
             return
@@ -128,19 +131,23 @@ def register(app: typer.Typer) -> None:
 
 
 def _dry_run(out, model, recipe, spec, options, strict) -> None:
+    from llmctl.quant.pipeline import needs_calibration
     from llmctl.quant.report import render_plan
-    from llmctl.quant.run import memory_estimate, prepare
+    from llmctl.quant.run import DATA_FREE_REASON, memory_estimate, prepare
 
     prep = prepare(model, recipe, strict_group_size=strict)
-    estimate = memory_estimate(prep, spec, options)
+    data_free = not needs_calibration(prep.plan, prep.recipe)
+    estimate = memory_estimate(prep, None if data_free else spec, options)
+    calibration = ({"data_free": True, "reason": DATA_FREE_REASON} if data_free else
+                   {"source": spec.source, "samples": spec.samples, "seq_len": spec.seq_len})
     data = {"dry_run": True, "model": str(prep.path), "recipe": prep.recipe.path,
-            "plan": prep.plan.to_dict(), "calibration": {"source": spec.source,
-                                                        "samples": spec.samples,
-                                                        "seq_len": spec.seq_len},
+            "plan": prep.plan.to_dict(), "calibration": calibration,
             "memory_estimate": estimate.to_dict()}
 
     def render(console) -> None:
         render_plan(console, prep.plan)
+        if data_free:
+            console.print("calibration: none (round-to-nearest from the weights alone)")
         gib = 1 << 30
         console.print(f"peak memory estimate: {estimate.peak / gib:.2f} GiB "
                       f"({estimate.needed / gib:.2f} GiB for the run"

@@ -166,9 +166,16 @@ def packed_linear(dtype: str, n: int, repeats: int) -> Measurement:
     ``n`` rows through an ``n x n`` weight."""
     import torch
 
-    from llmctl.serve.quant_linear import PackedLinear, packing_available
+    from llmctl.serve.quant_linear import (
+        PackedLinear,
+        onednn_bf16_supported,
+        packing_available,
+    )
 
     torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
+    if torch_dtype == torch.bfloat16 and not onednn_bf16_supported():
+        raise Unavailable("oneDNN packs bf16 weights only on CPUs with AVX512-BW/VL/DQ or "
+                          "AVX-NE-CONVERT; this one emulates bf16 (torch.matmul measures it)")
     if not packing_available(torch_dtype, torch.device("cpu")):
         raise Unavailable("oneDNN weight packing is off (LLMCTL_CPU_KERNELS=0) or missing "
                           "from this torch build")

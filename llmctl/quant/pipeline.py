@@ -52,12 +52,30 @@ PROBE_TOKENS = 512
 TAP_KINDS = {tap: [k for k, t in block.LINEAR_TAP.items() if t == tap] for tap in block.TAPS}
 
 
+def _auto_compute_dtype() -> torch.dtype:
+    from llmctl.utils.device import resolve_calib_dtype
+
+    return getattr(torch, resolve_calib_dtype("auto").dtype)
+
+
 @dataclass
 class PipelineOptions:
-    compute_dtype: torch.dtype = torch.bfloat16
+    # calibration activations: bf16 where it is native (GPU, AVX512-BF16/AMX), else float32
+    compute_dtype: torch.dtype = field(default_factory=_auto_compute_dtype)
     chunk_tokens: int = 4096
     device: str | None = None
     max_shard_bytes: int = 2 << 30
+
+
+def needs_calibration(plan: QuantPlan, recipe: Recipe) -> bool:
+    """Whether a run looks at data. Round-to-nearest weights (with dynamic or no activation
+    quantization) and no KV-cache scales are computed from the weights alone, as
+    llm-compressor's data-free QuantizationModifier does; GPTQ (Hessians), AWQ and
+    SmoothQuant (activation statistics), static activation scales and KV-cache scales
+    need calibration tokens."""
+    if plan.method != "rtn" or recipe.smoothquant is not None or plan.kv_cache_scheme is not None:
+        return True
+    return any(m.act is not None and not m.act.dynamic for m in plan.quantized)
 
 
 @dataclass
@@ -66,7 +84,9 @@ class LinearReport:
     layer: int | None
     scheme: str
     method: str
-    rel_error: float  # ||y_q - y|| / ||y|| on calibration inputs (activation quant included)
+    # ||y_q - y|| / ||y|| on calibration inputs (activation quant included); a data-free
+    # run has no inputs and reports the weights' ||W_q - W|| / ||W|| instead
+    rel_error: float
     seconds: float
     bytes_before: int
     bytes_after: int
@@ -158,8 +178,9 @@ def _act_quantizer(act, stats: _TapStats | None):
 class LayerQuantizer:
     """Runs one checkpoint through the plan; see the module docstring."""
 
-    def __init__(self, ckpt: Checkpoint, plan: QuantPlan, recipe: Recipe, calib: CalibrationSet,
-                 options: PipelineOptions, *, warn: Callable[[str], None] | None = None) -> None:
+    def __init__(self, ckpt: Checkpoint, plan: QuantPlan, recipe: Recipe,
+                 calib: CalibrationSet | None, options: PipelineOptions, *,
+                 warn: Callable[[str], None] | None = None) -> None:
         from transformers import AutoConfig
 
         self.ckpt, self.plan, self.recipe, self.calib = ckpt, plan, recipe, calib
@@ -172,6 +193,10 @@ class LayerQuantizer:
         self.modifier = recipe.weight_modifier
         self.result = RunResult()
         self._warn = warn or (lambda message: None)
+        if calib is None:  # data-free (needs_calibration): weights only, no forwards
+            if needs_calibration(plan, recipe):
+                raise ValueError("this plan needs calibration data")
+            return
         seq_len = calib.ids.shape[1]
         self.chunk = max(1, options.chunk_tokens // seq_len)
         self.cos, self.sin = block.rotary_tables(self.hf_config, seq_len, self.cdt, self.device)
@@ -195,7 +220,9 @@ class LayerQuantizer:
         lm_head = self.plan.module("lm_head")
         total = n_layers + (1 if lm_head is not None and lm_head.quantized else 0)
         try:
-            X = self._embed(writer)
+            X = None if self.calib is None else self._embed(writer)
+            if X is None:
+                writer.add("model.embed_tokens.weight", self.ckpt.get("model.embed_tokens.weight"))
             for i in range(n_layers):
                 t0 = time.perf_counter()
                 self._layer(i, X, writer)
@@ -252,7 +279,8 @@ class LayerQuantizer:
         if isinstance(self.modifier, AWQModifier) or self.recipe.smoothquant is not None:
             smoothing = self._smooth(i, X, work, plans)
         self._kv_amax = torch.zeros(2, self.shape.kv_heads)
-        quantized = self._quantize_layer(i, X, work, plans, smoothing)
+        quantized = (self._quantize_layer_data_free(i, work, plans) if X is None
+                     else self._quantize_layer(i, X, work, plans, smoothing))
         if self.plan.kv_cache_scheme is not None:
             amax = self._kv_amax if self.plan.kv_per_head else self._kv_amax.amax(1, keepdim=True)
             scales = kv_cache_scales(amax)
@@ -503,7 +531,16 @@ class LayerQuantizer:
         self._tap_inputs("out", X, fw, linear, None, advance=True)
         return quantized
 
-    def _quantize_tap(self, i: int, kinds: list[str], work: dict, plans: dict, stats: _TapStats,
+    def _quantize_layer_data_free(self, i: int, work: dict,
+                                  plans: dict) -> dict[str, QuantizedLinear]:
+        """Round-to-nearest from the weights alone (no calibration forwards)."""
+        quantized: dict[str, QuantizedLinear] = {}
+        for tap in block.TAPS:
+            quantized.update(self._quantize_tap(i, TAP_KINDS[tap], work, plans, None, {}, {}, {}))
+        return quantized
+
+    def _quantize_tap(self, i: int, kinds: list[str], work: dict, plans: dict,
+                      stats: _TapStats | None,
                       fw: dict, acts: dict, smoothing: dict[str, str]) -> dict[str, QuantizedLinear]:
         """Quantize the linears fed by one tap; linears with the same scheme are fused
         (q/k/v, gate/up share their input and so their Hessian)."""
@@ -518,7 +555,8 @@ class LayerQuantizer:
             rows = [work[f"{k}.weight"].shape[0] for k in fused]
             codes, scale, zero, loss, damp = self._quantize_weight(i, fused, rows, W, spec, stats)
             seconds = time.perf_counter() - t0
-            act_fn, in_scale, in_zero = _act_quantizer(act, stats)
+            act_fn, in_scale, in_zero = (None, None, None) if stats is None \
+                else _act_quantizer(act, stats)
             start = 0
             for k, n in zip(fused, rows):
                 sl = slice(start, start + n)
@@ -579,8 +617,10 @@ class LayerQuantizer:
             return fp8.dequantize(q.codes, q.scale)
         return rtn.dequantize(q.codes, q.scale, q.zero, spec.grid)
 
-    def _rel_error(self, stats: _TapStats, W: torch.Tensor, deq: torch.Tensor,
+    def _rel_error(self, stats: _TapStats | None, W: torch.Tensor, deq: torch.Tensor,
                    act_fn: Callable | None) -> float:
+        if stats is None:  # data-free: the weights' own error
+            return float((deq.float() - W.float()).norm() / W.float().norm().clamp(min=1e-12))
         x = torch.cat(stats.probe).float()
         ref = x @ W.float().t()
         xq = act_fn(x) if act_fn is not None else x
@@ -599,6 +639,12 @@ class LayerQuantizer:
             writer.add("lm_head.weight", self.ckpt.get("lm_head.weight"))
             return
         W = self.ckpt.get("lm_head.weight", torch.float32, self.device)
+        if X is None:  # data-free
+            out = self._quantize_tap(-1, ["lm_head"], {"lm_head.weight": W}, {"lm_head": lm},
+                                     None, {}, {}, {})
+            self.result.linears[-1].layer = None
+            writer.add_all(module_tensors(lm, out["lm_head"], self.ckpt.dtype("lm_head.weight")))
+            return
         needs = self._needs([lm])
         needs["hessian"] = needs["hessian"] or isinstance(self.modifier, AWQModifier)
         stats = _TapStats(self.shape.hidden, device=self.device, **needs)

@@ -20,6 +20,8 @@ from llmctl.quant.plan import QuantPlan
 
 REPORT_FILE = "llmctl-quant.json"
 RECIPE_FILE = "recipe.yaml"
+DATA_FREE_REASON = ("round-to-nearest weights with dynamic or no activation quantization "
+                    "and no KV-cache scales read no data (rel_error is the weights' own)")
 
 
 @dataclass
@@ -58,7 +60,8 @@ def prepare(model: str, recipe: str, *, strict_group_size: bool = False) -> Prep
     return Prepared(model, resolved.path, ckpt, parsed, plan)
 
 
-def memory_estimate(prep: Prepared, calib: CalibrationSpec, options: PipelineOptions):
+def memory_estimate(prep: Prepared, calib: CalibrationSpec | None, options: PipelineOptions):
+    """Peak memory of the run; ``calib`` None: a data-free run (no activations)."""
     from llmctl.quant import block, memory
 
     cfg = prep.ckpt.text_config
@@ -70,8 +73,10 @@ def memory_estimate(prep: Prepared, calib: CalibrationSpec, options: PipelineOpt
     dims = [shape.hidden, shape.heads * shape.head_dim, shape.hidden, inter] if uses_h else []
     rows = max((shape.heads + 2 * shape.kv_heads) * shape.head_dim, 2 * inter, shape.hidden)
     compute_bytes = 2 if str(options.compute_dtype).endswith(("bfloat16", "float16")) else 4
-    return memory.estimate(cfg, samples=calib.samples, seq_len=calib.seq_len,
-                           compute_bytes=compute_bytes, chunk_tokens=options.chunk_tokens,
+    return memory.estimate(cfg, samples=calib.samples if calib else 0,
+                           seq_len=calib.seq_len if calib else 1,
+                           compute_bytes=compute_bytes,
+                           chunk_tokens=options.chunk_tokens if calib else 0,
                            layer_params=layer_params, hessian_dims=dims, max_rows=rows,
                            smoothing=prep.recipe.method == "awq" or prep.recipe.smoothquant is not None)
 
@@ -92,7 +97,7 @@ def quantize(request: QuantizeRequest, *, progress: Callable[[int, int], None] |
     from llmctl.models.loading import load_tokenizer
     from llmctl.quant import memory
     from llmctl.quant.calibration import build_calibration
-    from llmctl.quant.pipeline import LayerQuantizer
+    from llmctl.quant.pipeline import LayerQuantizer, needs_calibration
     from llmctl.quant.report import per_layer_rows
     from llmctl.quant.writer import copy_side_files, write_config
     from llmctl.report import run_metadata
@@ -106,11 +111,14 @@ def quantize(request: QuantizeRequest, *, progress: Callable[[int, int], None] |
     prep = prepare(request.model, request.recipe, strict_group_size=request.strict_group_size)
     for note in prep.plan.warnings:
         (warn or say)(note)
-    say(f"calibration: {request.calibration.samples} x {request.calibration.seq_len} tokens "
-        f"from {request.calibration.source}")
-    tokenizer = load_tokenizer(prep.path)
-    calib = build_calibration(tokenizer, request.calibration)
-    estimate = memory_estimate(prep, request.calibration, request.options)
+    calib = None
+    if needs_calibration(prep.plan, prep.recipe):
+        say(f"calibration: {request.calibration.samples} x {request.calibration.seq_len} "
+            f"tokens from {request.calibration.source}")
+        calib = build_calibration(load_tokenizer(prep.path), request.calibration)
+    else:
+        say("calibration: none (round-to-nearest from the weights alone)")
+    estimate = memory_estimate(prep, request.calibration if calib else None, request.options)
     memory.check(estimate)
     calib_seconds = time.perf_counter() - started
     quantizer = LayerQuantizer(prep.ckpt, prep.plan, prep.recipe, calib, request.options, warn=warn)
@@ -135,7 +143,8 @@ def quantize(request: QuantizeRequest, *, progress: Callable[[int, int], None] |
             "output": str(output),
             "recipe": {"file": prep.recipe.path, "saved_as": RECIPE_FILE,
                        **prep.recipe.to_dict()},
-            "calibration": calib.to_dict(),
+            "calibration": calib.to_dict() if calib else {"data_free": True,
+                                                           "reason": DATA_FREE_REASON},
             "plan": prep.plan.to_dict(),
             "sizes": {"before_bytes": prep.plan.bytes_before,
                       "after_bytes": sum((tmp / f).stat().st_size for f in result.files),

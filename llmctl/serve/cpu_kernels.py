@@ -27,7 +27,10 @@
 
 Built with the system C++ compiler (``$CXX``, else ``c++``), ``-O3 -march=native
 -fopenmp``, into ``$LLMCTL_HOME/kernels/`` under a name that hashes the source, the
-flags, the compiler's version and the CPU's feature flags, so a changed source or a
+flags, the compiler's version and the CPU's feature flags. ``$LLMCTL_KERNEL_ISA`` builds a
+named instruction-set variant instead (:data:`VARIANTS`: ``avx512-bf16``, ``avx512``,
+``avx2``, ``portable``), so one machine can run every body its CPU supports (the kernel
+tests do), so a changed source or a
 different machine sharing the cache never loads a stale or illegal binary. The C ABI
 needs no torch headers: a build takes about a second. The library links ``libgomp``,
 the OpenMP runtime torch itself loads, so both share one thread pool.
@@ -43,6 +46,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -63,8 +67,24 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name
                              "lowbit_vnni.cpp", "gemm_bf16.cpp", "rope_kv.cpp",
                              "decode_layer.cpp", "prefill_attention.cpp", "lora.cpp",
                              "simd_math.h", "fp8.h", "lora.h"))
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
-         "-std=c++17")
+FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# Instruction-set variants: name -> (the compiler's target flags, the /proc/cpuinfo flags a
+# CPU needs to run the binary). "native" (the default) targets the building CPU, so each
+# machine gets its best bodies; the named x86 ones let a machine build and test every body
+# it can run (an AVX-512 box runs the AVX2 and portable ones too). x86-64-v3 is AVX2 +
+# FMA + F16C + BMI1/2 + LZCNT + MOVBE; v4 adds AVX-512 F/BW/CD/DQ/VL.
+_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "native": (("-march=native",), frozenset()),
+    "avx512-bf16": (("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+                    _V4 | {"avx512_bf16", "avx512_vnni"}),
+    "avx512": (("-march=x86-64-v4",), _V4),
+    "avx2": (("-march=x86-64-v3",), _V3),
+    "portable": ((), frozenset()),  # the compiler's baseline (SSE2 on x86-64)
+}
+X86_VARIANTS = ("avx512-bf16", "avx512", "avx2", "portable")
+VARIANT_ENV = "LLMCTL_KERNEL_ISA"
 # (query dtype, 8-bit cache's storage or None) -> exported symbol; a float cache has the
 # queries' dtype; int8 codes, or uint8 holding E4M3 codes (llmctl.serve.kv_quant)
 SYMBOLS = {(torch.float32, None): "paged_attention_f32",
@@ -118,13 +138,41 @@ def _compiler() -> str | None:
     return shutil.which(cxx)
 
 
-def _build(cxx: str) -> Path:
+def supported_variants(flags: frozenset[str] | None = None,
+                       machine: str | None = None) -> list[str]:
+    """The named variants this CPU can run, best first ("portable" everywhere; the x86 ones
+    only on x86-64 with their flags)."""
+    flags = cpu_flags() if flags is None else flags
+    if (machine or platform.machine()) not in ("x86_64", "AMD64"):
+        return ["portable"]
+    return [name for name in X86_VARIANTS if VARIANTS[name][1] <= flags]
+
+
+def native_variant(flags: frozenset[str] | None = None, machine: str | None = None) -> str:
+    """Which named variant's bodies the default ("native") build compiles in here."""
+    return supported_variants(flags, machine)[0]
+
+
+def selected_variant() -> str:
+    """``$LLMCTL_KERNEL_ISA`` (default "native"); an unknown name or one this CPU cannot
+    run is an error that lists the ones it can."""
+    name = os.environ.get(VARIANT_ENV, "native") or "native"
+    if name != "native" and name not in supported_variants():
+        from llmctl.errors import UsageError
+
+        raise UsageError(f"{VARIANT_ENV}={name}: not a kernel variant this CPU runs",
+                         f"use native or one of: {', '.join(supported_variants())}")
+    return name
+
+
+def _build(cxx: str, variant: str = "native") -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              check=False).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS),
+    flags = (*FLAGS, *VARIANTS[variant][0])
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(flags),
                                     version, " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
     out_dir = llmctl_home() / "kernels"
-    target = out_dir / f"llmctl_cpu-{key}.so"
+    target = out_dir / f"llmctl_cpu-{variant}-{key}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +180,7 @@ def _build(cxx: str) -> Path:
     os.close(fd)
     try:
         units = [str(src) for src in SOURCES if src.suffix == ".cpp"]
-        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, *units], capture_output=True, text=True,
+        proc = subprocess.run([cxx, *flags, "-o", tmp, *units], capture_output=True, text=True,
                               check=False)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip()[-2000:])
@@ -149,16 +197,23 @@ def native_enabled() -> bool:
     return os.environ.get("LLMCTL_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
 
 
-@lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
+    """The kernels of the selected variant (:func:`selected_variant`), or None."""
     if not native_enabled():
         return None
+    return load_variant(selected_variant())
+
+
+@lru_cache(maxsize=None)
+def load_variant(variant: str) -> ctypes.CDLL | None:
+    """Build (once per source, flags, compiler and CPU) and load one variant, or None
+    without a compiler or when the build fails."""
     cxx = _compiler()
     if cxx is None:
         log.info("no C++ compiler found: attention and norms run on the torch path")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cxx)))
+        lib = ctypes.CDLL(str(_build(cxx, variant)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("building the CPU kernels failed, using the torch path: %s", exc)
         return None

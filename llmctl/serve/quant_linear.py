@@ -175,7 +175,16 @@ def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
 
     return (dtype in (torch.bfloat16, torch.float32) and device.type == "cpu" and native_enabled()
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (dtype != torch.bfloat16 or onednn_bf16_supported()))
+
+
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT, and its reorder raises "bf16 path needs the cpu support ..." on an
+    AVX2-only CPU (AMD Zen 3), where bf16 layers stay plain ``F.linear`` (emulated)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe is not None and probe())
 
 
 def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, gemm: str = "onednn"):

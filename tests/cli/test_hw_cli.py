@@ -11,6 +11,7 @@ from llmctl.cli.app import build_app
 from llmctl.hw import probe as probe_module
 from llmctl.perf import probe_record as pr
 from llmctl.utils.cpu import usable_cpus
+from llmctl.utils.device import native_bf16
 
 runner = CliRunner()
 app = build_app()
@@ -45,7 +46,9 @@ def test_probe_quick_then_show(home):
     data = json.loads(result.stdout)
     assert set(data) == JSON_KEYS
     assert data["cached"] is False and data["quick"] is True and data["key"]["threads"] == 1
-    assert data["peaks"]["flops"]["bf16"] > 1e9 and 1e9 < data["peaks"]["bandwidth"] < 1e12
+    # one thread; bf16 is emulated without AVX512-BF16/AMX (AMD Zen 3: ~0.85 GFLOP/s)
+    assert data["peaks"]["flops"]["bf16"] > (1e9 if native_bf16() else 1e8)
+    assert 1e9 < data["peaks"]["bandwidth"] < 1e12
     assert data["peaks"]["source"].startswith("probe: ")
     units = {row["peak"]: row["unit"] for row in data["summary"]}
     assert units["read bandwidth"] == "GB/s" and units["bf16 matmul"] == "GFLOP/s"

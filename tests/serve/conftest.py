@@ -61,9 +61,9 @@ def kernels_off(monkeypatch):
     from llmctl.serve import cpu_kernels
 
     monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
-    cpu_kernels._library.cache_clear()
+    cpu_kernels.load_variant.cache_clear()
     yield
-    cpu_kernels._library.cache_clear()
+    cpu_kernels.load_variant.cache_clear()
 
 
 @pytest.fixture(scope="session")

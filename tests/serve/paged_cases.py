@@ -21,6 +21,17 @@ needs_kernels = pytest.mark.skipif(
     cpu_kernels.paged_attention_kernel(CPU, torch.float32) is None,
     reason="no C++ compiler: the native kernels are not built here")
 
+# Every instruction-set variant this CPU runs (an AVX-512 machine also runs the AVX2 and
+# portable bodies), and "native", the build the engine uses by default.
+ISA_VARIANTS = ["native", *cpu_kernels.supported_variants()]
+
+
+@pytest.fixture(params=ISA_VARIANTS)
+def isa(request, monkeypatch):
+    """The kernel accessors return one variant's kernels for this test."""
+    monkeypatch.setenv(cpu_kernels.VARIANT_ENV, request.param)
+    yield request.param
+
 # name: heads, kv_heads, head_dim, block_size (the branches of paged_attention.cpp's dispatch)
 CASES = {
     "avx512-d64-gqa3": (9, 3, 64, 16),

@@ -2,7 +2,8 @@
 
 Paged attention is compared with the gather + SDPA path (fresh random caches, shuffled
 block tables, contexts that end inside and on tile/block edges, strided queries, every
-dispatch branch: AVX-512 float32, AVX512-BF16, the portable loop); the fused bf16 norm
+dispatch branch: AVX-512 float32, AVX512-BF16, the portable loop), in every instruction-set
+variant this CPU runs (``isa``: the AVX2 and portable builds on an AVX-512 machine too); the fused bf16 norm
 and activation with transformers' formulas bit for bit; the engine with the kernels
 switched off still runs and agrees; bf16 SmolLM2 on either path scores a token sequence like
 float32 transformers within bf16's noise.
@@ -24,7 +25,7 @@ from llmctl.serve.attention import (
     paged_attention,
 )
 from llmctl.utils.cpu import cpu_flags
-from tests.serve.paged_cases import CASES, needs_kernels, random_case
+from tests.serve.paged_cases import CASES, isa, needs_kernels, random_case  # noqa: F401
 
 
 def _reference(q, cache, tables, contexts, q_len, num_blocks, scale):
@@ -41,7 +42,7 @@ def _reference(q, cache, tables, contexts, q_len, num_blocks, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("q_len", [1, 3, 20])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_paged_attention_kernel_matches_gather_and_sdpa(case, q_len, dtype):
+def test_paged_attention_kernel_matches_gather_and_sdpa(case, q_len, dtype, isa):
     heads, kv_heads, head_dim, block_size = CASES[case]
     # contexts: shorter than a tile, exactly one tile/block, odd tails, long
     contexts = [q_len + extra for extra in (0, 5, 15, 16, 31, 33, 200)]
@@ -83,7 +84,7 @@ def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_fused_add_rms_norm_matches_transformers(rows):
+def test_fused_add_rms_norm_matches_transformers(rows, isa):
     ops = cpu_kernels.norm_act_kernels(torch.device("cpu"), torch.bfloat16)
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn((rows, 576), generator=gen) * 3).bfloat16()
@@ -102,7 +103,7 @@ def test_fused_add_rms_norm_matches_transformers(rows):
 
 @needs_kernels
 @pytest.mark.parametrize("width", [128, 1536, 1000])  # 1000: a tail past the 16-lane loop
-def test_fused_silu_mul_matches_torch(width):
+def test_fused_silu_mul_matches_torch(width, isa):
     ops = cpu_kernels.norm_act_kernels(torch.device("cpu"), torch.bfloat16)
     gate_up = (torch.randn((33, 2 * width), generator=torch.Generator().manual_seed(1)) * 4)
     gate_up = gate_up.bfloat16()
@@ -117,7 +118,7 @@ def test_fused_silu_mul_matches_torch(width):
 @needs_kernels
 @pytest.mark.parametrize("tokens", [1, 3, 100])  # 100: the multi-threaded branch
 @pytest.mark.parametrize("qk_norm", [False, True])  # True: q/k in their own tensor
-def test_fused_rope_and_cache_write_match_the_torch_path(tokens, qk_norm):
+def test_fused_rope_and_cache_write_match_the_torch_path(tokens, qk_norm, isa):
     """Rotation and cache write as apply_rope + index_copy_ do them: the same float32
     products rounded to bfloat16 (a fused multiply-add in either may move a rare value
     by one bf16 step), K/V landing at exactly the slots given, nothing else written."""
@@ -165,14 +166,14 @@ def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
     monkeypatch.setenv("LLMCTL_HOME", str(tmp_path / "home"))
-    cpu_kernels._library.cache_clear()
+    cpu_kernels.load_variant.cache_clear()
     try:
         assert cpu_kernels.paged_attention_kernel(torch.device("cpu"), torch.float32) is None
         assert "building the CPU kernels failed" in caplog.text
         assert "no compiler today" in caplog.text
         assert not list((tmp_path / "home" / "kernels").glob("*.so"))  # nothing half-built
     finally:
-        cpu_kernels._library.cache_clear()
+        cpu_kernels.load_variant.cache_clear()
 
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
@@ -280,26 +281,37 @@ def test_smollm2_bf16_log_probs_match_float32(smollm2, kernels, monkeypatch):
     """bf16 SmolLM2 through the engine, kernels on and off, against float32 transformers on
     the same token sequences (mixed prompt lengths, chunked prefill, decodes)."""
     monkeypatch.setenv("LLMCTL_CPU_KERNELS", "1" if kernels else "0")
-    cpu_kernels._library.cache_clear()
+    cpu_kernels.load_variant.cache_clear()
     try:
         mean_err, flips = _bf16_logprobs_vs_float32(smollm2, kernels)
     finally:
-        cpu_kernels._library.cache_clear()
+        cpu_kernels.load_variant.cache_clear()
     assert mean_err <= BF16_MEAN_ABS_LOGPROB, (mean_err, flips)
     assert not [f for f in flips if f[1] >= BF16_SURE_MARGIN], flips
 
 
 def test_packed_linear_matches_f_linear_for_bf16_and_float32(monkeypatch):
-    from llmctl.serve.quant_linear import DenseLinear, PackedLinear, dense_linear, packing_available
+    from llmctl.serve.quant_linear import (
+        DenseLinear,
+        PackedLinear,
+        dense_linear,
+        onednn_bf16_supported,
+        packing_available,
+    )
 
     cpu = torch.device("cpu")
-    if not packing_available(torch.bfloat16, cpu):
+    if not packing_available(torch.float32, cpu):
         pytest.skip("torch here has no oneDNN weight packing")
     gen = torch.Generator().manual_seed(3)
     w = torch.randn((96, 64), generator=gen).bfloat16()
     b = torch.randn(96, generator=gen).bfloat16()
     layer = dense_linear(w, b)
-    assert isinstance(layer, PackedLinear) and layer.out_features == 96
+    if onednn_bf16_supported():
+        assert isinstance(layer, PackedLinear) and layer.out_features == 96
+    else:  # oneDNN refuses bf16 packing on an AVX2-only CPU: the plain (emulated) layer
+        flags = cpu_flags()
+        assert not {"avx512bw", "avx512vl", "avx512dq"} <= flags and "avx_ne_convert" not in flags
+        assert isinstance(layer, DenseLinear)
     assert layer.nbytes == w.numel() * 2 + b.numel() * 2
     for rows in (1, 5, 128):
         x = torch.randn((rows, 64), generator=gen).bfloat16()
@@ -328,11 +340,11 @@ def test_bf16_own_kernel_is_the_float32_product_rounded_once(with_bias):
     batches to oneDNN, bit for bit the oneDNN-only layer."""
     from llmctl.serve.quant_linear import PackedLinear, packing_available
 
-    if not packing_available(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("torch here has no oneDNN weight packing")
     if cpu_kernels.gemm_bf16_kernel() is None:
         assert "avx512_bf16" not in cpu_flags()  # only a CPU without it may lack the kernel
         pytest.skip("this CPU has no AVX512-BF16")
+    if not packing_available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("torch here has no oneDNN weight packing")
     gen = torch.Generator().manual_seed(5)
     w = torch.randn((40, 96), generator=gen).bfloat16()  # 40: pads to a pair of blocks
     b = torch.randn(40, generator=gen).bfloat16() if with_bias else None
@@ -432,7 +444,7 @@ def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_p
     (1, 17, 6, 6, 64),     # no GQA
 ])
 def test_prefill_attention_is_causal_attention_within_bf16_rounding(seqs, length, heads,
-                                                                    kv_heads, d):
+                                                                    kv_heads, d, isa):
     """csrc/prefill_attention.cpp against float64 causal attention on the same bf16 q/k/v
     (views of one qkv row, as the model passes them): the probabilities are rounded to
     bf16 for the second product and the output to bf16, each half a step (2^-9 relative);
@@ -440,9 +452,9 @@ def test_prefill_attention_is_causal_attention_within_bf16_rounding(seqs, length
     import math
 
     fn = cpu_kernels.prefill_attention_kernel(torch.device("cpu"), torch.bfloat16)
-    if fn is None:
-        assert "avx512_bf16" not in cpu_flags()  # only a CPU without it may lack the kernel
-        pytest.skip("this CPU has no AVX512-BF16")
+    if fn is None:  # only a build without AVX512-BF16 bodies may lack the kernel
+        assert isa not in ("native", "avx512-bf16") or "avx512_bf16" not in cpu_flags()
+        pytest.skip(f"the {isa} build has no AVX512-BF16 prefill kernel")
     gen = torch.Generator().manual_seed(length)
     tokens = seqs * length
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d + 16, generator=gen).bfloat16()

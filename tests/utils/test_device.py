@@ -78,3 +78,23 @@ def test_checkpoint_dtype_reads_config(tiny_llama):
     expected = json.loads((tiny_llama / "config.json").read_text())
     assert checkpoint_dtype(str(tiny_llama)) == (expected.get("torch_dtype")
                                                         or expected.get("dtype"))
+
+
+@pytest.mark.parametrize("flags,dtype,reason", [
+    (frozenset({"avx2", "fma", "f16c"}), "float32", "CPU without native bfloat16"),
+    (frozenset({"avx512f", "avx512_bf16"}), "bfloat16", "CPU has AVX512-BF16"),
+    (frozenset({"amx_bf16"}), "bfloat16", "CPU has AMX-BF16"),
+])
+def test_calibration_dtype_auto_follows_native_bf16(flags, dtype, reason):
+    choice = device.resolve_calib_dtype("auto", device="cpu", flags=flags)
+    assert (choice.dtype, choice.reason) == (dtype, reason)
+    assert device.resolve_calib_dtype("auto", device="cuda", flags=flags).dtype == "bfloat16"
+    assert device.resolve_calib_dtype("fp32", device="cpu", flags=flags).dtype == "float32"
+    assert device.resolve_calib_dtype("bf16", device="cpu", flags=flags).dtype == "bfloat16"
+
+
+def test_calibration_dtype_rejects_float16_and_typos():
+    for bad in ("float16", "bfloat"):
+        with pytest.raises(UsageError, match="--calib-dtype") as err:
+            device.resolve_calib_dtype(bad)
+        assert "auto, bfloat16, float32" in err.value.remedy

@@ -204,7 +204,6 @@ class CheckRunner:
     # --- steps -------------------------------------------------------------------------
     def quantize(self, cand: Candidate, run: CandidateRun) -> None:
         from llmctl.quant.recipe import load_recipe
-
         from llmctl.utils.device import resolve_calib_dtype
 
         q = self.pipeline.quantize

@@ -50,7 +50,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -204,7 +204,7 @@ def _library() -> ctypes.CDLL | None:
     return load_variant(selected_variant())
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_variant(variant: str) -> ctypes.CDLL | None:
     """Build (once per source, flags, compiler and CPU) and load one variant, or None
     without a compiler or when the build fails."""

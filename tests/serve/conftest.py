@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.serve.paged_cases import ISA_VARIANTS
+
 PROMPTS = [
     "The file object",
     "In Python, a class is a blueprint for objects and",
@@ -53,6 +55,15 @@ def assert_all_blocks_free(engine) -> None:
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.fixture(params=ISA_VARIANTS)
+def isa(request, monkeypatch):
+    """The kernel accessors return one instruction-set variant's kernels for this test."""
+    from llmctl.serve import cpu_kernels
+
+    monkeypatch.setenv(cpu_kernels.VARIANT_ENV, request.param)
+    return request.param
 
 
 @pytest.fixture

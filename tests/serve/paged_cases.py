@@ -25,13 +25,6 @@ needs_kernels = pytest.mark.skipif(
 # portable bodies), and "native", the build the engine uses by default.
 ISA_VARIANTS = ["native", *cpu_kernels.supported_variants()]
 
-
-@pytest.fixture(params=ISA_VARIANTS)
-def isa(request, monkeypatch):
-    """The kernel accessors return one variant's kernels for this test."""
-    monkeypatch.setenv(cpu_kernels.VARIANT_ENV, request.param)
-    yield request.param
-
 # name: heads, kv_heads, head_dim, block_size (the branches of paged_attention.cpp's dispatch)
 CASES = {
     "avx512-d64-gqa3": (9, 3, 64, 16),

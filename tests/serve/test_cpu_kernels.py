@@ -25,7 +25,7 @@ from llmctl.serve.attention import (
     paged_attention,
 )
 from llmctl.utils.cpu import cpu_flags
-from tests.serve.paged_cases import CASES, isa, needs_kernels, random_case  # noqa: F401
+from tests.serve.paged_cases import CASES, needs_kernels, random_case
 
 
 def _reference(q, cache, tables, contexts, q_len, num_blocks, scale):

@@ -1,6 +1,8 @@
 """``llmctl hw probe``: measure this CPU's peaks (read and copy bandwidth, matmul per
 dtype) for the threads used and cache them per machine; ``llmctl hw show``: the cached
-probe. The work is in :mod:`llmctl.hw.probe` and :mod:`llmctl.perf.probe_record`."""
+probe. The work is in :mod:`llmctl.hw.probe` and :mod:`llmctl.perf.probe_record`. Both
+also say which build of the engine's native kernels runs here (an instruction-set
+variant, :func:`llmctl.serve.cpu_kernels.describe_variant`) and why."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ def _render(record, cached: bool, path):
     from rich.table import Table
 
     peaks = record.peaks()
+    kernels = _kernels()
 
     def render(console) -> None:
         state = (f"cached probe from {record.measured_at} (--force measures again)" if cached
@@ -49,6 +52,7 @@ def _render(record, cached: bool, path):
                           escape(f"{row['path']} {row['what']}"))
         console.print(table)
         console.print(f"source: {escape(peaks.source)}")
+        console.print(escape(_kernels_line(kernels)))
         if peaks.memory_bytes:
             console.print(f"memory: {peaks.memory_bytes / 1e9:.1f} GB")
         for note in peaks.notes:
@@ -57,10 +61,21 @@ def _render(record, cached: bool, path):
     return render
 
 
+def _kernels() -> dict:
+    from llmctl.serve.cpu_kernels import describe_variant
+
+    return describe_variant()
+
+
+def _kernels_line(kernels: dict) -> str:
+    return (f"engine kernels: {kernels['bodies']} bodies ({kernels['why']}); this CPU runs "
+            f"{', '.join(kernels['cpu_runs'])}")
+
+
 def _data(record, cached: bool, path) -> dict:
     return {"cached": cached, "measured_at": record.measured_at, "path": str(path),
             "key": record.key.to_dict(), "quick": record.quick, "summary": record.summary(),
-            "peaks": record.peaks().to_dict(),
+            "peaks": record.peaks().to_dict(), "kernels": _kernels(),
             "measurements": [m.to_dict() for m in record.measurements]}
 
 
@@ -119,6 +134,7 @@ def show(threads: Threads = None, json_: JsonOpt = False) -> None:
                          if (k.cpu, k.isa, k.torch) == (key.cpu, key.isa, key.torch)})
         hint = "run `llmctl hw probe`" + (f" (cached for --threads {', '.join(map(str, others))})"
                                           if others else "")
+        out.status(_kernels_line(_kernels()))
         raise LlmctlError(f"no cached probe for {key.describe()}", hint)
     _print(out, lookup.record, True, lookup.path)
 

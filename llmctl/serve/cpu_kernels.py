@@ -165,6 +165,28 @@ def selected_variant() -> str:
     return name
 
 
+_VARIANT_WHY = {"avx512-bf16": "AVX-512 with BF16 and VNNI",
+                "avx512": "AVX-512 (F/BW/CD/DQ/VL) without BF16 or VNNI",
+                "avx2": "AVX2 + FMA + F16C, no AVX-512",
+                "portable": "no AVX2 + FMA (or not x86-64): scalar loops"}
+
+
+def describe_variant() -> dict[str, object]:
+    """Which kernel build the engine uses and why (``llmctl hw show``): the selected
+    variant, the bodies it compiles in, and every variant this CPU can run."""
+    selected = os.environ.get(VARIANT_ENV, "native") or "native"
+    runs = supported_variants()
+    bodies = runs[0] if selected == "native" else selected
+    if not native_enabled():
+        why = "LLMCTL_CPU_KERNELS=0: every native kernel is off (torch paths)"
+    elif selected == "native":
+        why = f"-march=native on this CPU: {_VARIANT_WHY[bodies]}"
+    else:
+        why = f"{VARIANT_ENV}={selected}" + ("" if selected in runs else
+                                             " (this CPU cannot run it: an error at load)")
+    return {"variant": selected, "bodies": bodies, "why": why, "cpu_runs": runs}
+
+
 def _build(cxx: str, variant: str = "native") -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              check=False).stdout

@@ -10,12 +10,13 @@ from typer.testing import CliRunner
 from llmctl.cli.app import build_app
 from llmctl.hw import probe as probe_module
 from llmctl.perf import probe_record as pr
-from llmctl.utils.cpu import usable_cpus
+from llmctl.utils.cpu import cpu_flags, usable_cpus
 from llmctl.utils.device import native_bf16
 
 runner = CliRunner()
 app = build_app()
-JSON_KEYS = {"cached", "measured_at", "path", "key", "quick", "summary", "peaks", "measurements"}
+JSON_KEYS = {"cached", "measured_at", "path", "key", "quick", "summary", "peaks", "measurements",
+             "kernels"}
 
 
 @pytest.fixture
@@ -50,6 +51,11 @@ def test_probe_quick_then_show(home):
     assert data["peaks"]["flops"]["bf16"] > (1e9 if native_bf16() else 1e8)
     assert 1e9 < data["peaks"]["bandwidth"] < 1e12
     assert data["peaks"]["source"].startswith("probe: ")
+    kernels = data["kernels"]  # the engine's kernel build: the best variant this CPU runs
+    assert kernels["variant"] == "native" and kernels["bodies"] == kernels["cpu_runs"][0]
+    assert kernels["cpu_runs"][-1] == "portable"
+    assert (kernels["bodies"] == "avx2") == ({"avx2", "fma"} <= cpu_flags()
+                                             and "avx512f" not in cpu_flags())
     units = {row["peak"]: row["unit"] for row in data["summary"]}
     assert units["read bandwidth"] == "GB/s" and units["bf16 matmul"] == "GFLOP/s"
     assert (home / "hw").is_dir() and data["path"].startswith(str(home / "hw"))
@@ -140,3 +146,14 @@ def test_a_contended_probe_is_shown_with_a_warning_and_measured_again(home, monk
                         lambda threads, *, quick: calls.append(quick) or quiet)
     assert run("probe", "--threads", 1, "--quick").exit_code == 0 and calls == [True]
     assert "contended" not in run("show", "--threads", 1).output  # the new probe replaced it
+
+
+def test_show_names_the_kernel_variant_and_why(home, monkeypatch):
+    """Without a cached probe `hw show` still says which kernel build the engine uses;
+    LLMCTL_KERNEL_ISA picks another variant the CPU runs."""
+    result = run("show", "--threads", 1)
+    assert result.exit_code == 1
+    assert "engine kernels: " in result.output and "-march=native on this CPU" in result.output
+    monkeypatch.setenv("LLMCTL_KERNEL_ISA", "portable")
+    result = run("show", "--threads", 1)
+    assert "engine kernels: portable bodies (LLMCTL_KERNEL_ISA=portable)" in result.output

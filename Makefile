@@ -13,7 +13,7 @@ TEST_EXTRAS ?= dev,serve,quant,onnx,llamacpp,plots,lmeval,tracing
 BASE_STAMP := $(VENV)/.llmctl-base
 TEST_STAMP := $(VENV)/.llmctl-test
 
-.PHONY: venv venv-test browser demo test test-fast lint clean
+.PHONY: venv venv-test browser cross demo test test-fast lint clean
 
 $(BASE_STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,10 +62,19 @@ browser:
 	  { $(APT) update >/dev/null 2>&1 && $(APT) install --no-install-recommends chromium >/dev/null; } || \
 	  echo "warning: cannot install chromium (apt as root): the report.html test will fail"
 
-test: venv-test browser
+# The kernels' portable bodies are cross-compiled for aarch64 and checked under qemu-user
+# (tests/serve/test_kernel_cross.py): Debian's cross compiler and qemu, installed here
+# when missing and the user is root; without them those tests skip and say why.
+cross:
+	@command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1 || \
+	  $(APT) install --no-install-recommends g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1 || \
+	  { $(APT) update >/dev/null 2>&1 && $(APT) install --no-install-recommends g++-aarch64-linux-gnu qemu-user >/dev/null; } || \
+	  echo "warning: cannot install g++-aarch64-linux-gnu and qemu-user: the aarch64 kernel tests will skip"
+
+test: venv-test browser cross
 	$(PY) -m pytest -q
 
-test-fast: venv-test browser
+test-fast: venv-test browser cross
 	$(PY) -m pytest -q -m "not slow"
 
 lint: venv-test

@@ -1,0 +1,97 @@
+"""The kernels' C sources on their own (tests/serve/csrc_check/kernel_check.cpp against a
+naive double-precision reference): built natively, and cross-compiled for aarch64 and run under qemu-user, so the portable bodies are
+known to build and compute right on ARM. Speed on ARM is not measured anywhere.
+
+`make test` installs Debian's g++-aarch64-linux-gnu and qemu-user where it can (as root);
+without them the aarch64 test skips and says which packages it needs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llmctl.serve import cpu_kernels
+
+CSRC = Path(cpu_kernels.__file__).parent / "csrc"
+DRIVER = Path(__file__).parent / "csrc_check" / "kernel_check.cpp"
+UNITS = [CSRC / "paged_attention.cpp", CSRC / "norm_act.cpp"]
+CROSS_CXX = "aarch64-linux-gnu-g++"
+QEMU = "qemu-aarch64"
+SYSROOT = Path("/usr/aarch64-linux-gnu")
+
+
+def _build(cxx: str, flags: tuple[str, ...], out: Path) -> None:
+    proc = subprocess.run([cxx, "-O2", "-fopenmp", "-std=c++17", *flags, f"-I{CSRC}", "-o",
+                           str(out), str(DRIVER), *map(str, UNITS)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _check(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok: "), proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C++ compiler")
+def test_kernels_match_the_naive_reference_natively(tmp_path):
+    """The driver's reference agrees with the kernels here (each variant is compared with
+    torch in test_cpu_kernels.py), so a failure under qemu is the port's."""
+    exe = tmp_path / "kernel_check"
+    _build(cpu_kernels._compiler(), ("-march=native",), exe)
+    _check([str(exe)])
+
+
+WRONG_SCALE = r"""
+#include <cstdint>
+extern "C" void real_paged_attention_f32(const float*, const float*, const float*,
+    const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+    int64_t, int64_t, float, float*, int, int64_t);
+extern "C" void paged_attention_f32(const float* q, const float* k, const float* v,
+    const int64_t* bt, int64_t mb, const int64_t* ctx, int64_t ns, int64_t ql, int64_t qs,
+    int64_t h, int64_t kvh, int64_t d, int64_t bs, float scale, float* out, int t, int64_t w) {
+  real_paged_attention_f32(q, k, v, bt, mb, ctx, ns, ql, qs, h, kvh, d, bs, 1.01f * scale,
+                           out, t, w);
+}
+"""
+
+
+@pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C++ compiler")
+def test_the_driver_catches_a_wrong_kernel(tmp_path):
+    """The check can fail: a paged attention whose softmax scale is 1 % off is caught."""
+    cxx = cpu_kernels._compiler()
+    wrapper = tmp_path / "wrong_scale.cpp"
+    wrapper.write_text(WRONG_SCALE)
+    renamed = tmp_path / "paged_attention.o"
+    proc = subprocess.run([cxx, "-O1", "-fopenmp", "-std=c++17", "-c",
+                           "-Dpaged_attention_f32=real_paged_attention_f32", "-o", str(renamed),
+                           str(CSRC / "paged_attention.cpp")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exe = tmp_path / "kernel_check"
+    proc = subprocess.run([cxx, "-O1", "-fopenmp", "-std=c++17", "-o", str(exe), str(DRIVER),
+                           str(wrapper), str(renamed), str(CSRC / "norm_act.cpp")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 1 and "mismatch in paged_attention_f32" in run.stdout
+
+
+@pytest.mark.skipif(shutil.which(CROSS_CXX) is None,
+                    reason=f"no {CROSS_CXX} (Debian package g++-aarch64-linux-gnu)")
+def test_every_kernel_source_compiles_for_aarch64():
+    for unit in sorted(CSRC.glob("*.cpp")):
+        proc = subprocess.run([CROSS_CXX, "-O2", "-fopenmp", "-std=c++17", "-fsyntax-only",
+                               str(unit)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{unit.name}: {proc.stderr[-2000:]}"
+
+
+@pytest.mark.skipif(shutil.which(CROSS_CXX) is None or shutil.which(QEMU) is None
+                    or not SYSROOT.is_dir(),
+                    reason=f"needs {CROSS_CXX} and {QEMU} (Debian packages "
+                           "g++-aarch64-linux-gnu and qemu-user)")
+def test_portable_kernels_compute_right_on_aarch64_under_qemu(tmp_path):
+    exe = tmp_path / "kernel_check-aarch64"
+    _build(CROSS_CXX, ("-march=armv8-a",), exe)
+    _check([QEMU, "-L", str(SYSROOT), str(exe)])

@@ -25,7 +25,8 @@ needs_kernels = pytest.mark.skipif(
 # portable bodies), and "native", the build the engine uses by default.
 ISA_VARIANTS = ["native", *cpu_kernels.supported_variants()]
 
-# name: heads, kv_heads, head_dim, block_size (the branches of paged_attention.cpp's dispatch)
+# name: heads, kv_heads, head_dim, block_size (the branches of paged_attention.cpp's dispatch;
+# an AVX2 build takes the "avx512" ones, head_dim 64 or 128 in 16-key tiles, in attend_avx2)
 CASES = {
     "avx512-d64-gqa3": (9, 3, 64, 16),
     "avx512-d128-mha": (4, 4, 128, 32),

@@ -2,11 +2,11 @@
 
 Paged attention is compared with the gather + SDPA path (fresh random caches, shuffled
 block tables, contexts that end inside and on tile/block edges, strided queries, every
-dispatch branch: AVX-512 float32, AVX512-BF16, the portable loop), in every instruction-set
-variant this CPU runs (``isa``: the AVX2 and portable builds on an AVX-512 machine too); the fused bf16 norm
-and activation with transformers' formulas bit for bit; the engine with the kernels
-switched off still runs and agrees; bf16 SmolLM2 on either path scores a token sequence like
-float32 transformers within bf16's noise.
+dispatch branch: AVX-512 or AVX2 float32, AVX512-BF16, the portable loop), in every
+instruction-set variant this CPU runs (``isa``: the AVX2 and portable builds on an AVX-512
+machine too); the fused bf16 norm and activation with transformers' formulas bit for bit;
+the engine with the kernels switched off still runs and agrees; bf16 SmolLM2 on either path
+scores a token sequence like float32 transformers within bf16's noise.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def test_codes_round_trip_saturate_and_the_error_bound():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("q_len", [1, 20])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_native_kernel_reads_fp8_like_the_torch_path(case, q_len, dtype, window):
+def test_native_kernel_reads_fp8_like_the_torch_path(case, q_len, dtype, window, isa):
     """The kernel on E4M3 codes + static per-head scales against the torch fallback
     (gather the blocks, dequantize them, SDPA), over shuffled block tables and contexts on
     and off tile and block edges; the codes are uniform over all finite E4M3 patterns, so

@@ -48,7 +48,7 @@ def test_codes_scales_and_the_error_bound():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("q_len", [1, 20])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_native_kernel_reads_int8_like_the_torch_path(case, q_len, dtype, window):
+def test_native_kernel_reads_int8_like_the_torch_path(case, q_len, dtype, window, isa):
     """The kernel on codes + scales against the torch fallback (gather the blocks,
     dequantize them, SDPA), over shuffled block tables and contexts on and off tile and
     block edges."""

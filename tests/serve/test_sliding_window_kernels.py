@@ -2,8 +2,9 @@
 by hand: query ``p`` sees keys ``p - W + 1 .. p`` (transformers' ``kv_idx > q_idx - W``).
 
 Paths: the gather + SDPA path with its per-window masks (and its gather starting after
-blocks out of every window), the native paged kernel (float32 AVX-512, bf16 AVX512-BF16,
-the portable loop; blocks before the window are never read: they hold NaN here), the
+blocks out of every window), the native paged kernel in every instruction-set variant
+this CPU runs (float32 AVX-512 or AVX2, bf16 AVX512-BF16, the portable loop; blocks before
+the window are never read: they hold NaN here), the
 bf16 prefill kernel, and the sliced SDPA of fresh groups.
 """
 
@@ -90,7 +91,7 @@ def test_gathered_groups_mask_each_window(case, window, q_len):
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_paged_kernel_honours_the_window_and_reads_nothing_before_it(case, window, q_len,
-                                                                     dtype):
+                                                                     dtype, isa):
     """The native kernel with a window against attention by hand; the blocks before the
     first query's window are NaN (or dropped from the table, -1), and the result is the
     same finite one: the kernel never reads them."""

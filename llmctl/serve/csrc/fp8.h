@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -75,6 +75,22 @@ inline __m512 e4m3x16_to_ps(const uint8_t* p) {
   const __m512 mag = _mm512_scalef_ps(_mm512_cvtepi32_ps(mant), _mm512_cvtepi32_ps(ex));
   const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+}
+#endif
+
+#if defined(__AVX2__)
+// 8 codes -> 8 floats, exact, without scalef. Normals: the 7 magnitude bits shifted
+// under float32's exponent field (e + 120 = e - 7 + 127), m into the mantissa's top 3
+// bits. Subnormals: m * 2^-9 (m <= 7 and the product are exact).
+inline __m256 e4m3x8_to_ps(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(v, _mm256_set1_epi32(0x7F));
+  const __m256 normal = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.f / 512.f));
+  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(_mm256_blendv_ps(normal, sub, is_sub), _mm256_castsi256_ps(sign));
 }
 #endif
 

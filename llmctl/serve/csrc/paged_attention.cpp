@@ -14,13 +14,13 @@
 // inside that key's block), so blocks before every window are never read: the engine
 // drops them from the block tables.
 //
-// Three implementations, picked by dispatch(): AVX512-BF16 for bf16 queries on a bf16,
+// Four implementations, picked by dispatch(): AVX512-BF16 for bf16 queries on a bf16,
 // int8 or fp8 cache (both products on vdpbf16ps, two passes), AVX-512 float32 math for float32
-// or bf16 without that extension (online softmax over 16-key tiles), and a portable loop
-// for other head sizes, block sizes and CPUs. All three see a call through Call and a
-// work item through Item (where its query, output and K/V rows are); the two
-// online-softmax ones share OnlineRows (queries in float32, running max and sum,
-// accumulators).
+// or bf16 without that extension (online softmax over 16-key tiles), the same on 8-lane
+// AVX2 + FMA vectors for CPUs without AVX-512, and a portable loop for other head sizes,
+// block sizes and CPUs. All see a call through Call and a work item through Item (where
+// its query, output and K/V rows are); the three online-softmax ones share OnlineRows
+// (queries in float32, running max and sum, accumulators).
 //
 // int8 cache (llmctl/serve/kv_quant.py): codes c with one float32 scale s per (slot, KV
 // head) for K and for V, x = c * s. Read in place, never dequantized into a copy: the
@@ -214,7 +214,7 @@ void attend(const Call<Q, KV>& c) {
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)  // AVX-512 implies it
 
 // The 16 rows of a tile (row_elems each, stride apart) into L1. A work item reads one KV
 // head's rows (every num_kv_heads-th row) of blocks scattered over the cache, which the
@@ -228,6 +228,10 @@ inline void prefetch_rows(const T* first, int64_t stride, int64_t row_elems) {
     for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
   }
 }
+
+#endif  // __AVX2__
+
+#if defined(__AVX512F__)
 
 // One K/V row of d = 16 * D4 elements as D4 float32 vectors (int8 or fp8 codes times
 // the row's scale; a float row has none).
@@ -339,6 +343,166 @@ void attend_avx512(const Call<Q, KV>& c) {
   }
 }
 #endif  // __AVX512F__
+
+#if defined(__AVX2__) && defined(__FMA__)
+// One K/V row of d = 8 * D8 elements widened into dst as float32 (int8 or fp8 codes times
+// the row's scale, as load_row does; a bf16 row has none).
+template <int D8>
+inline void widen_row(const uint16_t* p, float* dst, float) {
+  for (int j = 0; j < D8; ++j) _mm256_storeu_ps(dst + 8 * j, load_bf16x8(p + 8 * j));
+}
+
+template <int D8>
+inline void widen_row(const int8_t* p, float* dst, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int j = 0; j < D8; ++j) {
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j));
+    _mm256_storeu_ps(dst + 8 * j,
+                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), s));
+  }
+}
+
+template <int D8>
+inline void widen_row(const e4m3* p, float* dst, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int j = 0; j < D8; ++j)
+    _mm256_storeu_ps(dst + 8 * j, _mm256_mul_ps(llmctl_fp8::e4m3x8_to_ps(&p[8 * j].bits), s));
+}
+
+// The first n K or V rows of a tile (stride apart in the cache) as float32 rows, with
+// the distance between them in ld: a float cache is read in place, any other is widened
+// into buf (16 rows of 8 * D8), each row once, however many query rows then read it.
+template <int D8, typename KV, typename ScaleOf>
+inline const float* tile_rows(const KV* first, int64_t stride, int64_t n, ScaleOf scale_of,
+                              float* buf, int64_t& ld) {
+  if constexpr (std::is_same<KV, float>::value) {
+    (void)n, (void)scale_of, (void)buf;
+    ld = stride;
+    return first;
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      widen_row<D8>(first + t * stride, buf + t * 8 * D8, scale_of(t));
+    ld = 8 * D8;
+    return buf;
+  }
+}
+
+// attend_avx512 on 8-lane vectors for AVX2 + FMA CPUs: the same 16-key tiles, masks and
+// online softmax, with the 16 scores of a row in two vectors. Three differences, each
+// for want of AVX-512's 32 registers or its horizontal instructions:
+// - Q.K: a row's query runs against 8 keys at once, 8 accumulators chained on the
+//   query's chunks, and reduce_add8x8 finishes the 8 dot products together (one
+//   horizontal sum per dot product would cost more than its FMAs at d = 64).
+// - P.V: a row's accumulators stay in registers (8 vectors, 64 columns at a time) across
+//   the tile's 16 V rows, with the rescale applied on loading them, instead of a
+//   load/FMA/store per (V row, query row).
+// - int8, fp8 and bf16 rows are widened to float32 once per tile into a buffer (L1), as
+//   every query row reads each of them; a float cache is read in place.
+template <int D8, typename Q, typename KV>
+void attend_avx2(const Call<Q, KV>& c) {
+  constexpr int64_t d = 8 * D8;
+  constexpr int H = D8 < 8 ? D8 : 8;          // accumulator vectors held at a time
+  constexpr bool widened = !std::is_same<KV, float>::value;
+  const int64_t stride = c.num_kv_heads * d;  // between the K/V rows of one KV head
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+
+#pragma omp parallel num_threads(c.num_threads)
+  {
+    OnlineRows st(c.rows(), d);
+    std::vector<float> probs(st.rows * 16), scores(st.rows * 16), rescale(st.rows);
+    std::vector<char> seen(st.rows);  // the row sees a key of this tile
+    std::vector<float> kbuf(widened ? 16 * d : 0), vbuf(widened ? 16 * d : 0);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t index = 0; index < c.items(); ++index) {
+      const Item<Q, KV> it(c, index);
+      st.start(it, c.scale);
+      for (int64_t start = it.first_tile(); start < it.ctx; start += 16) {
+        const int64_t nk = it.ctx - start < 16 ? it.ctx - start : 16;
+        const int64_t base = it.kv_offset(start);
+        if (start + 16 < it.ctx) {
+          const int64_t next = it.kv_offset(start + 16);
+          prefetch_rows(c.k_cache + next, stride, d);
+          prefetch_rows(c.v_cache + next, stride, d);
+        }
+        // scores of 8 keys at a time; in a group that ends past nk the extra keys are rows
+        // of the same block (garbage, or stale rows of kbuf) whose lanes are masked below
+        int64_t kld;
+        const float* kt = tile_rows<D8>(c.k_cache + base, stride, nk,
+                                        [&](int64_t t) { return it.k_scale(start + t); },
+                                        kbuf.data(), kld);
+        for (int64_t r = 0; r < st.rows; ++r) {
+          const float* qr = st.qf.data() + r * d;
+          for (int64_t g8 = 0; g8 < (nk + 7) / 8; ++g8) {
+            const float* k0 = kt + 8 * g8 * kld;
+            __m256 acc[8];
+            for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+            for (int j = 0; j < D8; ++j) {
+              const __m256 qj = _mm256_loadu_ps(qr + 8 * j);
+              for (int t = 0; t < 8; ++t)
+                acc[t] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k0 + t * kld + 8 * j), acc[t]);
+            }
+            _mm256_storeu_ps(scores.data() + r * 16 + 8 * g8, reduce_add8x8(acc));
+          }
+        }
+        for (int64_t r = 0; r < st.rows; ++r) {
+          seen[r] = !(st.limit[r] < start || st.first[r] >= start + nk);
+          if (!seen[r]) continue;  // no visible key in this tile: no weight for its values
+          const int64_t visible = st.limit[r] - start + 1;  // keys t < visible are seen
+          const int64_t valid = visible < nk ? visible : nk;
+          // keys t < skip are before the row's window
+          const int64_t skip = st.first[r] > start ? st.first[r] - start : 0;
+          const __m256i hi = _mm256_set1_epi32(static_cast<int>(valid));
+          const __m256i lo = _mm256_set1_epi32(static_cast<int>(skip));
+          __m256 live[2], s[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m256i t = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * h));
+            // skip <= t < valid
+            live[h] = _mm256_castsi256_ps(
+                _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, t), _mm256_cmpgt_epi32(hi, t)));
+            s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                    _mm256_loadu_ps(scores.data() + r * 16 + 8 * h), live[h]);
+          }
+          const float bm = reduce_max8(_mm256_max_ps(s[0], s[1]));
+          const float nm = bm > st.m[r] ? bm : st.m[r];
+          rescale[r] = std::exp(st.m[r] - nm);  // 0 on the first tile (m = -inf)
+          const __m256 nmv = _mm256_set1_ps(nm);
+          const __m256 p0 = _mm256_and_ps(live[0], exp8_ps(_mm256_sub_ps(s[0], nmv)));
+          const __m256 p1 = _mm256_and_ps(live[1], exp8_ps(_mm256_sub_ps(s[1], nmv)));
+          st.l[r] = st.l[r] * rescale[r] + reduce_add8(_mm256_add_ps(p0, p1));
+          st.m[r] = nm;
+          _mm256_storeu_ps(probs.data() + r * 16, p0);
+          _mm256_storeu_ps(probs.data() + r * 16 + 8, p1);
+        }
+        // values: per row, H accumulator vectors in registers over the tile's V rows
+        int64_t vld;
+        const float* vt = tile_rows<D8>(c.v_cache + base, stride, nk,
+                                        [&](int64_t t) { return it.v_scale(start + t); },
+                                        vbuf.data(), vld);
+        for (int64_t r = 0; r < st.rows; ++r) {
+          if (!seen[r]) continue;
+          const float* pr = probs.data() + r * 16;
+          float* ar = st.acc.data() + r * d;
+          const __m256 cv = _mm256_set1_ps(rescale[r]);
+          for (int h = 0; h < D8; h += H) {
+            __m256 a[H];
+            for (int j = 0; j < H; ++j) a[j] = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * (h + j)), cv);
+            for (int64_t t = 0; t < nk; ++t) {
+              if (!(pr[t] > 0.f)) continue;  // masked or underflowed
+              const __m256 pv = _mm256_set1_ps(pr[t]);
+              const float* vr = vt + t * vld + 8 * h;
+              for (int j = 0; j < H; ++j)
+                a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * j), a[j]);
+            }
+            for (int j = 0; j < H; ++j) _mm256_storeu_ps(ar + 8 * (h + j), a[j]);
+          }
+        }
+      }
+      st.finish(it);
+    }
+  }
+}
+#endif  // __AVX2__ && __FMA__
 
 #if defined(__AVX512BF16__)
 // A 64-byte aligned array of vectors (std::vector does not promise over-alignment).
@@ -549,13 +713,18 @@ void attend_bf16(const Call<uint16_t, KV>& c) {
 #endif  // __AVX512BF16__
 
 // The vectorised kernels where they apply (head_dim 64 or 128, tiles of 16 keys inside
-// one block), the portable loop otherwise.
+// one block; AVX-512 where compiled in, else AVX2 + FMA), the portable loop otherwise.
 template <typename Q, typename KV>
 void dispatch(const Call<Q, KV>& c) {
 #if defined(__AVX512F__)
   if (c.block_size % 16 == 0) {
     if (c.head_dim == 64) return attend_avx512<4>(c);
     if (c.head_dim == 128) return attend_avx512<8>(c);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (c.block_size % 16 == 0) {
+    if (c.head_dim == 64) return attend_avx2<8>(c);
+    if (c.head_dim == 128) return attend_avx2<16>(c);
   }
 #endif
   attend(c);

@@ -1,6 +1,6 @@
-// bfloat16 <-> float32 and exp(x), scalar and 16 lanes: shared by paged_attention.cpp and
-// norm_act.cpp. llmctl/serve/cpu_kernels.py hashes this file with the sources, so a
-// change here rebuilds the library.
+// bfloat16 <-> float32 and exp(x), scalar, 16 lanes (AVX-512) and 8 lanes (AVX2 + FMA):
+// shared by paged_attention.cpp and norm_act.cpp. llmctl/serve/cpu_kernels.py hashes this
+// file with the sources, so a change here rebuilds the library.
 //
 // bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to
 // nearest even as torch does (no NaN inputs here).
@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)  // AVX-512 implies it
 #include <immintrin.h>
 #endif
 
@@ -69,5 +69,59 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 #endif  // __AVX512F__
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 bfloat16 values (as their 16-bit patterns) -> 8 floats
+inline __m256 widen_bf16x8(__m128i v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline __m256 load_bf16x8(const uint16_t* p) {
+  return widen_bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// exp_ps on 8 lanes: the same clamp, split and polynomial; AVX2 has no scalef, so 2^n is
+// built as a float, n + 127 in the exponent field (n in [-126, 126] after the clamp:
+// always a normal number, and p * 2^n is exact like scalef's).
+inline __m256 exp8_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+}
+
+// Sum and max of 8 lanes: halves, then pairs, then the last two.
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Sum of each of 8 vectors, as one vector: out[t] = sum of v[t]'s lanes. Two rounds of
+// hadd leave, per 128-bit half, the four-lane sums of v0..v3 and of v4..v7; adding the
+// low halves to the high halves finishes all 8 sums in 9 instructions (8 separate
+// reduce_add8 take ~40).
+inline __m256 reduce_add8x8(const __m256* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20),
+                       _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+#endif  // __AVX2__ && __FMA__
 
 }  // namespace llmctl_simd

@@ -10,7 +10,9 @@
   RMSNorm alone cost a fifth of the matrix products' time on a prefill step).
 - :file:`csrc/lowbit_gemm.cpp`: int4/int8 weights times bfloat16 activations with
   AVX512-BF16 (:mod:`llmctl.serve.lowbit`); :file:`csrc/lowbit_vnni.cpp` the same for
-  one to eight rows with AVX512-VNNI byte products on 15-bit activations.
+  one to eight rows with AVX512-VNNI byte products on 15-bit activations;
+  :file:`csrc/lowbit_avx2.cpp` on AVX2 + FMA (no AVX-512) with 16-bit products on 16-bit
+  activations, tuned for one to eight rows.
 - :file:`csrc/gemm_bf16.cpp`: dense bfloat16 weights times any number of rows
   (:class:`llmctl.serve.quant_linear.PackedLinear`'s own kernel).
 - :file:`csrc/decode_layer.cpp`: a whole decoder layer for a decode step in one
@@ -64,9 +66,9 @@ log = logging.getLogger("llmctl.serve")
 # header rebuilds too); the .cpp files are the compiler's inputs.
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
-                             "lowbit_vnni.cpp", "gemm_bf16.cpp", "rope_kv.cpp",
-                             "decode_layer.cpp", "prefill_attention.cpp", "lora.cpp",
-                             "simd_math.h", "fp8.h", "lora.h"))
+                             "lowbit_vnni.cpp", "lowbit_avx2.cpp", "gemm_bf16.cpp",
+                             "rope_kv.cpp", "decode_layer.cpp", "prefill_attention.cpp",
+                             "lora.cpp", "simd_math.h", "fp8.h", "lora.h"))
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # Instruction-set variants: name -> (the compiler's target flags, the /proc/cpuinfo flags a
 # CPU needs to run the binary). "native" (the default) targets the building CPU, so each
@@ -116,6 +118,9 @@ ARGTYPES = {
     "lowbit_gemv_vnni": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
                          _I64, _INT, _INT],
     "lowbit_vnni_rows": [],
+    "lowbit_gemv_avx2": [_PTR, _I64, _INT, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
+                         _I64, _I64, _INT, _INT],
+    "lowbit_avx2_rows": [],
     "gemm_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
     "gemm_bf16_available": [],
     "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
@@ -129,6 +134,7 @@ ARGTYPES = {
     "lora_add_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
 }
 RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int,
+            "lowbit_avx2_rows": ctypes.c_int,
             "gemm_bf16_available": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
             "prefill_attention_available": ctypes.c_int}
 
@@ -416,6 +422,16 @@ def lowbit_vnni_kernel() -> tuple[object, int] | None:
     if lib is None or not lib.lowbit_vnni_rows():
         return None
     return lib.lowbit_gemv_vnni, int(lib.lowbit_vnni_rows())
+
+
+def lowbit_avx2_kernel() -> tuple[object, int] | None:
+    """``(lowbit_gemv_avx2, rows)`` of :file:`csrc/lowbit_avx2.cpp` (``rows``: the most
+    it is tuned for; it takes any number), or None when there is no build or this
+    variant lacks AVX2 + FMA."""
+    lib = _library()
+    if lib is None or not lib.lowbit_avx2_rows():
+        return None
+    return lib.lowbit_gemv_avx2, int(lib.lowbit_avx2_rows())
 
 
 def gemm_bf16_kernel():

@@ -20,7 +20,10 @@ them to bfloat16 activations at any batch size: batch-1 decode reads a quarter
 once for 16 rows. Where the CPU has AVX512-VNNI, layers whose groups are whole blocks of
 32 inputs also keep a second copy of the codes in :file:`csrc/lowbit_vnni.cpp`'s byte
 layout (same size as the first) for one to eight rows: there the bfloat16 widening,
-not memory, bounded the step.
+not memory, bounded the step. A CPU with AVX2 + FMA but without AVX512-BF16 runs
+:file:`csrc/lowbit_avx2.cpp` at every batch size instead (its own layout, the only copy:
+lowbit_gemm.cpp would have only its scalar path there), on float32 or bfloat16
+activations as they come.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from llmctl.serve.cpu_kernels import lowbit_kernel, lowbit_vnni_kernel
+from llmctl.serve.cpu_kernels import lowbit_avx2_kernel, lowbit_kernel, lowbit_vnni_kernel
 
 BLOCK = 16  # output columns per kernel block
-VNNI_BLOCK = 32  # inputs per activation block of the VNNI kernel
+VNNI_BLOCK = 32  # inputs per activation block of the VNNI and AVX2 kernels
+AVX2_BLOCK = 32  # output columns per block of the AVX2 kernel (4 vectors of 8)
+_AVX2_INPUTS = (torch.float32, torch.bfloat16)  # activation dtypes the AVX2 kernel reads
 
 
 @dataclass
@@ -99,18 +104,38 @@ def vnni_fits(codes: AffineCodes) -> bool:
             and k % codes.group_size == 0)
 
 
+def avx2_fits(codes: AffineCodes) -> bool:
+    """Whether the AVX2 kernel takes this layout: the VNNI kernel's rule (it quantizes
+    activations in the same 32-input blocks)."""
+    return vnni_fits(codes)
+
+
 def simd_available() -> bool:
     """The kernel's AVX512-BF16 path is built for this CPU (else keep torch's kernels)."""
     kernel = lowbit_kernel()
     return kernel is not None and kernel[1]
 
 
-def _blocked(t: torch.Tensor, n_pad: int) -> torch.Tensor:
-    """``[N, G]`` per-row values -> ``[N/16, G, 16]`` float32, zero rows for padding."""
+def avx2_available() -> bool:
+    """:file:`csrc/lowbit_avx2.cpp` is built for this CPU (AVX2 + FMA): the fast path
+    where :func:`simd_available` is False."""
+    return lowbit_avx2_kernel() is not None
+
+
+def fast_fits(codes: AffineCodes) -> bool:
+    """Whether :class:`LowBitLinear` runs this layer on a SIMD kernel on this CPU (the
+    AVX512-BF16 one, else the AVX2 one); where not, torch's kernels are faster."""
+    if simd_available():
+        return kernel_fits(codes)
+    return avx2_available() and avx2_fits(codes)
+
+
+def _blocked(t: torch.Tensor, n_pad: int, width: int = BLOCK) -> torch.Tensor:
+    """``[N, G]`` per-row values -> ``[N/width, G, width]`` float32, zero rows for padding."""
     t = t.float()
     if n_pad:
         t = torch.cat([t, t.new_zeros(n_pad, t.shape[1])])
-    return t.view(-1, BLOCK, t.shape[1]).transpose(1, 2).contiguous()
+    return t.view(-1, width, t.shape[1]).transpose(1, 2).contiguous()
 
 
 def pack(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -163,30 +188,68 @@ def pack_vnni(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return packed, _blocked(codes.scale, n_pad), zero
 
 
+def pack_avx2(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(packed codes, scales, offsets or None)`` in :file:`csrc/lowbit_avx2.cpp`'s layout:
+    blocks of 32 output rows (zero rows pad N), each a stream along k of steps of 4
+    sub-blocks of 8 rows; scales and offsets ``[N/32, G, 32]``."""
+    n, k = codes.shape
+    n_pad = -n % AVX2_BLOCK
+    q = codes.q
+    if n_pad:
+        q = torch.cat([q, q.new_zeros(n_pad, k)])
+    blocks = (n + n_pad) // AVX2_BLOCK
+    if codes.bits == 4:
+        # step t, sub-block j, 16-bit word 2c+p: bits 4i..4i+3 = q[8j+c, 8t+2i+p]
+        u = q.to(torch.int32).view(blocks, 4, 8, k // 8, 4, 2).permute(0, 3, 1, 2, 5, 4)
+        words = u[..., 0] | (u[..., 1] << 4) | (u[..., 2] << 8) | (u[..., 3] << 12)
+        # to int16 wraps words >= 2^15 to the same 16 bits; little-endian bytes
+        packed = words.to(torch.int16).contiguous().view(torch.uint8)
+    else:
+        # step t, sub-block j, byte 2c+p = q[8j+c, 2t+p]
+        packed = q.to(torch.int8).view(blocks, 4, 8, k // 2, 2).permute(0, 3, 1, 2, 4)
+        packed = packed.contiguous().view(torch.uint8)
+    zero = None if codes.zero is None else _blocked(codes.zero, n_pad, AVX2_BLOCK)
+    return packed, _blocked(codes.scale, n_pad, AVX2_BLOCK), zero
+
+
 class LowBitLinear:
     """A weight-only int4/int8 layer on the native kernel, any batch size.
 
     ``out_float`` returns float32 (the logits of an int8 ``lm_head``) instead of the
     activation dtype. ``portable`` runs the kernel's scalar reference path (tests);
-    ``vnni=False`` keeps one to eight rows on the bfloat16 kernel too. ``vnni_rows`` is
+    ``vnni=False`` keeps every row on the bfloat16 kernel, whose products are exact (no
+    kernel that rounds activations to 15 or 16 bits: VNNI, AVX2; tests). ``vnni_rows`` is
     the most rows the VNNI kernel takes for this layer (0: none), ``vnni_codes`` its
-    ``(packed, scales, offsets)``."""
+    ``(packed, scales, offsets)``. ``avx2``: rows beyond those run on
+    :file:`csrc/lowbit_avx2.cpp` (a CPU without AVX512-BF16), whose layout ``packed``,
+    ``scales`` and ``zeros`` then hold."""
 
     __slots__ = ("packed", "scales", "zeros", "bits", "group_size", "bias", "out_features",
                  "in_features", "out_float", "portable", "_wide", "_vnni", "vnni_rows",
-                 "_out_args", "vnni_codes")
+                 "_out_args", "vnni_codes", "avx2")
 
     def __init__(self, codes: AffineCodes, bias: torch.Tensor | None = None, *,
                  out_float: bool = False, portable: bool = False, vnni: bool = True) -> None:
         kernel = lowbit_kernel()
         if kernel is None or not kernel_fits(codes):
             raise ValueError("the low-bit kernel is not available for this layer")
-        self.packed, self.scales, self.zeros = pack(codes)
         self.bits, self.group_size = codes.bits, codes.group_size
         self.out_features, self.in_features = codes.shape
         self._out_args = (self.out_features, self.out_features, int(out_float))
-        self._wide = self._bind(kernel[0], self.packed, self.scales, self.zeros,
-                                self.packed.shape[0])
+        # without AVX512-BF16, lowbit_gemm.cpp has only its scalar path: the AVX2 kernel
+        # takes every row count then (faster than dequantizing to float32 for F.linear
+        # up to 256 rows at least, see its header) and its layout is the only copy
+        wide = (lowbit_avx2_kernel() if vnni and not portable and not kernel[1]
+                and avx2_fits(codes) else None)
+        self.avx2 = wide is not None
+        if self.avx2:
+            self.packed, self.scales, self.zeros = pack_avx2(codes)
+            self._wide = self._bind(wide[0], self.packed, self.scales, self.zeros,
+                                    self.scales.shape[0])
+        else:
+            self.packed, self.scales, self.zeros = pack(codes)
+            self._wide = self._bind(kernel[0], self.packed, self.scales, self.zeros,
+                                    self.packed.shape[0])
         small = lowbit_vnni_kernel() if vnni and not portable and vnni_fits(codes) else None
         self.vnni_codes = None if small is None else pack_vnni(codes)
         self._vnni = None if small is None else self._bind(small[0], *self.vnni_codes,
@@ -211,6 +274,8 @@ class LowBitLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step makes ~120 of these calls per token, so the per-call Python is
         # kept to a minimum: the constant arguments are bound once in _bind.
+        if self.avx2 and x.numel() > self.vnni_rows * self.in_features:
+            return self._call_avx2(x)
         if x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
             x2 = x
         else:
@@ -229,6 +294,29 @@ class LowBitLinear:
             fn(x2.data_ptr(), x2.stride(0), *head, rows, *tail, out.data_ptr(), *self._out_args,
                int(self.portable), torch.get_num_threads())
         if not self.out_float and x.dtype != torch.bfloat16:
+            out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out if x2 is x else out.reshape(*x.shape[:-1], self.out_features)
+
+    def _call_avx2(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows on the AVX2 kernel: float32 and bfloat16 activations go in as they are."""
+        if x.dim() == 2 and x.stride(-1) == 1 and x.dtype in _AVX2_INPUTS:
+            x2 = x
+        else:
+            x2 = x.reshape(-1, self.in_features)
+            if x2.dtype not in _AVX2_INPUTS:
+                x2 = x2.float()
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+        f32 = self.out_float or x2.dtype == torch.float32
+        out = torch.empty((x2.shape[0], self.out_features),
+                          dtype=torch.float32 if f32 else torch.bfloat16)
+        fn, head, tail = self._wide
+        fn(x2.data_ptr(), x2.stride(0), int(x2.dtype == torch.float32), *head, x2.shape[0],
+           *tail, out.data_ptr(), self.out_features, self.out_features, int(f32),
+           torch.get_num_threads())
+        if not self.out_float and out.dtype != x.dtype:
             out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias

@@ -18,7 +18,9 @@ columns. Execution paths, picked per layer (activations in bf16 whatever the mod
 dtype: "W4A16"):
 
 - int4 and int8, any group that divides the row, on a CPU with AVX512-BF16: llmctl's own
-  kernel (:class:`llmctl.serve.lowbit.LowBitLinear`) at every batch size. Without it:
+  kernel (:class:`llmctl.serve.lowbit.LowBitLinear`) at every batch size; on a CPU with
+  AVX2 + FMA only, the same class on its AVX2 kernel for groups of whole 32-input blocks
+  (activations as they come, float32 or bf16). Otherwise:
 - int4 -> ``aten._weight_int4pack_mm_for_cpu`` for small batches, whose weights
   dequantize as ``(u - 8) * s + z`` with ``u = q + 8``: so ``z = -zero_point * s``. It
   accepts groups of 32/64/128/256 only: a larger group (or per-channel) repeats its
@@ -50,8 +52,9 @@ from llmctl.quant.packing import unpack_int32
 from llmctl.serve.lowbit import (
     AffineCodes,
     LowBitLinear,
+    avx2_available,
+    fast_fits,
     interleave_block_pairs,
-    kernel_fits,
     simd_available,
 )
 
@@ -456,9 +459,9 @@ def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *
         return dense_linear(weight.to(device=device, dtype=dtype).contiguous(), bias,
                             gemm=gemm)
     kernels = backend == "kernel" and device.type == "cpu"
-    if kernels and simd_available():
+    if kernels and (simd_available() or avx2_available()):
         codes = weight if isinstance(weight, AffineCodes) else weight.affine()
-        if codes is not None and kernel_fits(codes):
+        if codes is not None and fast_fits(codes):
             return LowBitLinear(codes, bias)
     if isinstance(weight, AffineCodes):
         return dense_linear(weight.dequantize(dtype).to(device).contiguous(), bias)

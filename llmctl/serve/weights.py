@@ -18,9 +18,8 @@ from llmctl.errors import NotAModelError
 from llmctl.serve.lowbit import (
     AffineCodes,
     LowBitLinear,
-    kernel_fits,
+    fast_fits,
     quantize_int8,
-    simd_available,
 )
 from llmctl.serve.model import Layer, LlamaModel, ModelSpec
 from llmctl.serve.quant_linear import (
@@ -203,7 +202,6 @@ def bf16_gemm_plan(choice: str, spec: ModelSpec, dtype: torch.dtype,
 def _head_linear(weight, device: torch.device):
     """Integer codes of the output projection on the low-bit kernel, float32 logits
     out; None when the head is a float tensor (or the kernel is missing)."""
-    if isinstance(weight, AffineCodes) and device.type == "cpu" and simd_available() \
-            and kernel_fits(weight):
+    if isinstance(weight, AffineCodes) and device.type == "cpu" and fast_fits(weight):
         return LowBitLinear(weight, out_float=True)
     return None

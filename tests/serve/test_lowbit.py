@@ -17,6 +17,7 @@ from llmctl.serve.llm import LLM
 from llmctl.serve.lowbit import (
     AffineCodes,
     LowBitLinear,
+    avx2_available,
     quantize_int8,
     simd_available,
     vnni_fits,
@@ -170,9 +171,10 @@ def test_make_linear_picks_the_own_kernel_and_keeps_torch_kernels_without_it(mon
     weight = QuantWeight(q=q, scale=torch.rand(40, 3) + 0.1, zero_point=None, group_size=64,
                          num_bits=4)
     kwargs = dict(dtype=torch.float32, device=CPU, backend="kernel")
-    if simd_available():
+    if simd_available() or avx2_available():
         assert isinstance(make_linear(weight, None, **kwargs), LowBitLinear)
     monkeypatch.setattr(quant_linear, "simd_available", lambda: False)
+    monkeypatch.setattr(quant_linear, "avx2_available", lambda: False)
     assert isinstance(make_linear(weight, None, **kwargs), quant_linear.Int4Linear)
 
 
@@ -213,9 +215,10 @@ def test_gguf_served_quantized_matches_its_float_import(tiny_llama, tiny_llama_t
     kinds = quant_linear.describe({f"{i}.{n}": getattr(layer, n)
                                    for i, layer in enumerate(model.layers)
                                    for n in ("qkv", "o", "gate_up", "down")})
-    want_kind = ("int8" if out_type == "Q8_0" else "int4") if simd_available() else "dense"
+    fast = simd_available() or avx2_available()  # groups of 32: both kernels take them
+    want_kind = ("int8" if out_type == "Q8_0" else "int4") if fast else "dense"
     assert kinds == {want_kind: 4 * len(model.layers)}
-    assert isinstance(model.lm_head, LowBitLinear) == simd_available()
+    assert isinstance(model.lm_head, LowBitLinear) == fast
     ref = LLM(str(path), kv_cache_memory="4MiB", gguf_weights="float")
     assert not isinstance(ref.engine.target.model.layers[0].qkv, LowBitLinear)
     ids = encode(ref.engine.model_path, PROMPTS[3])

@@ -8,7 +8,7 @@ import torch
 
 from llmctl.serve import quant_linear
 from llmctl.serve.llm import LLM
-from llmctl.serve.lowbit import simd_available
+from llmctl.serve.lowbit import avx2_available, simd_available
 from llmctl.serve.quant_linear import (
     KERNEL_MAX_ROWS,
     Int4Linear,
@@ -22,11 +22,12 @@ from tests.serve.conftest import PROMPTS, encode
 from tests.serve.quant_checkpoints import SCHEMES, write_quantized
 from tests.serve.test_model import engine_logits, hf_logits
 
-# the kernel path the engine must pick for each scheme on CPU: llmctl's own kernel takes
-# int8 groups too; torch's (CPUs without AVX512-BF16) only per-channel int8
+# the kernel path the engine must pick for each scheme on CPU: llmctl's own kernels take
+# int8 groups too; torch's (CPUs without AVX512-BF16 or AVX2) only per-channel int8
 KERNEL_KIND = {"w4-g32-sym": "int4", "w4-g64-asym": "int4", "w4-channel": "int4",
                "w8-channel": "int8", "w8-channel-asym": "int8",
-               "w8-g32": "int8" if simd_available() else "dense", "fp8-channel": "dense"}
+               "w8-g32": "int8" if simd_available() or avx2_available() else "dense",
+               "fp8-channel": "dense"}
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +94,8 @@ def test_quantized_weights_are_smaller(quantized, tiny_llama):
 
 @pytest.mark.parametrize("bits,rows", [(4, 3), (4, 64), (8, 3), (8, 64)])
 def test_low_bit_layers_on_kernel_and_dequantized_paths(bits, rows, monkeypatch):
-    """Without the own kernel (a CPU lacking AVX512-BF16), small batches take torch's
-    kernels, large ones the on-the-fly bf16 weight: both match.
+    """Without the own kernels (a CPU lacking AVX512-BF16 and AVX2), small batches take
+    torch's kernels, large ones the on-the-fly bf16 weight: both match.
 
     int4: 40 output rows (not a multiple of 16) and one group of 192 = 3 x 64 (a size the
     kernel does not take); both layers asymmetric."""
@@ -108,6 +109,7 @@ def test_low_bit_layers_on_kernel_and_dequantized_paths(bits, rows, monkeypatch)
     if bits == 4:
         assert kernel_group_size(k, 192) == 64
     monkeypatch.setattr(quant_linear, "simd_available", lambda: False)
+    monkeypatch.setattr(quant_linear, "avx2_available", lambda: False)
     layer = make_linear(weight, None, dtype=torch.float32, device=torch.device("cpu"),
                         backend="kernel")
     assert isinstance(layer, Int4Linear if bits == 4 else Int8Linear)

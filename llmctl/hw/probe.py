@@ -40,6 +40,7 @@ from llmctl.perf.probe_record import (
 )
 from llmctl.utils.cpu import (
     available_ram_bytes,
+    cpu_flags,
     last_level_cache,
     ram_bytes,
 )
@@ -226,14 +227,36 @@ def int_mm(n: int, repeats: int) -> Measurement:
                        timed(lambda: torch._int_mm(a, b), repeats))
 
 
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def _slow_n(n: int, native: bool) -> int:
+    """A product's size: ``n`` where the CPU has the instructions; a quarter of it where
+    torch falls back to a slow path (AVX2-only CPUs, 1 thread: bf16 emulated at ~0.85
+    GFLOP/s and ``_int_mm`` without VNNI at ~1 GFLOP/s, so 1024^3 took 2-2.5 s a run and
+    the quick probe 19 s). Those paths are compute-bound at any size, so the smaller
+    product measures the same rate."""
+    return n if native else max(64, n // 4)
+
+
+def _bf16_n(n: int) -> int:
+    from llmctl.utils.device import native_bf16
+
+    return _slow_n(n, native_bf16() is not None)
+
+
+def _int8_n(n: int) -> int:
+    return _slow_n(n, any(flag in cpu_flags() for flag in INT8_DOT_FLAGS))
+
+
 # Every matrix-product path, in the order they run: (dtype, path, measure under a plan).
 PATHS: tuple[tuple[str, str, Callable[[ProbePlan], Measurement]], ...] = (
     ("fp32", "torch.matmul", lambda p: torch_matmul("fp32", p.matmul_n, p.repeats)),
     ("fp32", "oneDNN packed linear", lambda p: packed_linear("fp32", p.matmul_n, p.repeats)),
-    ("bf16", "torch.matmul", lambda p: torch_matmul("bf16", p.matmul_n, p.repeats)),
+    ("bf16", "torch.matmul", lambda p: torch_matmul("bf16", _bf16_n(p.matmul_n), p.repeats)),
     ("bf16", "oneDNN packed linear", lambda p: packed_linear("bf16", p.matmul_n, p.repeats)),
     ("bf16", "own kernel", lambda p: own_gemm_bf16(p.own_calls, p.repeats)),
-    ("int8", "torch._int_mm", lambda p: int_mm(p.matmul_n, p.repeats)),
+    ("int8", "torch._int_mm", lambda p: int_mm(_int8_n(p.matmul_n), p.repeats)),
 )
 
 

@@ -189,8 +189,10 @@ def test_thread_counts_outside_the_usable_cpus_are_refused():
 def test_a_quick_probe_measures_plausible_numbers():
     import torch
 
-    from llmctl.hw.probe import measure
+    from llmctl.hw.probe import INT8_DOT_FLAGS, measure
+    from llmctl.utils.cpu import cpu_flags
     from llmctl.serve.cpu_kernels import gemm_bf16_kernel
+    from llmctl.utils.device import native_bf16
 
     gemm_bf16_kernel()  # the one-time build of llmctl's kernels (seconds) is not the probe's
     threads = torch.get_num_threads()
@@ -201,9 +203,11 @@ def test_a_quick_probe_measures_plausible_numbers():
     peaks = record.peaks()
     assert 1e9 < peaks.bandwidth < 1e12
     assert 1e9 < record.best("copy").best < 1e12
-    assert peaks.flops["bf16"] > 1e9 and peaks.flops["fp32"] > 1e9
-    if hasattr(torch, "_int_mm"):
-        assert peaks.flops["int8"] > 1e9
+    # one thread; bf16 is emulated without AVX512-BF16/AMX (AMD Zen 3: ~0.85 GFLOP/s)
+    assert peaks.flops["bf16"] > (1e9 if native_bf16() else 1e8) and peaks.flops["fp32"] > 1e9
+    if hasattr(torch, "_int_mm"):  # without VNNI/AMX torch's int8 product is ~1 GFLOP/s
+        vnni = any(flag in cpu_flags() for flag in INT8_DOT_FLAGS)
+        assert peaks.flops["int8"] > (1e9 if vnni else 1e8)
     assert record.key.threads == 1 and record.quick
     assert peaks.source.startswith("probe: ") and "1 thread, " in peaks.source
     assert all(m.foreign_cores is not None and m.foreign_cores >= 0

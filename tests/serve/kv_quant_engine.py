@@ -117,16 +117,27 @@ def check_fused_decode_layers_bit_for_bit(path, kv_cache_dtype: str) -> None:
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+# How far one prefill's logits may be from decoding token by token through the cache.
+# int8: float32 noise (1e-4). fp8: the prefill (SDPA) and the decode kernel sum in other
+# orders, and float32 noise in layer 0's output can move a later layer's K or V across an
+# E4M3 rounding boundary (3 mantissa bits: one step is up to 1/8 of the value); on AMD
+# Zen 3 with the -march=native build one such flip moved a logit by 5.5e-3, against the
+# 0.62 that fp8 itself moves them (test_kv_cache_fp8): 2e-2 still tells a cache the
+# prefill ignored (it would differ by about the fp8 shift).
+PREFILL_VS_DECODE_ATOL = {"int8": 1e-4, "fp8": 2e-2}
+
+
 def prefill_logit_shift(path, kv_cache_dtype: str) -> float:
     """A fresh prompt attends over its K/V as stored (quantized), so one prefill's rows
-    equal decoding it token by token through the cache (float32 noise: 1e-4); returns the
-    largest change of those logits against a float cache."""
+    equal decoding it token by token through the cache (within PREFILL_VS_DECODE_ATOL);
+    returns the largest change of those logits against a float cache."""
     from llmctl.serve.scoring import prompt_logits, teacher_forced_logits
 
     ids = encode(path, PROMPTS[3])
     llm = LLM(str(path), kv_cache_dtype=kv_cache_dtype, kv_cache_memory="4MiB")
     prefill = prompt_logits(llm.engine, ids)
     decoded = teacher_forced_logits(llm.engine, ids, 1)
-    torch.testing.assert_close(prefill, decoded, atol=1e-4, rtol=1e-4)
+    atol = PREFILL_VS_DECODE_ATOL[kv_cache_dtype]
+    torch.testing.assert_close(prefill, decoded, atol=atol, rtol=1e-4)
     full = teacher_forced_logits(LLM(str(path), kv_cache_memory="4MiB").engine, ids, 1)
     return (decoded - full).abs().max().item()

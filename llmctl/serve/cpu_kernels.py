@@ -15,6 +15,9 @@
   activations, tuned for one to eight rows.
 - :file:`csrc/gemm_bf16.cpp`: dense bfloat16 weights times any number of rows
   (:class:`llmctl.serve.quant_linear.PackedLinear`'s own kernel).
+- :file:`csrc/gemv_bf16_avx2.cpp`: dense bfloat16 weights in torch's own layout times a
+  few rows on AVX2 + FMA, widened to float32 in registers (CPUs where oneDNN cannot pack
+  bf16 and torch emulates its products: :class:`llmctl.serve.quant_linear.WideningBF16Linear`).
 - :file:`csrc/decode_layer.cpp`: a whole decoder layer for a decode step in one
   call, from the kernels above (:mod:`llmctl.serve.decode_layers`).
 - :file:`csrc/prefill_attention.cpp`: causal attention of fresh prompts (bf16), both
@@ -68,7 +71,8 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("paged_attention.cpp", "norm_act.cpp", "lowbit_gemm.cpp",
                              "lowbit_vnni.cpp", "lowbit_avx2.cpp", "gemm_bf16.cpp",
                              "rope_kv.cpp", "decode_layer.cpp", "prefill_attention.cpp",
-                             "lora.cpp", "simd_math.h", "fp8.h", "lora.h"))
+                             "lora.cpp", "gemv_bf16_avx2.cpp", "simd_math.h", "fp8.h",
+                             "lora.h"))
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # Instruction-set variants: name -> (the compiler's target flags, the /proc/cpuinfo flags a
 # CPU needs to run the binary). "native" (the default) targets the building CPU, so each
@@ -123,6 +127,8 @@ ARGTYPES = {
     "lowbit_avx2_rows": [],
     "gemm_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
     "gemm_bf16_available": [],
+    "gemm_bf16w_avx2": [_PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT, _INT],
+    "gemm_bf16w_avx2_available": [],
     "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
                           _PTR],
     "prefill_attention_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
@@ -135,7 +141,8 @@ ARGTYPES = {
 }
 RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int,
             "lowbit_avx2_rows": ctypes.c_int,
-            "gemm_bf16_available": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
+            "gemm_bf16_available": ctypes.c_int, "gemm_bf16w_avx2_available": ctypes.c_int,
+            "prefill_attention_bf16": ctypes.c_int,
             "prefill_attention_available": ctypes.c_int}
 
 
@@ -441,6 +448,16 @@ def gemm_bf16_kernel():
     if lib is None or not lib.gemm_bf16_available():
         return None
     return lib.gemm_bf16
+
+
+def gemm_bf16w_avx2_kernel():
+    """``gemm_bf16w_avx2`` of :file:`csrc/gemv_bf16_avx2.cpp` (bf16 weights as torch holds
+    them, widened to float32 in registers), or None when there is no build or this variant
+    lacks AVX2 + FMA."""
+    lib = _library()
+    if lib is None or not lib.gemm_bf16w_avx2_available():
+        return None
+    return lib.gemm_bf16w_avx2
 
 
 def decode_layer_kernel():

@@ -255,6 +255,17 @@ def _bf16_logprobs_vs_float32(path, kernels: bool) -> tuple[float, list[tuple[in
               max_num_batched_tokens=16)
     assert (llm.engine.runner.kernel is not None) == kernels
     assert isinstance(llm.engine.target.model.norm_act, cpu_kernels.NormActKernels) == kernels
+    # where oneDNN cannot pack bf16 (AVX2-only CPUs) the dense layers widen bf16 weights
+    # to float32 (csrc/gemv_bf16_avx2.cpp) with the kernels on, F.linear in bf16 without
+    from llmctl.serve.quant_linear import DenseLinear, WideningBF16Linear, packing_available
+
+    model = llm.engine.target.model
+    if not packing_available(torch.bfloat16, torch.device("cpu")):
+        widening = kernels and cpu_kernels.gemm_bf16w_avx2_kernel() is not None
+        want = WideningBF16Linear if widening else DenseLinear
+        assert all(isinstance(getattr(layer, name), want) for layer in model.layers
+                   for name in ("qkv", "o", "gate_up", "down")), want
+        assert isinstance(model.lm_head, want)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, prompt_logprobs=1)
     outs = llm.generate([encode(path, p) for p in PROMPTS], params)
     errors, flips = [], []
@@ -294,6 +305,7 @@ def test_packed_linear_matches_f_linear_for_bf16_and_float32(monkeypatch):
     from llmctl.serve.quant_linear import (
         DenseLinear,
         PackedLinear,
+        WideningBF16Linear,
         dense_linear,
         onednn_bf16_supported,
         packing_available,
@@ -308,10 +320,12 @@ def test_packed_linear_matches_f_linear_for_bf16_and_float32(monkeypatch):
     layer = dense_linear(w, b)
     if onednn_bf16_supported():
         assert isinstance(layer, PackedLinear) and layer.out_features == 96
-    else:  # oneDNN refuses bf16 packing on an AVX2-only CPU: the plain (emulated) layer
+    else:  # oneDNN refuses bf16 packing on an AVX2-only CPU: csrc/gemv_bf16_avx2.cpp's
+        # widening layer where this build has it, else the plain (emulated) one
         flags = cpu_flags()
         assert not {"avx512bw", "avx512vl", "avx512dq"} <= flags and "avx_ne_convert" not in flags
-        assert isinstance(layer, DenseLinear)
+        assert isinstance(layer, WideningBF16Linear if cpu_kernels.gemm_bf16w_avx2_kernel()
+                          else DenseLinear)
     assert layer.nbytes == w.numel() * 2 + b.numel() * 2
     for rows in (1, 5, 128):
         x = torch.randn((rows, 64), generator=gen).bfloat16()

@@ -168,11 +168,12 @@ def _render_report(report: dict):
     def render(console) -> None:
         render_layers(console, report["layers"])
         mib = 1 << 20
-        sizes, times = report["sizes"], report["timings"]
+        sizes, times, calib = report["sizes"], report["timings"], report["calibration"]
+        data = "no calibration" if calib.get("data_free") else f"calibration {calib['tokens']:,} tokens"
         console.print(f"[bold]{report['method']}[/bold] -> {report['output']} "
                       f"({report['format']}): {sizes['before_bytes'] / mib:,.1f} MiB -> "
                       f"{sizes['after_bytes'] / mib:,.1f} MiB in {times['total_seconds']:.1f} s "
-                      f"(calibration {report['calibration']['tokens']:,} tokens, "
+                      f"({data}, "
                       f"{report['device']}{', emulated arithmetic' if report['emulated'] else ''})")
 
     return render

@@ -100,3 +100,24 @@ def test_gguf_without_exporter_is_not_available_yet(tiny_llama, tmp_path, monkey
 def test_unknown_format(tiny_llama):
     result = run(tiny_llama, "--format", "onnx", "-r", "w4a16-rtn")
     assert result.exit_code == 2 and "compressed-tensors or gguf" in result.output
+
+
+def test_human_report_says_what_data_a_run_read(tiny_llama, tmp_path):
+    """Round-to-nearest is data-free (no calibration line counts tokens); GPTQ reads its
+    samples x seq_len tokens; the dry run says so before any work. The calibration dtype
+    defaults to auto: float32 on a CPU without native bf16."""
+    from llmctl.utils.device import resolve_calib_dtype
+
+    rtn = run(tiny_llama, "-r", "w4a16-rtn", "-o", tmp_path / "rtn")
+    assert rtn.exit_code == 0, rtn.output
+    assert "calibration: none (round-to-nearest from the weights alone)" in rtn.output
+    assert "(no calibration, cpu)" in " ".join(rtn.output.split())
+    gptq = run(tiny_llama, "-r", "w4a16-gptq", "-o", tmp_path / "gptq", "--samples", "4",
+               "--seq-len", "32", "--json")
+    assert gptq.exit_code == 0, gptq.output
+    data = json.loads(gptq.stdout)
+    assert data["calibration"]["tokens"] == 128
+    assert data["compute_dtype"] == resolve_calib_dtype("auto", device="cpu").dtype
+    dry = run(tiny_llama, "-r", "w4a16-rtn", "--dry-run", "--json")
+    assert json.loads(dry.stdout)["calibration"]["data_free"] is True
+    assert run(tiny_llama, "-r", "w4a16-rtn", "--dry-run", "--calib-dtype", "fp16").exit_code == 2

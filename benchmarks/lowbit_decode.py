@@ -8,12 +8,17 @@ Sides (2 threads each, one process per side per round, sides alternating in ever
 - ``bf16-head8``: the same with ``lm_head="int8"``.
 - ``gguf-q4_1``: ``llmctl`` on the GGUF file itself, served quantized (the same bytes
   llama.cpp reads), bf16 activations.
+- ``float32`` / ``w4a16-float32``: the float checkpoint and the W4A16 one below with
+  float32 activations, what ``--dtype auto`` picks on a CPU without native bf16 (on an
+  AVX2-only CPU bf16 activations run on csrc/gemv_bf16_avx2.cpp and csrc/lowbit_avx2.cpp,
+  float32 ones on oneDNN and csrc/lowbit_avx2.cpp).
 - ``w4a16`` / ``w4a16-head8``: a compressed-tensors W4A16 checkpoint made by ``llmctl
   quantize`` with GPTQ (symmetric, group 64, static act-order; 32 x 256 calibration
   tokens of ``builtin:pydoc-calib``) from the float checkpoint, without / with the int8
   head.
 
 A single row runs on ``csrc/lowbit_vnni.cpp`` on CPUs with AVX512-VNNI (15-bit
+activations per block of 32), on ``csrc/lowbit_avx2.cpp`` on AVX2-only CPUs (16-bit
 activations per block of 32), so the KLD below is the decode path's own.
 
 Decode rate: a 32-token prompt from stdlib prose, 128 greedy tokens (EOS ignored), rate
@@ -45,7 +50,8 @@ from pathlib import Path
 
 import common
 
-SIDES = ("llama.cpp", "bf16", "bf16-head8", "gguf-q4_1", "w4a16", "w4a16-head8")
+SIDES = ("llama.cpp", "float32", "bf16", "bf16-head8", "gguf-q4_1", "w4a16", "w4a16-head8",
+         "w4a16-float32")
 PROMPT_TOKENS, DECODE_TOKENS, KLD_TOKENS = 32, 128, 256
 TARGET_VS_LLAMACPP = 1.2
 TARGET_BANDWIDTH_FRACTION = 0.70
@@ -180,6 +186,9 @@ def side_configs(args, w4: Path, gguf: Path) -> dict[str, dict]:
         "gguf-q4_1": {"model": str(gguf), "engine": {**bf16, "gguf_weights": "quantized"}},
         "w4a16": {"model": str(w4), "engine": bf16},
         "w4a16-head8": {"model": str(w4), "engine": {**bf16, "lm_head": "int8"}},
+        # what `--dtype auto` picks on a CPU without native bf16 (AVX2-only: AMD Zen 3)
+        "float32": {"model": "smollm2-135m", "engine": {"dtype": "float32"}},
+        "w4a16-float32": {"model": str(w4), "engine": {"dtype": "float32"}},
     }
 
 

@@ -130,6 +130,12 @@ def fast_fits(codes: AffineCodes) -> bool:
     return avx2_available() and avx2_fits(codes)
 
 
+def _pad_rows(t: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
+    """``t`` with zero rows appended up to a multiple of ``multiple``, and how many."""
+    n_pad = -t.shape[0] % multiple
+    return (torch.cat([t, t.new_zeros(n_pad, t.shape[1])]) if n_pad else t), n_pad
+
+
 def _blocked(t: torch.Tensor, n_pad: int, width: int = BLOCK) -> torch.Tensor:
     """``[N, G]`` per-row values -> ``[N/width, G, width]`` float32, zero rows for padding."""
     t = t.float()
@@ -141,10 +147,7 @@ def _blocked(t: torch.Tensor, n_pad: int, width: int = BLOCK) -> torch.Tensor:
 def pack(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(packed codes, scales, offsets)`` in the kernel's layout."""
     n, k = codes.shape
-    n_pad = -n % BLOCK
-    q = codes.q
-    if n_pad:
-        q = torch.cat([q, q.new_zeros(n_pad, k)])
+    q, n_pad = _pad_rows(codes.q, BLOCK)
     blocks = (n + n_pad) // BLOCK
     if codes.bits == 4:
         # byte 2c+p of step t = q[c, 4t+p] | q[c, 4t+2+p] << 4
@@ -166,9 +169,7 @@ def interleave_block_pairs(t: torch.Tensor, per_step: int) -> torch.Tensor:
     :file:`csrc/lowbit_vnni.cpp` and :file:`csrc/gemm_bf16.cpp`: each pair of blocks is
     one sequential stream."""
     n, k = t.shape
-    n_pad = -n % (2 * BLOCK)
-    if n_pad:
-        t = torch.cat([t, t.new_zeros(n_pad, k)])
+    t, n_pad = _pad_rows(t, 2 * BLOCK)
     pairs = (n + n_pad) // (2 * BLOCK)
     return t.view(pairs, 2, BLOCK, k // per_step, per_step).permute(0, 3, 1, 2, 4)
 
@@ -193,10 +194,7 @@ def pack_avx2(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     blocks of 32 output rows (zero rows pad N), each a stream along k of steps of 4
     sub-blocks of 8 rows; scales and offsets ``[N/32, G, 32]``."""
     n, k = codes.shape
-    n_pad = -n % AVX2_BLOCK
-    q = codes.q
-    if n_pad:
-        q = torch.cat([q, q.new_zeros(n_pad, k)])
+    q, n_pad = _pad_rows(codes.q, AVX2_BLOCK)
     blocks = (n + n_pad) // AVX2_BLOCK
     if codes.bits == 4:
         # step t, sub-block j, 16-bit word 2c+p: bits 4i..4i+3 = q[8j+c, 8t+2i+p]

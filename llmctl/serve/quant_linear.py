@@ -163,7 +163,7 @@ class GemmBF16:
         return out
 
 
-class WideningBF16Linear:
+class WideningBF16Linear(DenseLinear):
     """A dense bf16 CPU weight where oneDNN cannot pack bf16 and torch emulates bf16
     products (AVX2-only CPUs such as Zen 3): rows of up to :attr:`KERNEL_MAX_ROWS` run
     :file:`csrc/gemv_bf16_avx2.cpp`, which widens the weight to float32 in registers and
@@ -172,8 +172,7 @@ class WideningBF16Linear:
     rows). Sums are float32 either way, the bias added in float32, one rounding to the
     activations' dtype at the end."""
 
-    kind = "dense"
-    __slots__ = ("_fn", "bias", "weight")
+    __slots__ = ("_fn",)
     # Where the kernel stops beating float32 F.linear on the weight widened per call
     # (1536 x 576, 1 thread, Zen 3 under a background load, development measurement):
     # 0.10 / 0.21 / 0.55 / 0.87 / 1.30 ms against 0.31 / 0.58 / 0.71 / 0.85 / 1.02 ms at
@@ -182,8 +181,7 @@ class WideningBF16Linear:
     KERNEL_MAX_ROWS = 12
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fn) -> None:
-        self.weight = weight.contiguous()
-        self.bias = bias
+        super().__init__(weight.contiguous(), bias)
         self._fn = fn
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,14 +204,6 @@ class WideningBF16Linear:
         if self.bias is not None:
             out += self.bias.float()
         return out.to(x.dtype).view(*x.shape[:-1], n)
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.weight, self.bias)
 
 
 def widening_bf16_layer(weight: torch.Tensor, bias: torch.Tensor | None):

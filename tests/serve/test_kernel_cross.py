@@ -7,6 +7,7 @@ without them the aarch64 test skips and says which packages it needs."""
 
 from __future__ import annotations
 
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -95,3 +96,17 @@ def test_portable_kernels_compute_right_on_aarch64_under_qemu(tmp_path):
     exe = tmp_path / "kernel_check-aarch64"
     _build(CROSS_CXX, ("-march=armv8-a",), exe)
     _check([QEMU, "-L", str(SYSROOT), str(exe)])
+
+
+@pytest.mark.skipif(cpu_kernels._compiler() is None or platform.machine() != "x86_64",
+                    reason="needs an x86-64 host with a C++ compiler")
+@pytest.mark.parametrize("variant", [v for v in cpu_kernels.X86_VARIANTS
+                                     if v not in cpu_kernels.supported_variants()])
+def test_variants_this_cpu_cannot_run_still_compile(variant):
+    """An AVX2-only machine cannot run the AVX-512 bodies, but it can compile them: a
+    change that breaks them fails here, not only on an AVX-512 machine."""
+    flags = cpu_kernels.VARIANTS[variant][0]
+    for unit in sorted(CSRC.glob("*.cpp")):
+        proc = subprocess.run([cpu_kernels._compiler(), "-fopenmp", "-std=c++17", *flags,
+                               "-fsyntax-only", str(unit)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{variant} {unit.name}: {proc.stderr[-2000:]}"

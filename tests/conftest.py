@@ -5,6 +5,18 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["pytester"]  # tests/test_collection.py runs pytest on made-up files
+
+# Test files whose collection produced at least one test in this session (nodeids such as
+# "tests/cli/test_cli.py"), for tests/test_collection.py: a session that collects the whole
+# suite answers its "is every file collected?" without collecting it again in a subprocess.
+COLLECTED_FILES: set[str] = set()
+
+
+def pytest_collectreport(report):
+    if report.passed and report.nodeid.endswith(".py") and report.result:
+        COLLECTED_FILES.add(report.nodeid)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _llmctl_home(tmp_path_factory):

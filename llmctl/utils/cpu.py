@@ -10,16 +10,33 @@ SYS_CPU = Path("/sys/devices/system/cpu")
 _SIZE_UNITS = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
 
 
+# $LLMCTL_CPU_FLAGS_CAP=x86-64-v3: report the CPU as an AVX2-only one (AMD Zen 3) would be
+# seen, dropping every flag above x86-64-v3 (AVX-512, AMX, AVX-VNNI, ...). With torch's own
+# caps (benchmarks/as_avx2 sets them all) an AVX-512 machine then takes the decisions and
+# the code paths of an AVX2-only CPU: a development stand-in, never a measurement of one.
+FLAGS_CAP_ENV = "LLMCTL_CPU_FLAGS_CAP"
+_ABOVE_V3 = ("avx512", "amx_", "avx_vnni", "avx_ifma", "avx_ne_convert")
+
+
 def cpu_flags() -> frozenset[str]:
     """The ISA flags the kernel reports (``flags`` on x86, ``Features`` on Arm), empty
-    where unknown (not Linux)."""
+    where unknown (not Linux); capped by ``$LLMCTL_CPU_FLAGS_CAP`` (above)."""
+    flags: frozenset[str] = frozenset()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
+                flags = frozenset(line.split(":", 1)[1].split())
+                break
     except OSError:
         pass
-    return frozenset()
+    cap = os.environ.get(FLAGS_CAP_ENV, "")
+    if not cap:
+        return flags
+    if cap != "x86-64-v3":
+        from llmctl.errors import UsageError
+
+        raise UsageError(f"{FLAGS_CAP_ENV}={cap}: not a known cap", "use x86-64-v3 or unset it")
+    return frozenset(f for f in flags if not f.startswith(_ABOVE_V3))
 
 
 def cpu_model() -> str:

@@ -37,3 +37,24 @@ def test_one_last_level_cache_per_ccx_is_summed(tmp_path):
 
 def test_no_cache_information_is_none(tmp_path):
     assert last_level_cache(tmp_path) is None
+
+
+def test_flags_cap_reports_an_avx2_only_cpu(monkeypatch):
+    from llmctl.utils import cpu
+
+    real = frozenset({"sse2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw",
+                      "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx_vnni"})
+    monkeypatch.setattr(cpu.Path, "read_text",
+                        lambda self: "processor: 0\nflags\t\t: " + " ".join(sorted(real)) + "\n")
+    assert cpu.cpu_flags() == real
+    monkeypatch.setenv(cpu.FLAGS_CAP_ENV, "x86-64-v3")
+    assert cpu.cpu_flags() == {"sse2", "avx", "avx2", "fma", "f16c", "bmi2"}
+
+
+def test_an_unknown_flags_cap_is_a_usage_error(monkeypatch):
+    from llmctl.errors import UsageError
+    from llmctl.utils import cpu
+
+    monkeypatch.setenv(cpu.FLAGS_CAP_ENV, "avx2")
+    with pytest.raises(UsageError, match="x86-64-v3"):
+        cpu.cpu_flags()

@@ -122,14 +122,6 @@ inline __m256i bcast2(const int16_t* p) {  // xq[k], xq[k + 1] into every 32-bit
   return _mm256_set1_epi32(v);
 }
 
-// 8 floats -> 8 bfloat16 patterns, round to nearest even (as torch rounds)
-inline __m128i to_bf16x8(__m256 f) {
-  __m256i bits = _mm256_castps_si256(f);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08));
-}
-
 void store(const Problem& p, int64_t row, int64_t col0, __m256 v) {
   if (col0 >= p.n_valid) return;
   const int64_t n = p.n_valid - col0 < kSub ? p.n_valid - col0 : kSub;

@@ -1,6 +1,6 @@
 // bfloat16 <-> float32 and exp(x), scalar, 16 lanes (AVX-512) and 8 lanes (AVX2 + FMA):
-// shared by paged_attention.cpp and norm_act.cpp. llmctl/serve/cpu_kernels.py hashes this
-// file with the sources, so a change here rebuilds the library.
+// shared by the kernels. llmctl/serve/cpu_kernels.py hashes this file with the sources,
+// so a change here rebuilds the library.
 //
 // bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to
 // nearest even as torch does (no NaN inputs here).
@@ -78,6 +78,14 @@ inline __m256 widen_bf16x8(__m128i v) {
 
 inline __m256 load_bf16x8(const uint16_t* p) {
   return widen_bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 8 floats -> 8 bfloat16 patterns, round to nearest even (as torch rounds)
+inline __m128i to_bf16x8(__m256 f) {
+  __m256i bits = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08));
 }
 
 // exp_ps on 8 lanes: the same clamp, split and polynomial; AVX2 has no scalef, so 2^n is

@@ -74,6 +74,11 @@ class LoRAError(UsageError):
     """An adapter that cannot be served (bad path, config or tensors): CLI exit 2, HTTP 400."""
 
 
+class LoRANameError(LoRAError):
+    """The adapter's name is the problem (in use, malformed), not its files: the HTTP
+    API may say so, where it says only "not a valid adapter" about a path."""
+
+
 class LoRANotFoundError(UsageError):
     """A request or an unload names an adapter the engine does not hold: HTTP 404."""
 
@@ -262,17 +267,17 @@ class LoRARegistry:
 
     def load(self, name: str, path: str | Path) -> LoRAAdapter:
         if not name or name != name.strip():
-            raise LoRAError(f"LoRA name {name!r} is empty or has surrounding spaces",
+            raise LoRANameError(f"LoRA name {name!r} is empty or has surrounding spaces",
                             "give the adapter a plain name")
         with self._lock:
             if name in self._adapters:
-                raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
+                raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
                                 "unload it first, or pick another name")
         adapter = load_adapter(name, path, self.spec, max_rank=self.max_rank,
                                dtype=self.dtype, device=self.device)
         with self._lock:
             if name in self._adapters:  # a concurrent load of the same name won
-                raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
+                raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
                                 "unload it first, or pick another name")
             self._adapters[name] = adapter
         return adapter

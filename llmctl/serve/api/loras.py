@@ -11,12 +11,17 @@
 Both change what the server runs, and loading makes the server read a directory the
 client names: they answer 403 unless the server was started with
 ``--enable-lora-runtime-updates`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). With
-an API key or an auth file they also need a key, as every ``/v1/`` route does.
+keys they need an admin's: ``--api-key``'s, or a tenant marked ``admin: true`` in the
+auth file (403 for other tenants). A path that does not load is "not a valid adapter",
+whatever the reason (missing, not a directory, no config, bad tensors): the reason is
+logged for the operator, never told to the client, who could otherwise map the server's
+files. Which adapters a tenant may *use* is its ``models`` list (an adapter by its name).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -24,7 +29,9 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmctl.serve.api import errors
-from llmctl.serve.lora_adapter import LoRAError, LoRANotFoundError
+from llmctl.serve.lora_adapter import LoRAError, LoRANameError, LoRANotFoundError
+
+log = logging.getLogger("llmctl.serve")
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -46,19 +53,20 @@ class UnloadLoRARequest(BaseModel):
     lora_int_id: int | None = None  # sent by some vLLM clients; names are what count
 
 
-def lora_cards(server: Server) -> list[dict]:
-    """``/v1/models`` entries of the loaded adapters."""
+def lora_cards(server: Server, tenant=None) -> list[dict]:
+    """``/v1/models`` entries of the loaded adapters ``tenant`` may use."""
     config = server.config
     return [{"id": name, "object": "model", "created": config.created, "owned_by": "llmctl",
              "max_model_len": config.max_model_len, "parent": config.model_name}
-            for name in server.lora_names()]
+            for name in server.lora_names() if server.tenancy.may_use_model(tenant, name)]
 
 
-def _allowed(server: Server) -> None:
+def _allowed(server: Server, request: Request) -> None:
     if not server.config.lora_runtime_updates:
         raise errors.APIError(403, "loading and unloading LoRA adapters at run time is off; "
                               "start the server with --enable-lora-runtime-updates",
                               "permission_error", code="lora_updates_disabled")
+    server.tenancy.check_admin(getattr(request.state, "tenant", None))
 
 
 async def _parsed(server: Server, request: Request, model: type[BaseModel]):
@@ -75,20 +83,24 @@ async def _parsed(server: Server, request: Request, model: type[BaseModel]):
 def register_lora_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
-        _allowed(server)
+        _allowed(server, request)
         req = await _parsed(server, request, LoadLoRARequest)
         if req.lora_name in server.served_names:
             raise errors.bad_request(f"{req.lora_name!r} is the base model's name; give the "
                                      "adapter another", "lora_name")
         try:  # reads and checks the tensors: off the event loop
             await asyncio.to_thread(server.engine.add_lora, req.lora_name, req.lora_path)
+        except LoRANameError as exc:
+            raise errors.bad_request(str(exc), "lora_name") from None
         except LoRAError as exc:
-            raise errors.bad_request(str(exc), "lora_path") from None
+            log.warning("load_lora_adapter %r refused: %s", req.lora_name, exc)
+            raise errors.bad_request("lora_path: not a valid adapter (the server's log says "
+                                     "why)", "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
-        _allowed(server)
+        _allowed(server, request)
         req = await _parsed(server, request, UnloadLoRARequest)
         try:
             server.engine.remove_lora(req.lora_name)

@@ -2,7 +2,8 @@
 
 1. :meth:`Tenancy.authenticate` turns the ``Authorization`` header into a
    :class:`~llmctl.serve.api.tenants.Tenant` (401 otherwise); :meth:`check_model` refuses
-   a key issued for another model (403); :meth:`max_tokens_cap` refuses a ``max_tokens``
+   a key issued for another model or LoRA adapter (403); :meth:`check_admin` refuses
+   the admin routes to tenants not marked ``admin`` (403); :meth:`max_tokens_cap` refuses a ``max_tokens``
    over the tenant's per-request cap (400, as OpenAI and vLLM answer a max_tokens the
    model cannot honour: the request itself is wrong, waiting will not help) and
    otherwise caps an unset one.
@@ -33,7 +34,7 @@ from llmctl.serve.api.tenants import UNKNOWN, Tenant, TenantTable
 log = logging.getLogger("llmctl.serve")
 
 # Rejection reasons (a metric label): the auth checks, then one per limit kind.
-REASONS = ("unauthorized", "model_not_allowed", "max_tokens", *KINDS)
+REASONS = ("unauthorized", "model_not_allowed", "not_admin", "max_tokens", *KINDS)
 
 # Header names per limit: OpenAI's x-ratelimit-{limit,remaining,reset}-requests, and
 # for the limits OpenAI has no header of its own, the same pattern with the limit's name.
@@ -169,9 +170,28 @@ class Tenancy:
             raise self._reject(UNKNOWN, "unauthorized", errors.unauthorized())
         return tenant
 
+    def may_use_model(self, tenant: Tenant | None, model: str) -> bool:
+        """The base model under any of its names, or a LoRA adapter (any other name a
+        request may send) listed by its own name."""
+        if tenant is None:
+            return True
+        if model in self.served_names:
+            return tenant.may_use(self.served_names)
+        return tenant.may_use_adapter(model)
+
     def check_model(self, tenant: Tenant | None, model: str) -> None:
-        if tenant is not None and not tenant.may_use(self.served_names):
+        if not self.may_use_model(tenant, model):
             raise self._reject(tenant.name, "model_not_allowed", errors.model_forbidden(model))
+
+    def check_admin(self, tenant: Tenant | None) -> None:
+        """Admin routes (LoRA load/unload): a tenant marked ``admin`` in the auth file;
+        without keys, anyone (the route's own switch guards it)."""
+        if self.enabled and (tenant is None or not tenant.admin):
+            name = tenant.name if tenant is not None else UNKNOWN
+            raise self._reject(name, "not_admin", errors.APIError(
+                403, "this API key may not load or unload LoRA adapters; use a key whose "
+                "tenant has admin: true in --auth-file", "permission_error",
+                code="admin_required"))
 
     def allowed_models(self, tenant: Tenant | None) -> tuple[str, ...]:
         """The served names ``/v1/models`` lists to this tenant."""

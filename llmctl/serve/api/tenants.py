@@ -10,7 +10,10 @@ The file holds only SHA-256 digests of keys, never keys::
         output_tokens_per_minute: 5000
         tokens_per_day: 1000000          # prompt + generated, per UTC calendar day
         max_tokens_per_request: 512      # a larger max_tokens is a 400
-        models: [smollm2-135m]           # optional: the served names this tenant may use
+        models: [smollm2-135m, sql-lora] # optional: the served names and LoRA adapters
+                                         # this tenant may use (an adapter by its name)
+        admin: true                      # optional: may load and unload LoRA adapters
+                                         # (--enable-lora-runtime-updates); default false
     keys:
       - key_sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
         tenant: acme
@@ -18,7 +21,7 @@ The file holds only SHA-256 digests of keys, never keys::
 A digest is ``printf %s "$KEY" | sha256sum`` (or ``python -c "import hashlib, sys;
 print(hashlib.sha256(sys.argv[1].encode()).hexdigest())" "$KEY"``). A tenant may have
 several keys (rotation). ``--api-key KEY`` is the one-key shortcut: tenant ``default``,
-no limits.
+no limits, admin (the one key is the operator's).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ SINGLE_KEY_TENANT = "default"
 HASH_HINT = "store the key's SHA-256: printf %s \"$KEY\" | sha256sum"
 _FILE_SHAPE = ("the file is tenants: {NAME: {priority_class, requests_per_minute, "
                "input_tokens_per_minute, output_tokens_per_minute, tokens_per_day, "
-               "max_tokens_per_request, models}} and keys: [{key_sha256, tenant}]")
+               "max_tokens_per_request, models, admin}} and keys: [{key_sha256, tenant}]")
 
 # Tenant names become metric labels: short and plain.
 TenantName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
@@ -79,6 +82,7 @@ class Limits(_Strict):
 class TenantSpec(Limits):
     priority_class: PriorityClass = DEFAULT_CLASS
     models: list[str] | None = Field(None, min_length=1)
+    admin: bool = False
 
 
 class KeyEntry(_Strict):
@@ -125,12 +129,17 @@ class Tenant:
     name: str
     priority_class: str
     limits: Limits
-    models: frozenset[str] | None = None  # None: every model
+    models: frozenset[str] | None = None  # None: every model and adapter
+    admin: bool = False  # may load and unload LoRA adapters
 
     def may_use(self, served_names: tuple[str, ...]) -> bool:
         """One server serves one model under several names; a tenant listing any of them
         may use it."""
         return self.models is None or not self.models.isdisjoint(served_names)
+
+    def may_use_adapter(self, name: str) -> bool:
+        """A LoRA adapter is a model of its own: listed by its name, or every model."""
+        return self.models is None or name in self.models
 
 
 class TenantTable:
@@ -144,14 +153,14 @@ class TenantTable:
     def from_spec(cls, spec: AuthFile) -> TenantTable:
         tenants = {name: Tenant(name, t.priority_class,
                                 Limits(**t.model_dump(include=set(Limits.model_fields))),
-                                frozenset(t.models) if t.models else None)
+                                frozenset(t.models) if t.models else None, t.admin)
                    for name, t in spec.tenants.items()}
         return cls(tenants, [(k.key_sha256, k.tenant) for k in spec.keys])
 
     @classmethod
     def single_key(cls, key: str) -> TenantTable:
         """``--api-key``: one tenant, no limits."""
-        tenant = Tenant(SINGLE_KEY_TENANT, DEFAULT_CLASS, Limits())
+        tenant = Tenant(SINGLE_KEY_TENANT, DEFAULT_CLASS, Limits(), admin=True)
         return cls({tenant.name: tenant}, [(hash_key(key), tenant.name)])
 
     @classmethod

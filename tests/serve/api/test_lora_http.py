@@ -108,7 +108,7 @@ def test_load_use_unload(proc_server, tiny_loras, offline):
 
 
 @pytest.mark.parametrize("body, status, message", [
-    ({"lora_name": "x", "lora_path": "/no/such/dir"}, 400, "is not a directory"),
+    ({"lora_name": "x", "lora_path": "/no/such/dir"}, 400, "not a valid adapter"),
     ({"lora_name": "tiny", "lora_path": "/tmp"}, 400, "the base model's name"),
     ({"lora_name": "x"}, 400, "lora_path: Field required"),
 ])

@@ -11,7 +11,12 @@ outputs that arrived and acts on what happened:
   the engine's step): every request on that replica ends with an error marked
   ``retryable`` (HTTP 503 + Retry-After, or an error event on a stream), the router
   stops sending it work, and it restarts after a backoff (0.5 s doubling to 30 s; reset
-  once an engine has stayed up a minute). ``engine_restarts`` counts restarts.
+  once an engine has stayed up a minute). ``engine_restarts`` counts restarts, from the
+  moment the death is known (the restart itself follows the backoff).
+
+A watcher thread blocks on each process's pipe hang-up and sentinel (signs that it has
+exited) and marks a dead replica ``gone`` at once, so ``healthy`` (``/health``) turns false without waiting for the next step or
+the engine thread's idle poll; the engine thread then handles the death as above.
 - **hung step**: a replica with requests that has sent nothing (each step sends its
   outputs) for ``step_timeout`` seconds is SIGKILLed, then handled as a death.
 - **``max_rss``**: a replica over it drains (takes nothing new, finishes what it has,
@@ -28,6 +33,7 @@ import dataclasses
 import logging
 import math
 import os
+import select
 import threading
 import time
 from dataclasses import dataclass
@@ -154,6 +160,10 @@ class ProcessEngine:
         self._lock = threading.Lock()
         self._requests: dict[str, _Placed] = {}
         self._next_rss = 0.0
+        self._closing = False
+        self._watch_wake_r, self._watch_wake_w = os.pipe()  # new sentinels to watch
+        self._watcher = threading.Thread(target=self._watch, name="llmctl-engine-watch",
+                                         daemon=True)
 
     # --- start and stop -----------------------------------------------------------------
     def start(self, timeout: float = 900.0) -> ProcessEngine:
@@ -183,11 +193,74 @@ class ProcessEngine:
         except BaseException:
             self.close()
             raise
+        self._watcher.start()
         return self
 
     def close(self) -> None:
+        self._closing = True  # stops are not deaths
+        self._wake_watcher()
         for replica in self.replicas:
             replica.stop()
+        if self._watcher.is_alive():
+            self._watcher.join(2.0)
+        for fd in (self._watch_wake_r, self._watch_wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._watch_wake_r = self._watch_wake_w = -1
+
+    # --- the death watcher (its own thread) -------------------------------------------
+    def _watch(self) -> None:
+        """Wait for any engine process to exit, without reading its pipe: a hang-up on
+        the pipe (``POLLRDHUP``: the kernel closed the child's end as it exited, before
+        its parent is even told) or its sentinel (the forkserver's report of the exit
+        status, a process hop later: under CPU contention ~0.5 s later)."""
+        hangup = getattr(select, "POLLRDHUP", 0) | select.POLLHUP
+        while not self._closing:
+            poller = select.poll()
+            watched: dict[int, tuple[Replica, object]] = {}
+            with self._lock:  # a restart replaces a replica's process and pipe under it
+                for r in self.replicas:
+                    if r.process is None or r.gone or r.state is State.STOPPED:
+                        continue
+                    fds = [(r.process.sentinel, select.POLLIN)]
+                    if r.conn is not None:  # only hang-ups: its data is the engine thread's
+                        fds.append((r.conn.fileno(), hangup))
+                    for fd, mask in fds:
+                        poller.register(fd, mask)
+                        watched[fd] = (r, r.process)
+            poller.register(self._watch_wake_r, select.POLLIN)
+            try:
+                events = poller.poll(1000)
+            except (OSError, ValueError):  # closed under us: shutting down
+                return
+            for fd, mask in events:
+                if fd == self._watch_wake_r:
+                    try:
+                        os.read(self._watch_wake_r, 512)
+                    except OSError:
+                        return
+                    continue
+                if mask & select.POLLNVAL or fd not in watched:
+                    continue  # closed by the engine thread meanwhile: it saw the death
+                replica, process = watched[fd]
+                with self._lock:
+                    if not self._closing and replica.process is process:
+                        self._died(replica)
+
+    def _wake_watcher(self) -> None:
+        try:
+            os.write(self._watch_wake_w, b"x")
+        except OSError:
+            pass
+
+    def _died(self, replica: Replica) -> None:
+        """Under ``_lock``: the replica's process is known to have exited (first sign,
+        from the watcher or the engine thread): unhealthy now, and one restart counted."""
+        if not replica.gone:
+            replica.gone = True
+            self.restarts += 1
 
     # --- what the API reads ----------------------------------------------------------------
     @property
@@ -212,7 +285,7 @@ class ProcessEngine:
 
     @property
     def healthy(self) -> bool:
-        return any(r.state is State.UP for r in self.replicas)
+        return any(r.state is State.UP and not r.gone for r in self.replicas)
 
     @property
     def retry_after(self) -> int:
@@ -233,7 +306,8 @@ class ProcessEngine:
     def stats(self) -> dict:
         out = merge_stats([r.stats for r in self.replicas if r.state is State.UP])
         out["engine_restarts"] = self.restarts
-        out["engine_replicas_up"] = sum(r.state is State.UP for r in self.replicas)
+        out["engine_replicas_up"] = sum(r.state is State.UP and not r.gone
+                                        for r in self.replicas)
         return out
 
     # --- requests in (the API's event loop) ---------------------------------------------
@@ -285,7 +359,7 @@ class ProcessEngine:
         is the caller's error, not a replica's), then load it in every replica. A request
         naming it after this returns reaches a replica after the load (one pipe, in
         order)."""
-        from llmctl.serve.lora_adapter import LoRAError, load_adapter
+        from llmctl.serve.lora_adapter import LoRAError, LoRANameError, load_adapter
 
         info = self.info
         if info.lora_spec is None:
@@ -293,12 +367,12 @@ class ProcessEngine:
                             "runtime holds its own weights)", "serve the source checkpoint")
         with self._lock:
             if name in self._loras:
-                raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
+                raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
                                 "unload it first, or pick another name")
         load_adapter(name, path, info.lora_spec, max_rank=info.max_lora_rank)
         with self._lock:
             if name in self._loras:
-                raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
+                raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
                                 "unload it first, or pick another name")
             self._loras[name] = str(path)
             self._tell_replicas(("load_lora", name, str(path)))
@@ -394,6 +468,7 @@ class ProcessEngine:
 
     def _down(self, replica: Replica, outputs: list[RequestOutput]) -> None:
         """The process is gone: end its requests (retryable) and schedule its restart."""
+        self._died(replica)
         replica.process.join(1.0)
         cause = replica.death or replica.exit_cause()
         was_up = replica.state in (State.UP, State.DRAINING)
@@ -431,8 +506,8 @@ class ProcessEngine:
             if replica.state is State.DOWN and due is not None and now >= due:
                 self._restart_at[i] = None
                 self._generation[i] += 1
-                self.restarts += 1
-                replica.start(self._generation[i])
+                replica.start(self._generation[i])  # counted in restarts at its death
+                self._wake_watcher()  # a new sentinel to watch
                 continue
             busy = any(p.replica == i for p in self._requests.values())
             if replica.state in (State.UP, State.DRAINING) and busy and \

@@ -66,6 +66,9 @@ class Replica:
         self.last_heard = 0.0  # monotonic: last message (each step sends one)
         self.busy_since = 0.0  # monotonic: went from no requests to some
         self.death: str | None = None  # why it went down, for logs and error messages
+        # the process is known to have exited (its sentinel fired, or its pipe closed),
+        # whether or not the supervisor has handled it yet (state DOWN): /health reads it
+        self.gone = False
         self._send_lock = threading.Lock()
 
     # --- lifecycle ------------------------------------------------------------------
@@ -81,6 +84,7 @@ class Replica:
         self.state = State.STARTING
         self.started_at = self.last_heard = time.monotonic()
         self.stats, self.death, self.info = {}, None, None
+        self.gone = False
 
     def mark_ready(self, info: ReadyInfo) -> float:
         """Seconds from launch to ready."""

@@ -34,7 +34,7 @@ EnginePython = Annotated[str | None, Opt("--engine-python",
 TensorParallel = Annotated[int, Opt("--tensor-parallel-size", min=1,
                                     help="Hand-off engines only.")]
 ApiKey = Annotated[str | None, Opt("--api-key", envvar="LLMCTL_API_KEY",
-                                   help="Require 'Authorization: Bearer KEY' on /v1/*.")]
+                                   help="Require 'Authorization: Bearer KEY' on every route but /health.")]
 AuthFile = Annotated[str | None, Opt(
     "--auth-file", help="YAML of API keys (SHA-256 digests) -> tenants with a priority class "
                         "and limits (requests/tokens per minute, tokens per day, max_tokens); "
@@ -123,6 +123,19 @@ EnableLoraRuntimeUpdates = Annotated[bool, Opt(
     "--enable-lora-runtime-updates",
     help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; "
          "loading reads a server directory the client names).")]
+MaxRequestBytes = Annotated[str | None, Opt(
+    "--max-request-bytes",
+    help="Request bodies larger than this (e.g. 16MiB) get 413 before they are read. "
+         "Default: 16 bytes per token x --max-model-len x min(1024 prompts, --max-queue) "
+         "+ 1 MiB.", show_default=False)]
+MetricsPublic = Annotated[bool, Opt(
+    "--metrics-public", help="With --api-key or --auth-file, serve /metrics without a key "
+                             "(it names every tenant); otherwise it needs one.")]
+AllowSpecialTokensInContent = Annotated[bool, Opt(
+    "--allow-special-tokens-in-content",
+    help="Chat: text in messages that spells a special token (<|im_end|>) becomes that "
+         "token (the old behaviour); by default it stays text, so a user cannot forge "
+         "roles or end the turn.")]
 LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
 
 
@@ -148,6 +161,8 @@ def serve(
     tool_call_parser: ToolCallParser = None, engine_nice: EngineNice = 10,
     lora: LoraOpt = None, max_loras: MaxLoras = 4, max_lora_rank: MaxLoraRank = 64,
     enable_lora_runtime_updates: EnableLoraRuntimeUpdates = False,
+    max_request_bytes: MaxRequestBytes = None, metrics_public: MetricsPublic = False,
+    allow_special_tokens_in_content: AllowSpecialTokensInContent = False,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""

@@ -71,6 +71,9 @@ class ServeSettings:
     max_loras: int = 4
     max_lora_rank: int = 64
     enable_lora_runtime_updates: bool = False
+    max_request_bytes: str | None = None  # a size ("16MiB", "1000000"); None: from the context
+    metrics_public: bool = False
+    allow_special_tokens_in_content: bool = False
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 
@@ -112,6 +115,7 @@ def check(settings: ServeSettings) -> bool:
         supervision(settings)  # --replicas / --max-rss mistakes before anything loads
         loras(settings)  # a malformed --lora, a missing adapter or too high a rank
     auto_tool_parser(settings)
+    max_request_bytes(settings)
     if settings.otlp_traces_endpoint and engine == "llmctl":
         from llmctl.serve.api.tracing import otlp_traces_url
 
@@ -144,6 +148,21 @@ def loras(settings: ServeSettings) -> dict[str, str]:
                             f"{settings.max_lora_rank}", f"pass --max-lora-rank {rank}")
         out[name] = path
     return out
+
+
+def max_request_bytes(settings: ServeSettings) -> int | None:
+    """``--max-request-bytes`` in bytes; None: the default sized from the context length
+    (:func:`llmctl.serve.api.limits.default_max_request_bytes`)."""
+    from llmctl.serve.config import parse_memory
+
+    value = settings.max_request_bytes
+    if value is None:
+        return None
+    kind, size = parse_memory(value)
+    if kind != "bytes" or size < 1024:
+        raise UsageError(f"--max-request-bytes {value} is too small for any request",
+                         "give a size of at least 1KiB, e.g. --max-request-bytes 16MiB")
+    return int(size)
 
 
 def auto_tool_parser(settings: ServeSettings) -> str | None:
@@ -283,5 +302,8 @@ def serve(settings: ServeSettings, say: Callable[[str], None] = log.info) -> int
                         engine_process=settings.engine_process,
                         supervision=supervision(settings),
                         auto_tool_parser=auto_tool_parser(settings),
-                        lora_runtime_updates=settings.enable_lora_runtime_updates)
+                        lora_runtime_updates=settings.enable_lora_runtime_updates,
+                        max_request_bytes=max_request_bytes(settings),
+                        metrics_public=settings.metrics_public,
+                        allow_special_tokens_in_content=settings.allow_special_tokens_in_content)
     return run_server(opts)

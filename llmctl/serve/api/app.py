@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -26,7 +27,9 @@ from llmctl.serve.api.async_engine import (
     QueueFullError,
     RequestFailedError,
 )
+from llmctl.serve.api.content_tokens import ContentTokens
 from llmctl.serve.api.errors import APIError
+from llmctl.serve.api.limits import OFF_LOOP_CHARS, BodyLimit, max_prompt_chars
 from llmctl.serve.api.loras import lora_cards, register_lora_routes
 from llmctl.serve.api.metrics import ServerMetrics
 from llmctl.serve.api.protocol import (
@@ -83,6 +86,14 @@ class ServerConfig:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter allowed
     # (--enable-lora-runtime-updates): loading reads a server path a client names
     lora_runtime_updates: bool = False
+    # bodies over this many bytes get 413 before they are read (llmctl.serve.api.limits);
+    # None: no limit (launch.build_server sets the default from the context length)
+    max_request_bytes: int | None = None
+    # with keys: /metrics answers without one (--metrics-public); it names every tenant
+    metrics_public: bool = False
+    # chat: special tokens' text inside messages becomes those tokens (the template's
+    # ones always do); off by default: message text stays text (llmctl.serve.api.chat_text)
+    allow_special_tokens_in_content: bool = False
 
 
 @dataclass
@@ -127,6 +138,19 @@ def require_object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise errors.bad_request("the request body must be a JSON object")
     return body
+
+
+def chat_chars(req) -> int:
+    """The characters a conversation's messages bring to its rendered template."""
+    return sum(len(m.text()) + len(m.name or "") for m in req.messages)
+
+
+def request_chars(req) -> int:
+    """How much text a parsed request asks to tokenize (prompts or messages)."""
+    if hasattr(req, "messages"):
+        return chat_chars(req)
+    prompts = req.prompts() if hasattr(req, "prompts") else [getattr(req, "prompt", "")]
+    return sum(len(p) for p in prompts)
 
 
 def response_id(jobs: list[_Job]) -> str:
@@ -175,7 +199,25 @@ class Frontend:
             raise errors.model_not_found(parsed.model, self.config.model_name)
         return parsed
 
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """Characters above which a text cannot fit the context (limits.max_prompt_chars)."""
+        return max_prompt_chars(self.tokenizer, self.config.max_model_len)
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """Refuse a text that cannot fit the context before tokenizing it (a 400 in
+        microseconds instead of seconds of tokenizing a multi-megabyte prompt)."""
+        bound = self.max_prompt_chars
+        if bound is not None and chars > bound:
+            raise errors.bad_request(
+                f"the {param} has {chars} characters, more than this model's context of "
+                f"{self.config.max_model_len} tokens can hold (at most {bound}); shorten it",
+                param)
+
     def encode_completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        for prompt in req.prompts():  # all of them before any is tokenized
+            if isinstance(prompt, str):
+                self.check_chars(len(prompt), "prompt")
         prompts = []
         for prompt in req.prompts():
             if isinstance(prompt, str):
@@ -206,23 +248,43 @@ class Frontend:
         special tokens (the template writes them) unless the request asks for more."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise errors.bad_request("this model has no chat template; use /v1/completions")
+        self.check_chars(chat_chars(req), "messages")
         messages = [m.for_template() for m in req.messages]
         extra: dict[str, Any] = {"continue_final_message": True} if getattr(
             req, "continue_final_message", False) else {}
         if tools := template_tools(req):
             extra["tools"] = tools
             warn_if_template_ignores_tools(self.tokenizer)
+
+        def render(messages: list[dict]) -> str:
+            try:
+                return self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=req.add_generation_prompt,
+                    tokenize=False, **extra)
+            except Exception as exc:  # jinja raises on templates that reject the roles
+                raise errors.bad_request(
+                    f"the chat template rejected the messages: {exc}") from None
+
+        text = render(messages)
+        add_special = getattr(req, "add_special_tokens", False)
+        if self.config.allow_special_tokens_in_content:
+            return self._tokenize(text, add_special)
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
-                **extra)
-        except Exception as exc:  # jinja raises on templates that reject the roles
-            raise errors.bad_request(f"the chat template rejected the messages: {exc}") from None
-        return self._tokenize(text, getattr(req, "add_special_tokens", False))
+            return self.content_tokens.encode(text, messages, render, add_special)
+        except (TypeError, ValueError) as exc:  # as in _tokenize
+            raise errors.bad_request(f"the prompt cannot be tokenized ({exc}); send valid "
+                                     "Unicode text", "messages") from None
+
+    @functools.cached_property
+    def content_tokens(self) -> ContentTokens:
+        return ContentTokens(self.tokenizer)
 
     def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
-        ids = (self.encode_chat(req) if isinstance(req, TokenizeChatRequest)
-               else self._tokenize(req.prompt, req.add_special_tokens))
+        if isinstance(req, TokenizeChatRequest):
+            ids = self.encode_chat(req)
+        else:
+            self.check_chars(len(req.prompt), "prompt")
+            ids = self._tokenize(req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                 "token_strs": self.tokenizer.convert_ids_to_tokens(ids)
                 if req.return_token_strs else None}
@@ -395,6 +457,16 @@ class Server(Frontend):
             raise errors.bad_request("malformed JSON body: nested too deeply") from None
         return require_object(body)
 
+    async def off_loop(self, fn: Callable[..., Any], req, *args) -> Any:
+        """``fn(req, *args)``, on a worker thread when ``req`` brings much text: the
+        tokenizer (Rust) and the chat template (jinja) then run beside the event loop,
+        which keeps answering /health and other clients' streams."""
+        if request_chars(req) <= OFF_LOOP_CHARS:
+            return fn(req, *args)
+        import anyio
+
+        return await anyio.to_thread.run_sync(functools.partial(fn, req, *args))
+
     # --- running -------------------------------------------------------------------
     def _submit(self, jobs: list[_Job], params, priority: int, grant: Grant) -> None:
         """Queue every prompt before answering, so refusals are plain HTTP errors (and
@@ -412,7 +484,7 @@ class Server(Frontend):
             for job in submitted:
                 self.engine.abort(job.request_id)
             grant.refund()
-            if isinstance(exc, QueueFullError):
+            if isinstance(exc, QueueFullError):  # it fits an emptier queue: retry helps
                 raise errors.overloaded(retry_after=1) from None
             if isinstance(exc, DeadlineError):
                 raise errors.deadline_unmeetable(str(exc), exc.retry_after) from None
@@ -457,8 +529,19 @@ class Server(Frontend):
             for task in tasks:
                 task.cancel()
 
+    def check_fits_queue(self, jobs: list[_Job]) -> None:
+        """A request of more prompts than the queue holds could never be queued whole,
+        however idle the server: a 400 naming the limit, not a 429 telling it to retry."""
+        limit = self.engine.max_queue
+        if limit is not None and len(jobs) > limit:
+            raise errors.bad_request(
+                f"the request has {len(jobs)} prompts; this server queues at most {limit} "
+                f"requests (--max-queue {limit}), so it can never take them at once: send "
+                f"at most {limit} prompts per request", "prompt")
+
     async def run(self, kind: str, req, jobs: list[_Job], params, http: Request,
                   include_usage: bool):
+        self.check_fits_queue(jobs)
         if self.tracing is not None:
             trace = self.tracing.begin(http.headers, kind, req, jobs, params,
                                        self.config.model_name)
@@ -637,9 +720,17 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="llmctl", version="1", lifespan=lifespan)
-    app.state.server = server
     config = server.config
+    # With keys, the schema of every route is for key holders only: /docs, /redoc and
+    # /openapi.json are off (they would answer 401 anyway, and are not worth a key).
+    keyed = server.tenancy.enabled
+    docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} \
+        if keyed else {}
+    app = FastAPI(title="llmctl", version="1", lifespan=lifespan, **docs)
+    app.state.server = server
+    # What answers without a key when keys are configured: liveness, for load balancers
+    # and orchestrators; /metrics only when asked for (it names every tenant).
+    public = {"/health"} | ({"/metrics"} if config.metrics_public else set())
 
     def _error_response(exc: APIError) -> JSONResponse:
         server.metrics.http_errors.labels(config.model_name, str(exc.status)).inc()
@@ -666,7 +757,8 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
+        # every route, unknown paths included (a 401, not a 404 that maps the server)
+        if request.url.path not in public:
             try:
                 request.state.tenant = server.tenancy.authenticate(
                     request.headers.get("authorization"))
@@ -682,12 +774,11 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        names = server.tenancy.allowed_models(tenant_of(request))
+        tenant = tenant_of(request)
+        names = server.tenancy.allowed_models(tenant)
         data = [{"id": name, "object": "model", "created": config.created, "owned_by": "llmctl",
                  "max_model_len": config.max_model_len, "parent": None} for name in names]
-        if names:  # adapters go with the base model's permission
-            data += lora_cards(server)
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": data + lora_cards(server, tenant)}
 
     register_lora_routes(app, server)
 
@@ -700,7 +791,7 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await server.parse(request, CompletionRequest)
-        prompts = server.encode_completion_prompts(req)
+        prompts = await server.off_loop(server.encode_completion_prompts, req)
         cap = server.tenancy.max_tokens_cap(tenant_of(request), req.max_tokens, "max_tokens")
         jobs, params = server.completion_jobs(req, prompts, cap)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -708,7 +799,8 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return server.tokenize(await server.parse(request, tokenize_request_class))
+        return await server.off_loop(server.tokenize,
+                                     await server.parse(request, tokenize_request_class))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -718,11 +810,13 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
     async def chat(request: Request):
         req = await server.parse(request, ChatCompletionRequest)
         tools = server.tool_plan(req)
-        ids = server.encode_chat(req)
+        ids = await server.off_loop(server.encode_chat, req)
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         cap = server.tenancy.max_tokens_cap(tenant_of(request), req.token_limit, param)
         jobs, params = server.chat_jobs(req, ids, cap, tools)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await server.run("chat", req, jobs, params, request, include_usage)
 
+    if config.max_request_bytes is not None:  # outside everything: before any body is read
+        app.add_middleware(BodyLimit, limit=config.max_request_bytes)
     return app

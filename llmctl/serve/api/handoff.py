@@ -116,10 +116,17 @@ _LORA = {
 _KV_CACHE = {"--kv-cache-dtype": "--kv-cache-dtype is not forwarded to trtllm-serve (its "
                                  "KV cache dtype is an LLM API option): drop the flag, or "
                                  "serve with --engine vllm or the built-in engine"}
+_HARDENING = {
+    flag: f"{flag} is the built-in API's (llmctl.serve.api.limits, app.py); a hand-off "
+          "engine has its own server: drop the flag or serve without --engine"
+    for flag in ("--max-request-bytes", "--metrics-public",
+                 "--allow-special-tokens-in-content")}
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_LORA},
+    "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_LORA,
+             **_HARDENING},
     "trtllm": {
         "--auth-file": _NO_TENANTS,
+        **_HARDENING,
         **_SCHEDULING,
         **_SUPERVISION,
         **_LORA,

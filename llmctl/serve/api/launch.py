@@ -39,6 +39,10 @@ class ServeOptions:
     supervision: Any = None  # llmctl.serve.proc.engine.Supervision; None: its defaults
     auto_tool_parser: str | None = None  # tool_choice "auto" (llmctl.serve.api.tool_parsers)
     lora_runtime_updates: bool = False  # POST /v1/(un)load_lora_adapter (llmctl.serve.api.loras)
+    # bodies above this get 413 unread; None: sized from the context (limits.py's formula)
+    max_request_bytes: int | None = None
+    metrics_public: bool = False  # with keys: /metrics without one
+    allow_special_tokens_in_content: bool = False  # chat: special-token text in messages
 
 
 def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
@@ -60,6 +64,7 @@ def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
 
 
 def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
+    from llmctl.serve.api.limits import default_max_request_bytes
     from llmctl.serve.api.tenants import TenantTable
 
     # read before the model loads: a bad file fails in a second, not after the load
@@ -78,7 +83,11 @@ def build_server(opts: ServeOptions) -> tuple[Server, AsyncEngine]:
                           auth_file=opts.auth_file,
                           request_timeout=opts.request_timeout, extra_model_names=aliases,
                           peaks=_peaks(), auto_tool_parser=opts.auto_tool_parser,
-                          lora_runtime_updates=opts.lora_runtime_updates)
+                          lora_runtime_updates=opts.lora_runtime_updates,
+                          max_request_bytes=opts.max_request_bytes
+                          or default_max_request_bytes(engine.max_model_len, opts.max_queue),
+                          metrics_public=opts.metrics_public,
+                          allow_special_tokens_in_content=opts.allow_special_tokens_in_content)
     clash = set(getattr(engine, "lora_names", tuple)()) & {name, *aliases}
     if clash:  # a request naming it could not say which one it means
         if hasattr(engine, "close"):  # engine processes

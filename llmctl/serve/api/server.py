@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +28,37 @@ import uvicorn
 from llmctl.serve.api.async_engine import AsyncEngine, EngineDeadError
 
 log = logging.getLogger("llmctl.serve")
+
+
+# query parameters that may carry a credential: never written to a log (clients that
+# cannot set headers put keys there, whether or not this server reads them)
+_SECRET_QUERY = re.compile(
+    r"(?i)([?&;](?:api[_-]?key|key|access[_-]?token|token|auth|authorization|password|"
+    r"secret)=)[^&;#\s\"]*")
+
+
+def redact_query(text: str) -> str:
+    """``/v1/models?api_key=sk-1&x=2`` -> ``/v1/models?api_key=REDACTED&x=2``."""
+    return _SECRET_QUERY.sub(r"\1REDACTED", text)
+
+
+class RedactQueryFilter(logging.Filter):
+    """On uvicorn's access log: the request line's query string without credentials."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_query(a) if isinstance(a, str) else a
+                                for a in record.args)
+        elif isinstance(record.msg, str):
+            record.msg = redact_query(record.msg)
+        return True
+
+
+def redact_access_log() -> None:
+    """Install :class:`RedactQueryFilter` on uvicorn's access logger (once)."""
+    logger = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactQueryFilter) for f in logger.filters):
+        logger.addFilter(RedactQueryFilter())
 
 
 class _GracefulServer(uvicorn.Server):
@@ -77,6 +109,7 @@ def serve_app(app, engine: AsyncEngine, *, host: str, port: int, grace_period: f
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=grace_period, lifespan="on",
                             timeout_keep_alive=30)
+    redact_access_log()  # after uvicorn.Config, which (re)configures its loggers
     server = _GracefulServer(config, engine, grace_period, on_reload)
     server.run()
     return 0

@@ -30,7 +30,9 @@ class Running:
 
 def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=None,
                  served_model_name="tiny", auth_file=None, engine_process=False,
-                 supervision=None, lora_runtime_updates=False, **engine_kwargs) -> Running:
+                 supervision=None, lora_runtime_updates=False, max_request_bytes=None,
+                 metrics_public=False, allow_special_tokens_in_content=False,
+                 **engine_kwargs) -> Running:
     """In-process engine by default: tests reach into it (EngineGate). With
     ``engine_process`` the engine runs in supervised processes (llmctl.serve.proc)."""
     import uvicorn
@@ -44,7 +46,9 @@ def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=Non
                         auth_file=None if auth_file is None else str(auth_file),
                         max_queue=max_queue, request_timeout=request_timeout,
                         engine_kwargs=kwargs, engine_process=engine_process,
-                        supervision=supervision, lora_runtime_updates=lora_runtime_updates)
+                        supervision=supervision, lora_runtime_updates=lora_runtime_updates,
+                        max_request_bytes=max_request_bytes, metrics_public=metrics_public,
+                        allow_special_tokens_in_content=allow_special_tokens_in_content)
     server, engine = build_server(opts)
     engine.start()
     port = free_port()

@@ -138,7 +138,8 @@ def _post(running, who, body, path=COMPLETIONS):
 
 
 def _metrics(running) -> str:
-    return httpx.get(running.url + "/metrics").text
+    # with keys, /metrics needs one too (it names every tenant): any tenant's will do
+    return httpx.get(running.url + "/metrics", headers=bearer("tok")).text
 
 
 def _rejections(running, tenant, reason) -> float:
@@ -423,7 +424,7 @@ def test_sighup_reloads_the_keys_with_requests_in_flight(tiny_llama, tmp_path, c
             _send_sighup(running)
             assert httpx.get(models, headers=bearer("sk-fresh")).status_code == 200
             assert httpx.get(models, headers=bearer("free")).status_code == 401
-            fresh = httpx.get(running.url + "/metrics").text
+            fresh = httpx.get(running.url + "/metrics", headers=bearer("sk-fresh")).text
             assert 'tenant="fresh"' in fresh
             # a bad file keeps the table in use, and says so in one line
             write(path, "tenants: {a: {priority_class: urgent}}\nkeys: [{key: sk-fresh}]")

@@ -24,7 +24,10 @@ def _chunks(logits, rows: np.ndarray) -> Iterator[tuple[slice, object]]:
     step = max(1, CHUNK_BYTES // (4 * vocab))
     for lo in range(0, len(rows), step):
         part = slice(lo, min(lo + step, len(rows)))
-        lp = logits[torch.as_tensor(rows[part], dtype=torch.long)].to(torch.float32)
+        # the rows come to the CPU: the metrics are numpy arrays, and a GPU candidate's
+        # logits (the serving engine on CUDA) would otherwise meet CPU index tensors
+        index = torch.as_tensor(rows[part], dtype=torch.long, device=logits.device)
+        lp = logits[index].to(device="cpu", dtype=torch.float32)
         lp -= torch.logsumexp(lp, dim=-1, keepdim=True)
         yield part, lp
 

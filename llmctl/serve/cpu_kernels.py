@@ -30,6 +30,11 @@
 - :file:`csrc/simd_math.h`: bf16 <-> float32 and the vectorised exp both use;
   :file:`csrc/fp8.h`: E4M3 <-> float32 and bf16.
 
+On aarch64 paged attention and the bf16 norm/activation have NEON bodies, in both the
+``native`` and the ``portable`` build (ARMv8-A's baseline includes NEON); they are checked
+for correctness under qemu-user only (``tests/serve/test_kernel_cross.py``): their speed
+on ARM is not measured.
+
 Built with the system C++ compiler (``$CXX``, else ``c++``), ``-O3 -march=native
 -fopenmp``, into ``$LLMCTL_HOME/kernels/`` under a name that hashes the source, the
 flags, the compiler's version and the CPU's feature flags. ``$LLMCTL_KERNEL_ISA`` builds a

@@ -1,6 +1,8 @@
 """The kernels' C sources on their own (tests/serve/csrc_check/kernel_check.cpp against a
-naive double-precision reference): built natively, and cross-compiled for aarch64 and run under qemu-user, so the portable bodies are
-known to build and compute right on ARM. Speed on ARM is not measured anywhere.
+naive double-precision reference): built natively, and cross-compiled for aarch64 and run
+under qemu-user, so the NEON bodies (paged attention, the bf16 norm and activation) and
+the portable ones are known to build and compute right on ARM. Speed on ARM is not
+measured anywhere.
 
 `make test` installs Debian's g++-aarch64-linux-gnu and qemu-user where it can (as root);
 without them the aarch64 test skips and says which packages it needs."""
@@ -22,18 +24,25 @@ UNITS = [CSRC / "paged_attention.cpp", CSRC / "norm_act.cpp"]
 CROSS_CXX = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 SYSROOT = Path("/usr/aarch64-linux-gnu")
+# The ARM targets the kernels support: plain ARMv8-A (NEON is part of every AArch64 core;
+# the bodies need nothing more) and ARMv8.2-A with the bf16 extension (Neoverse V1/N2,
+# Graviton 3), which must build and compute the same.
+AARCH64_MARCHES = ("armv8-a", "armv8.2-a+bf16")
+# kernel_check.cpp prints these for an ARM build's vector bodies
+NEON_BODIES = ("paged_attention_simd: neon", "norm_act_simd: neon")
 
 
 def _build(cxx: str, flags: tuple[str, ...], out: Path) -> None:
-    proc = subprocess.run([cxx, "-O2", "-fopenmp", "-std=c++17", *flags, f"-I{CSRC}", "-o",
+    proc = subprocess.run([cxx, "-fopenmp", "-std=c++17", *flags, f"-I{CSRC}", "-o",
                            str(out), str(DRIVER), *map(str, UNITS)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def _check(cmd: list[str]) -> None:
+def _check(cmd: list[str]) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.startswith("ok: "), proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "\nok: " in "\n" + proc.stdout, proc.stdout + proc.stderr
+    return proc.stdout
 
 
 @pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C++ compiler")
@@ -41,7 +50,7 @@ def test_kernels_match_the_naive_reference_natively(tmp_path):
     """The driver's reference agrees with the kernels here (each variant is compared with
     torch in test_cpu_kernels.py), so a failure under qemu is the port's."""
     exe = tmp_path / "kernel_check"
-    _build(cpu_kernels._compiler(), ("-march=native",), exe)
+    _build(cpu_kernels._compiler(), ("-O2", "-march=native"), exe)
     _check([str(exe)])
 
 
@@ -88,14 +97,32 @@ def test_every_kernel_source_compiles_for_aarch64():
         assert proc.returncode == 0, f"{unit.name}: {proc.stderr[-2000:]}"
 
 
-@pytest.mark.skipif(shutil.which(CROSS_CXX) is None or shutil.which(QEMU) is None
-                    or not SYSROOT.is_dir(),
-                    reason=f"needs {CROSS_CXX} and {QEMU} (Debian packages "
-                           "g++-aarch64-linux-gnu and qemu-user)")
-def test_portable_kernels_compute_right_on_aarch64_under_qemu(tmp_path):
+needs_qemu = pytest.mark.skipif(
+    shutil.which(CROSS_CXX) is None or shutil.which(QEMU) is None or not SYSROOT.is_dir(),
+    reason=f"needs {CROSS_CXX} and {QEMU} (Debian packages g++-aarch64-linux-gnu and qemu-user)")
+
+
+@needs_qemu
+@pytest.mark.parametrize("march", AARCH64_MARCHES)
+def test_neon_kernels_compute_right_on_aarch64_under_qemu(tmp_path, march):
+    """Built as cpu_kernels builds them (-O3 -fno-math-errno), for each ARM target: the
+    check passes and reports the NEON bodies, so a build whose #if lost them (and fell
+    back to the portable loops, which pass the same check) fails here."""
     exe = tmp_path / "kernel_check-aarch64"
-    _build(CROSS_CXX, ("-march=armv8-a",), exe)
-    _check([QEMU, "-L", str(SYSROOT), str(exe)])
+    _build(CROSS_CXX, ("-O3", "-fno-math-errno", f"-march={march}"), exe)
+    out = _check([QEMU, "-L", str(SYSROOT), str(exe)])
+    for body in NEON_BODIES:
+        assert body in out.splitlines(), out
+
+
+@needs_qemu
+def test_portable_kernels_compute_right_on_aarch64_under_qemu(tmp_path):
+    """The portable loops on ARM (what a 32-bit or NEON-less build gets): -U__ARM_NEON
+    hides the NEON bodies, and the check says none was built."""
+    exe = tmp_path / "kernel_check-aarch64-portable"
+    _build(CROSS_CXX, ("-O3", "-fno-math-errno", "-march=armv8-a", "-U__ARM_NEON"), exe)
+    out = _check([QEMU, "-L", str(SYSROOT), str(exe)])
+    assert not any(body in out for body in NEON_BODIES), out
 
 
 @pytest.mark.skipif(cpu_kernels._compiler() is None or platform.machine() != "x86_64",

@@ -19,6 +19,9 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 namespace llmctl_fp8 {
 
@@ -91,6 +94,25 @@ inline __m256 e4m3x8_to_ps(const uint8_t* p) {
   const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
   const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
   return _mm256_or_ps(_mm256_blendv_ps(normal, sub, is_sub), _mm256_castsi256_ps(sign));
+}
+#endif
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+// 4 codes (widened to 32 bits) -> 4 floats, exact: e4m3x8_to_ps's arithmetic on 4 lanes
+inline float32x4_t e4m3x4_to_ps(uint32x4_t v) {
+  const uint32x4_t mag = vandq_u32(v, vdupq_n_u32(0x7F));
+  const uint32x4_t normal = vaddq_u32(vshlq_n_u32(mag, 20), vdupq_n_u32(120u << 23));
+  const float32x4_t sub = vmulq_f32(vcvtq_f32_u32(mag), vdupq_n_f32(1.f / 512.f));
+  const uint32x4_t is_sub = vcltq_u32(mag, vdupq_n_u32(8));
+  const uint32x4_t sign = vshlq_n_u32(vandq_u32(v, vdupq_n_u32(0x80)), 24);
+  return vreinterpretq_f32_u32(
+      vorrq_u32(vbslq_u32(is_sub, vreinterpretq_u32_f32(sub), normal), sign));
+}
+
+// 8 codes -> their first and last 4 as floats
+inline float32x4x2_t e4m3x8_to_f32(const uint8_t* p) {
+  const uint16x8_t w = vmovl_u8(vld1_u8(p));
+  return {{e4m3x4_to_ps(vmovl_u16(vget_low_u16(w))), e4m3x4_to_ps(vmovl_high_u16(w))}};
 }
 #endif
 

@@ -1,6 +1,6 @@
-// bfloat16 <-> float32 and exp(x), scalar, 16 lanes (AVX-512) and 8 lanes (AVX2 + FMA):
-// shared by the kernels. llmctl/serve/cpu_kernels.py hashes this file with the sources,
-// so a change here rebuilds the library.
+// bfloat16 <-> float32 and exp(x), scalar, 16 lanes (AVX-512), 8 lanes (AVX2 + FMA) and
+// 4 lanes (AArch64 NEON): shared by the kernels. llmctl/serve/cpu_kernels.py hashes this
+// file with the sources, so a change here rebuilds the library.
 //
 // bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to
 // nearest even as torch does (no NaN inputs here).
@@ -12,6 +12,9 @@
 
 #if defined(__AVX2__)  // AVX-512 implies it
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace llmctl_simd {
@@ -131,5 +134,62 @@ inline __m256 reduce_add8x8(const __m256* v) {
                        _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 #endif  // __AVX2__ && __FMA__
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+// 4 lanes of AArch64 Advanced SIMD (every ARMv8-A core has it; 32-bit ARM's NEON lacks
+// FRINTM, FDIV and the across-lane sums used here, so it keeps the portable loops).
+
+// 4 bfloat16 patterns -> 4 floats (a widening shift), and 8 -> their low and high 4
+inline float32x4_t widen_bf16x4(uint16x4_t v) { return vreinterpretq_f32_u32(vshll_n_u16(v, 16)); }
+
+inline float32x4_t load_bf16x4(const uint16_t* p) { return widen_bf16x4(vld1_u16(p)); }
+
+inline float32x4_t widen_bf16_lo(uint16x8_t v) { return widen_bf16x4(vget_low_u16(v)); }
+
+inline float32x4_t widen_bf16_hi(uint16x8_t v) {
+  return vreinterpretq_f32_u32(vshll_high_n_u16(v, 16));
+}
+
+// 4 floats -> 4 bfloat16 patterns, round to nearest even (float_to_bf16 on each lane)
+inline uint32x4_t round_bf16_bits(float32x4_t f) {
+  const uint32x4_t bits = vreinterpretq_u32_f32(f);
+  const uint32x4_t lsb = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+  return vaddq_u32(bits, vaddq_u32(lsb, vdupq_n_u32(0x7FFF)));
+}
+
+// round_bf16 on 4 lanes: the float nearest to f that a bfloat16 holds
+inline float32x4_t round_bf16x4(float32x4_t f) {
+  return vreinterpretq_f32_u32(vandq_u32(round_bf16_bits(f), vdupq_n_u32(0xFFFF0000u)));
+}
+
+// 8 floats (lo, hi) -> 8 bfloat16 patterns
+inline uint16x8_t to_bf16x8(float32x4_t lo, float32x4_t hi) {
+  return vshrn_high_n_u32(vshrn_n_u32(round_bf16_bits(lo), 16), round_bf16_bits(hi), 16);
+}
+
+// exp_ps on 4 lanes: the same clamp, split, polynomial (the same fused multiply-adds, so
+// the same bits) and an exact 2^n built in the exponent field as exp8_ps does.
+inline float32x4_t exp4_ps(float32x4_t x) {
+  x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.f)), vdupq_n_f32(88.f));
+  const float32x4_t t = vmulq_f32(x, vdupq_n_f32(1.44269504088896341f));
+  const float32x4_t n = vrndmq_f32(t);  // floor
+  const float32x4_t f = vsubq_f32(t, n);
+  float32x4_t p = vdupq_n_f32(1.535336188319500e-4f);
+  p = vfmaq_f32(vdupq_n_f32(1.339887440266574e-3f), p, f);  // vfmaq_f32(a, b, c) = a + b * c
+  p = vfmaq_f32(vdupq_n_f32(9.618437357674640e-3f), p, f);
+  p = vfmaq_f32(vdupq_n_f32(5.550332471162809e-2f), p, f);
+  p = vfmaq_f32(vdupq_n_f32(2.402264791363012e-1f), p, f);
+  p = vfmaq_f32(vdupq_n_f32(6.931472028550421e-1f), p, f);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, f);
+  const int32x4_t biased = vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127));
+  return vmulq_f32(p, vreinterpretq_f32_s32(vshlq_n_s32(biased, 23)));
+}
+
+// Sums of 4 vectors' lanes as one vector: out[t] = sum of v[t]'s lanes (pairwise adds:
+// [a0+a1, a2+a3, b0+b1, b2+b3], then once more).
+inline float32x4_t reduce_add4x4(const float32x4_t* v) {
+  return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3]));
+}
+#endif  // __aarch64__ && __ARM_NEON
 
 }  // namespace llmctl_simd

@@ -19,7 +19,8 @@
   few rows on AVX2 + FMA, widened to float32 in registers (CPUs where oneDNN cannot pack
   bf16 and torch emulates its products: :class:`llmctl.serve.quant_linear.WideningBF16Linear`).
 - :file:`csrc/decode_layer.cpp`: a whole decoder layer for a decode step in one
-  call, from the kernels above (:mod:`llmctl.serve.decode_layers`).
+  call, from the kernels above (:mod:`llmctl.serve.decode_layers`): the AVX512-BF16 /
+  VNNI matrix kernels, or on AVX2-only CPUs the widening bf16 and AVX2 low-bit ones.
 - :file:`csrc/prefill_attention.cpp`: causal attention of fresh prompts (bf16), both
   products as small GEMMs on vdpbf16ps (torch's SDPA flash kernel took twice as long).
 - :file:`csrc/rope_kv.cpp`: RoPE on a step's q and k and the K/V cache write in one
@@ -467,9 +468,13 @@ def gemm_bf16w_avx2_kernel():
 
 def decode_layer_kernel():
     """:file:`csrc/decode_layer.cpp`'s ``decode_layer_bf16``, or None without a build or
-    without the small-batch kernels it calls (AVX512-BF16 and AVX512-VNNI)."""
+    without any small-batch matrix kernel it calls: AVX512-BF16 (``gemm_bf16``),
+    AVX512-VNNI (``lowbit_gemv_vnni``), or AVX2 + FMA (``gemm_bf16w_avx2``,
+    ``lowbit_gemv_avx2``). Which of them a model's layers use is
+    :func:`llmctl.serve.decode_layers.matrix`'s question."""
     lib = _library()
-    if lib is None or not lib.gemm_bf16_available() or not lib.lowbit_vnni_rows():
+    if lib is None or not (lib.gemm_bf16_available() or lib.lowbit_vnni_rows()
+                           or lib.gemm_bf16w_avx2_available() or lib.lowbit_avx2_rows()):
         return None
     return lib.decode_layer_bf16
 

@@ -1,6 +1,8 @@
 """Decode steps as one native call per decoder layer: up to MAX_ROWS tokens on bf16
-weights in the own-kernel form (1-4 where bf16 layers keep it for small batches only),
-up to 8 on int4/int8 codes (the VNNI kernel's rows).
+weights in the own-kernel form (1-4 where bf16 layers keep it for small batches only)
+or on int4/int8 codes in the AVX2 layout, up to 8 on int4/int8 codes in the VNNI layout
+(that kernel's rows), up to 12 on bf16 weights widened by the AVX2 kernel (where
+:class:`WideningBF16Linear` stops calling it).
 
 :file:`csrc/decode_layer.cpp` runs a layer's ten kernels (the small-batch matrix products,
 RoPE + cache write, paged attention, the fused norms and SwiGLU) from C, on the same
@@ -10,17 +12,23 @@ transitions and tensor allocations per layer (about 1 ms of a SmolLM2 batch-1 to
 3-4 ms of a 64-row step: development A/B in one process, 6 rounds alternating, step
 median 62.5 vs 65.9 ms, same tokens).
 
+The matrix forms (:func:`matrix`, the C file's ``Matrix.kind``): AVX512-BF16 / VNNI CPUs
+run a :class:`PackedLinear`'s own-kernel weight (0) and a :class:`LowBitLinear`'s VNNI
+codes (1); AVX2-only CPUs (AMD Zen 3: no AVX-512, no native bf16) a
+:class:`WideningBF16Linear`'s torch-layout bf16 weight (2) and a :class:`LowBitLinear`'s
+AVX2 codes (3), each called with the arguments its Python layer passes. A layer may mix
+forms. A bias (bf16) is added as the Python layer adds it.
+
 Sliding windows: each layer's window goes to its attention call (``Step.window``).
 
 LoRA: a step with adapter rows runs here too when its segments are native
 (:class:`LoRABatch.native`); each fused linear adds its adapters' terms with
 :file:`csrc/lora.cpp`, the kernel the layer loop calls, so the bits stay the layer loop's.
 
-It applies when every matrix of every layer has a small-batch form (a bf16 weight in
-:file:`csrc/gemm_bf16.cpp`'s layout, or int4/int8 codes in the VNNI layout), no bias,
-no q/k norm, bfloat16 activations, a bfloat16, int8 or fp8 cache, and the step is one
-attention group of single-token sequences on the native kernel;
-:meth:`DecodeLayers.build` returns None otherwise.
+It applies when every matrix of every layer has one of those forms, no q/k norm,
+bfloat16 activations, a bfloat16, int8 or fp8 cache, and the step is one attention group
+of single-token sequences on the native kernel; :meth:`DecodeLayers.build` returns None
+otherwise.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import torch
 from llmctl.serve.attention import AttnMetadata
 from llmctl.serve.cpu_kernels import decode_layer_kernel
 from llmctl.serve.lowbit import LowBitLinear
-from llmctl.serve.quant_linear import PackedLinear
+from llmctl.serve.quant_linear import PackedLinear, WideningBF16Linear
 
 if TYPE_CHECKING:
     from llmctl.serve.lora_batch import LoRABatch
@@ -52,7 +60,7 @@ class Matrix(ctypes.Structure):
     """:file:`csrc/decode_layer.cpp`'s ``Matrix``."""
 
     _fields_ = [("kind", _I64), ("w", _PTR), ("s", _PTR), ("z", _PTR), ("bits", _I64),
-                ("blocks", _I64), ("k", _I64), ("group", _I64), ("n", _I64)]
+                ("blocks", _I64), ("k", _I64), ("group", _I64), ("n", _I64), ("bias", _PTR)]
 
 
 class Step(ctypes.Structure):
@@ -64,23 +72,37 @@ class Step(ctypes.Structure):
                 ("block_size", _I64), ("scale", _F32), ("eps", _F32), ("x", _PTR), ("h", _PTR),
                 ("qkv", _PTR), ("attn", _PTR), ("attn_f", _PTR), ("proj", _PTR),
                 ("gate_up", _PTR), ("act", _PTR), ("num_threads", _INT), ("window", _I64),
-                ("lora", _PTR), ("lora_n", _I64), ("layer", _I64)]
+                ("lora", _PTR), ("lora_n", _I64), ("layer", _I64), ("sums", _PTR)]
 
 
 def matrix(layer) -> tuple[Matrix, int] | None:
-    """The small-batch form of a layer and the most rows it takes, or None when it has
-    none (or has a bias)."""
-    if getattr(layer, "bias", None) is not None:
+    """The small-batch form of a layer and the most rows it takes (where its Python
+    layer calls the same kernel), or None when it has none."""
+    bias = getattr(layer, "bias", None)
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
+    b = None if bias is None else bias.data_ptr()
     if isinstance(layer, PackedLinear) and layer.own is not None:
         g = layer.own
         return Matrix(0, g.packed.data_ptr(), None, None, 16, g.blocks, g.in_features, 0,
-                      g.out_features), min(layer.own_rows, MAX_ROWS)
-    if isinstance(layer, LowBitLinear) and layer.vnni_rows and not layer.out_float:
+                      g.out_features, b), min(layer.own_rows, MAX_ROWS)
+    if isinstance(layer, WideningBF16Linear):
+        n, k = layer.weight.shape
+        return Matrix(2, layer.weight.data_ptr(), None, None, 16, 0, k, 0, n, b), \
+            min(WideningBF16Linear.KERNEL_MAX_ROWS, MAX_ROWS)
+    if not isinstance(layer, LowBitLinear) or layer.out_float:
+        return None
+    if layer.vnni_rows:
         packed, scales, zeros = layer.vnni_codes
         return Matrix(1, packed.data_ptr(), scales.data_ptr(),
                       None if zeros is None else zeros.data_ptr(), layer.bits, scales.shape[0],
-                      layer.in_features, layer.group_size, layer.out_features), layer.vnni_rows
+                      layer.in_features, layer.group_size, layer.out_features, b), \
+            layer.vnni_rows
+    if layer.avx2:  # every row count above vnni_rows runs there (LowBitLinear.__call__)
+        return Matrix(3, layer.packed.data_ptr(), layer.scales.data_ptr(),
+                      None if layer.zeros is None else layer.zeros.data_ptr(), layer.bits,
+                      layer.scales.shape[0], layer.in_features, layer.group_size,
+                      layer.out_features, b), MAX_ROWS
     return None
 
 
@@ -110,6 +132,10 @@ class DecodeLayers:
             "proj": torch.empty(rows * spec.hidden_size, dtype=bf16),
             "gate_up": torch.empty(rows * gate_up_n, dtype=bf16),
             "act": torch.empty(rows * gate_up_n // 2, dtype=bf16),
+            # a widened bf16 product's float32 sums, before its bias (kind 2 only)
+            "sums": torch.empty(rows * max((m.n for mats in matrices for m in mats
+                                            if m.kind == 2 and m.bias), default=0),
+                                dtype=torch.float32),
         }
         self._step = Step(hidden=spec.hidden_size, q_heads=spec.num_heads,
                           kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,

@@ -419,20 +419,28 @@ def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_p
     Python layer loop (same kernels, same order): greedy tokens and log-probs of
     concurrent requests compared exactly, bf16 dense (ten requests: two of the GEMM's
     8-row blocks) and int4/int8 codes (six: the VNNI kernel takes up to 8 rows, and its
-    second pass over rows 5-8 runs too)."""
+    second pass over rows 5-8 runs too). On this CPU's native build: AVX512-BF16 / VNNI
+    forms, or the AVX2 ones (test_decode_layer_avx2.py runs those on any AVX2 CPU)."""
     from llmctl.serve import decode_layers
     from llmctl.serve.llm import LLM
+    from llmctl.serve.quant_linear import WideningBF16Linear
     from llmctl.serve.sampling_params import SamplingParams
     from tests.serve.quant_checkpoints import write_quantized
 
     if cpu_kernels.decode_layer_kernel() is None:
-        assert not {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
-        pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VNNI")
+        assert not {"avx2", "fma"} <= cpu_flags()
+        pytest.skip("this CPU lacks AVX2 + FMA: no matrix kernel for the fused layers")
     model = tiny_llama if scheme is None else write_quantized(tiny_llama, tmp_path / "q", scheme)[0]
     llm = LLM(str(model), dtype="bfloat16", max_num_seqs=10, kv_cache_memory="16MiB",
               bf16_gemm="own")
     net = llm.engine.target.model
-    assert net.decode_layers is not None
+    if net.decode_layers is None:  # e.g. AVX-512 without BF16: oneDNN's bf16, no own form
+        assert cpu_kernels.native_variant() not in ("avx512-bf16", "avx2")
+        pytest.skip("no fused form for these weights on this CPU's native build")
+    # the most rows of each form (decode_layer.cpp's Matrix.kind)
+    form_rows = {0: decode_layers.MAX_ROWS, 1: 8, 2: WideningBF16Linear.KERNEL_MAX_ROWS,
+                 3: decode_layers.MAX_ROWS}
+    kinds = {m.kind for mats in net.decode_layers._matrices for m in mats}
     calls = []
     real = decode_layers.DecodeLayers.__call__
     monkeypatch.setattr(decode_layers.DecodeLayers, "__call__",
@@ -441,7 +449,9 @@ def test_one_native_call_per_layer_decodes_bit_for_bit_like_the_layer_by_layer_p
     prompts = ["the quick brown", "a b c d e f", "hello", "x y", "one two three", "z",
                "red green", "up down left", "seven", "last one"][:10 if scheme is None else 6]
     fused = llm.generate(prompts, params)
-    assert net.decode_layers.max_rows == (decode_layers.MAX_ROWS if scheme is None else 8)
+    assert net.decode_layers.max_rows == min(form_rows[k] for k in kinds)
+    if cpu_kernels.native_variant() == "avx512-bf16":
+        assert kinds == ({0} if scheme is None else {1})
     assert calls and max(calls) == len(prompts)
     net.decode_layers = None
     plain = llm.generate(prompts, params)

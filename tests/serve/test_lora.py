@@ -316,14 +316,16 @@ def test_adapter_decode_steps_run_the_fused_layers_bit_for_bit_like_the_layer_lo
     from llmctl.utils.cpu import cpu_flags
 
     if cpu_kernels.decode_layer_kernel() is None:
-        assert not {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
-        pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VNNI")
+        assert not {"avx2", "fma"} <= cpu_flags()
+        pytest.skip("this CPU lacks AVX2 + FMA: no matrix kernel for the fused layers")
     # no prefix caching: the second run would start from cached blocks
     llm = LLM(str(tiny_llama), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="16MiB",
               bf16_gemm="own", enable_prefix_caching=False,
               loras={k: str(v) for k, v in tiny_loras.items()})
     net = llm.engine.target.model
-    assert net.decode_layers is not None
+    if net.decode_layers is None:  # e.g. AVX-512 without BF16: oneDNN's bf16, no own form
+        assert cpu_kernels.native_variant() not in ("avx512-bf16", "avx2")
+        pytest.skip("no fused form for bf16 weights on this CPU's native build")
     adapter_steps = []
     real = decode_layers.DecodeLayers.__call__
 

@@ -1,25 +1,38 @@
 // One Llama decoder layer for a decode step (up to 256 tokens on bf16 weights, 8 on
-// int4/int8 codes: llmctl/serve/decode_layers.py), bfloat16 activations, in one call.
+// int4/int8 codes with VNNI, 12 on torch-layout bf16 weights with AVX2:
+// llmctl/serve/decode_layers.py), bfloat16 activations, in one call.
 //
 // At batch 1 a SmolLM2 layer is ten kernel calls of a few microseconds of work each;
 // from Python each cost 5-10 us more in dispatch (ctypes, torch.empty, views), about
 // 1 ms of a 7-12 ms token. Here the same kernels run in the same order on the same
 // data, called from C: the result is bit for bit the layer-by-layer path's
-// (tests/serve/test_cpu_kernels.py holds it to that). Nothing new is computed here.
+// (tests/serve/test_cpu_kernels.py and test_decode_layer_avx2.py hold it to that).
+// Nothing new is computed here.
 //
 //   qkv = W_qkv h;  RoPE(q, k), K/V -> cache;  a = attention(q, cache)
 //   x += W_o a;  h = RMSNorm(x) w_post;  x += W_down silu_mul(W_gate_up h);
 //   h = RMSNorm(x) w_next
 //
-// Each matrix is a bf16 weight in gemm_bf16.cpp's layout or int4/int8 codes in
-// lowbit_vnni.cpp's; a layer with a bias or a q/k norm stays on the Python path. The
-// cache is bf16 (kv_kind 0), int8 codes with their scales per slot (1) or fp8 codes with
-// the layer's static scales (2) (llmctl/serve/kv_quant.py), written and read by the _i8
-// and _f8 kernels.
+// Each matrix (Matrix.kind) is, with the kernel and the arguments its Python layer
+// (llmctl/serve/quant_linear.py, lowbit.py) passes:
+//   0  a bf16 weight in gemm_bf16.cpp's layout (PackedLinear's own form; AVX512-BF16)
+//   1  int4/int8 codes in lowbit_vnni.cpp's layout (LowBitLinear, up to its vnni_rows)
+//   2  a bf16 weight in torch's [n, k] layout, gemm_bf16w_avx2 (gemv_bf16_avx2.cpp:
+//      WideningBF16Linear, AVX2 + FMA), widened to float32 in registers
+//   3  int4/int8 codes in lowbit_avx2.cpp's layout, lowbit_gemv_avx2 (LowBitLinear with
+//      avx2 set: a CPU with AVX2 + FMA but no AVX512-BF16)
+// so an AVX2-only CPU (AMD Zen 3) runs the fused layer on kinds 2 and 3, and a layer may
+// mix kinds. A bias (bf16) is added as the Python layer adds it: kinds 0, 1 and 3 round
+// the product to bf16 and then add (torch's `out + bias`: one more rounding); kind 2
+// adds it to the float32 sums and rounds once (WideningBF16Linear). A layer with a q/k
+// norm stays on the Python path. The cache is bf16 (kv_kind 0), int8 codes with their
+// scales per slot (1) or fp8 codes with the layer's static scales (2)
+// (llmctl/serve/kv_quant.py), written and read by the _i8 and _f8 kernels; attention,
+// RoPE, the norms and SwiGLU are portable C with AVX-512 or AVX2 bodies where compiled in.
 //
 // LoRA: a step whose rows carry adapters (Step.lora: row ranges, each with its adapter)
-// adds each fused linear's adapter terms right after its product, with the kernel the
-// layer loop calls (lora.cpp), so the result stays the layer loop's.
+// adds each fused linear's adapter terms right after its product (and bias), with the
+// kernel the layer loop calls (lora.cpp), so the result stays the layer loop's.
 
 #include <cstdint>
 
@@ -35,6 +48,13 @@ void gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t m, int
 void lowbit_gemv_vnni(const uint16_t* x, int64_t ldx, const uint8_t* w, int bits, const float* s,
                       const float* z, int64_t m, int64_t blocks, int64_t k, int64_t group,
                       void* out, int64_t ldo, int64_t n_valid, int out_f32, int num_threads);
+void gemm_bf16w_avx2(const void* x, int64_t ldx, int x_is_bf16, const uint16_t* w,
+                     int64_t rows, int64_t n, int64_t k, void* out, int64_t ldo,
+                     int out_is_bf16, int num_threads);
+void lowbit_gemv_avx2(const void* x, int64_t ldx, int x_f32, const uint8_t* w, int bits,
+                      const float* s, const float* z, int64_t m, int64_t blocks, int64_t k,
+                      int64_t group, void* out, int64_t ldo, int64_t n_valid, int out_f32,
+                      int num_threads);
 void rope_kv_bf16(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
                   int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
                   const float* freqs, const int64_t* positions, const int64_t* slots,
@@ -73,11 +93,12 @@ void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t
 
 // A matrix as llmctl/serve/model.py's DecodeLayers describes it (ctypes Structure).
 struct Matrix {
-  int64_t kind;  // 0: bf16 (gemm_bf16), 1: int4/int8 codes (lowbit_vnni)
+  int64_t kind;  // 0: gemm_bf16, 1: lowbit_gemv_vnni, 2: gemm_bf16w_avx2, 3: lowbit_gemv_avx2
   const void* w;
   const float* s;
   const float* z;
   int64_t bits, blocks, k, group, n;
+  const uint16_t* bias;  // bf16 [n], or null
 };
 
 struct Step {  // what every layer of one step shares
@@ -103,20 +124,49 @@ struct Step {  // what every layer of one step shares
   const LoraSeg* lora;  // the step's adapter row ranges (lora.h), lora_n of them (0: none)
   int64_t lora_n;
   int64_t layer;  // this layer's index, for the adapters' tables (set before each call)
+  float* sums;  // scratch [m, widest n] float32: a kind 2 product's sums before its bias
 };
 
-// out = W x for the step's rows, then the adapters' terms of fused linear `target`
+// out = W x (+ bias) for the step's rows, then the adapters' terms of fused linear `target`
 static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Step& st,
                   int64_t target) {
-  if (mat.kind == 0)
-    gemm_bf16(x, mat.k, static_cast<const uint16_t*>(mat.w), st.m, mat.blocks, mat.k, out, mat.n,
-              mat.n, st.num_threads);
-  else
-    lowbit_gemv_vnni(x, mat.k, static_cast<const uint8_t*>(mat.w), static_cast<int>(mat.bits),
-                     mat.s, mat.z, st.m, mat.blocks, mat.k, mat.group, out, mat.n, mat.n, 0,
-                     st.num_threads);
+  const int64_t n = mat.n;
+  bool rounded = true;  // out holds the bf16 product (else st.sums the float32 one)
+  switch (mat.kind) {
+    case 0:
+      gemm_bf16(x, mat.k, static_cast<const uint16_t*>(mat.w), st.m, mat.blocks, mat.k, out, n,
+                n, st.num_threads);
+      break;
+    case 1:
+      lowbit_gemv_vnni(x, mat.k, static_cast<const uint8_t*>(mat.w), static_cast<int>(mat.bits),
+                       mat.s, mat.z, st.m, mat.blocks, mat.k, mat.group, out, n, n, 0,
+                       st.num_threads);
+      break;
+    case 2:  // with a bias, float32 sums: the bias joins them before the one rounding
+      rounded = mat.bias == nullptr;
+      gemm_bf16w_avx2(x, mat.k, 1, static_cast<const uint16_t*>(mat.w), st.m, n, mat.k,
+                      rounded ? static_cast<void*>(out) : static_cast<void*>(st.sums), n,
+                      rounded ? 1 : 0, st.num_threads);
+      break;
+    default:
+      lowbit_gemv_avx2(x, mat.k, 0, static_cast<const uint8_t*>(mat.w),
+                       static_cast<int>(mat.bits), mat.s, mat.z, st.m, mat.blocks, mat.k,
+                       mat.group, out, n, n, 0, st.num_threads);
+  }
+  if (mat.bias != nullptr) {
+    for (int64_t r = 0; r < st.m; ++r) {
+      uint16_t* o = out + r * n;
+      if (rounded) {  // torch's bf16 `out + bias`: the float32 sum rounded to nearest even
+        for (int64_t j = 0; j < n; ++j)
+          o[j] = float_to_bf16(bf16_to_float(o[j]) + bf16_to_float(mat.bias[j]));
+      } else {  // WideningBF16Linear: `out += bias.float()`, then `.to(bfloat16)`
+        const float* f = st.sums + r * n;
+        for (int64_t j = 0; j < n; ++j) o[j] = float_to_bf16(f[j] + bf16_to_float(mat.bias[j]));
+      }
+    }
+  }
   if (st.lora_n)
-    lora_add_bf16(x, mat.k, out, mat.n, mat.k, mat.n, st.lora, st.lora_n, st.layer * 4 + target,
+    lora_add_bf16(x, mat.k, out, n, mat.k, n, st.lora, st.lora_n, st.layer * 4 + target,
                   st.num_threads);
 }
 

@@ -264,8 +264,9 @@ def _random_adapter(layers: list[dict[str, tuple[int, int, int]]], seed: int):
 def test_native_lora_sums_add_what_the_torch_path_adds(rows, rank):
     """lora_add_bf16 against the torch path of the same LoRABatch (float32 sums, then
     torch's `y += delta.to(bf16)`): base rows untouched bit for bit, adapter rows within
-    one bf16 step (the sums' order differs, which moves a rare rounding), on a delta as
-    large as y; an adapter without this linear adds nothing."""
+    a bf16 step of the delta and one of the sum (the sums' order differs, which moves a
+    rare rounding), on a delta as large as y; an adapter without this linear adds
+    nothing."""
     from llmctl.serve.cpu_kernels import lora_kernel
     from llmctl.serve.lora_batch import LoRABatch
 
@@ -289,7 +290,15 @@ def test_native_lora_sums_add_what_the_torch_path_adds(rows, rank):
     untouched = list(range(rows // 3, rows // 2 + 1))
     assert torch.equal(native[untouched], y0[untouched])
     assert (reference[:rows // 3].float() - y0[:rows // 3].float()).abs().mean() > 0.3
-    torch.testing.assert_close(native.float(), reference.float(), rtol=2.0 ** -7, atol=1e-3)
+    # Both round the float32 delta to bf16 once, then round y + delta once; summed in
+    # another order (torch's bf16 GEMM differs per CPU: AMX tiles on Intel), the delta can
+    # round one bf16 step the other way, and the sum then moves by that step plus its own
+    # rounding: up to one step of |delta| plus one of |y + delta| (2 steps where they
+    # cancel, seen on an Intel AMX Xeon: 1 element of 30720 off by 0.0156 at 1.15).
+    delta = (reference.float() - y0.float()).abs()
+    bound = 2.0 ** -7 * (delta + reference.float().abs()) + 1e-3
+    assert ((native.float() - reference.float()).abs() <= bound).all()
+    assert (native != reference).float().mean() < 0.01  # a rare rounding, not a drift
     assert (native != reference).float().mean() < 0.01
 
 

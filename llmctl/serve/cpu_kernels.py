@@ -187,7 +187,10 @@ def selected_variant() -> str:
 _VARIANT_WHY = {"avx512-bf16": "AVX-512 with BF16 and VNNI",
                 "avx512": "AVX-512 (F/BW/CD/DQ/VL) without BF16 or VNNI",
                 "avx2": "AVX2 + FMA + F16C, no AVX-512",
-                "portable": "no AVX2 + FMA (or not x86-64): scalar loops"}
+                "portable": "x86-64 without AVX2 + FMA: scalar loops"}
+# aarch64's one build: NEON bodies for paged attention and the norm/activation kernels
+# (csrc/paged_attention.cpp, csrc/norm_act.cpp), scalar loops for the rest
+_AARCH64_WHY = "aarch64: NEON paged attention and norm/activation, scalar loops elsewhere"
 
 
 def describe_variant() -> dict[str, object]:
@@ -199,7 +202,8 @@ def describe_variant() -> dict[str, object]:
     if not native_enabled():
         why = "LLMCTL_CPU_KERNELS=0: every native kernel is off (torch paths)"
     elif selected == "native":
-        why = f"-march=native on this CPU: {_VARIANT_WHY[bodies]}"
+        arm = platform.machine() in ("aarch64", "arm64")
+        why = f"-march=native on this CPU: {_AARCH64_WHY if arm else _VARIANT_WHY[bodies]}"
     else:
         why = f"{VARIANT_ENV}={selected}" + ("" if selected in runs else
                                              " (this CPU cannot run it: an error at load)")

@@ -157,3 +157,14 @@ def test_show_names_the_kernel_variant_and_why(home, monkeypatch):
     monkeypatch.setenv("LLMCTL_KERNEL_ISA", "portable")
     result = run("show", "--threads", 1)
     assert "engine kernels: portable bodies (LLMCTL_KERNEL_ISA=portable)" in result.output
+
+
+def test_an_arm_cpu_is_said_to_run_the_neon_bodies(monkeypatch):
+    from llmctl.serve import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
+    monkeypatch.delenv("LLMCTL_KERNEL_ISA", raising=False)
+    monkeypatch.delenv("LLMCTL_CPU_KERNELS", raising=False)
+    described = cpu_kernels.describe_variant()
+    assert described["cpu_runs"] == ["portable"] and described["bodies"] == "portable"
+    assert "aarch64: NEON paged attention" in described["why"]

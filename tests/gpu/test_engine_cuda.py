@@ -85,10 +85,10 @@ REPETITIVE = ("The file object is open. The file object is closed. The file obje
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_greedy_with_speculation_equals_plain_greedy(tiny_llama, gpu_near_draft, method):
+def test_greedy_with_speculation_equals_plain_greedy(tiny_llama, tiny_near_draft, method):
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "draft":
-        spec["draft_model"] = str(gpu_near_draft)
+        spec["draft_model"] = str(tiny_near_draft)
     llm = _llm(tiny_llama, speculative=spec, kv_cache_memory="8MiB", block_size=4)
     _check_against_hf(tiny_llama, llm, [REPETITIVE] + PROMPTS[:4],
                       SamplingParams(temperature=0, max_tokens=30))

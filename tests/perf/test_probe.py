@@ -3,7 +3,6 @@ values, and one real --quick probe against plausibility bounds."""
 
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -196,9 +195,7 @@ def test_a_quick_probe_measures_plausible_numbers():
 
     gemm_bf16_kernel()  # the one-time build of llmctl's kernels (seconds) is not the probe's
     threads = torch.get_num_threads()
-    start = time.perf_counter()
     record = measure(1, quick=True)
-    elapsed = time.perf_counter() - start
     assert torch.get_num_threads() == threads  # restored
     peaks = record.peaks()
     assert 1e9 < peaks.bandwidth < 1e12
@@ -215,4 +212,6 @@ def test_a_quick_probe_measures_plausible_numbers():
     kinds = {m.kind for m in record.measurements}
     assert {"read", "copy", "fp32", "bf16"} <= kinds
     assert all(len(m.seconds) == PLANS[True][3] for m in record.measurements)
-    assert elapsed < 5, f"a quick probe took {elapsed:.1f} s"
+    # No wall-clock bound (a timed unit test measures the machine, not the code: on an Intel
+    # Xeon with a 300 MiB L3 the read buffer is 8x that, 2.4 GB, and the probe took 6.7 s);
+    # quick is the quick plan's sizes and repeats, checked above and in plan_for's tests.

@@ -221,14 +221,18 @@ def test_a_request_that_times_out_has_error_status(traced, spans):
     assert root.attributes[Attr.COMPLETION_TOKENS] == 2
 
 
-def test_a_refused_request_has_error_status_and_no_phases(traced, spans):
+def test_a_refused_request_has_error_status_and_no_phases(traced, spans, monkeypatch):
+    from llmctl.serve.api.async_engine import QueueFullError
+
     running, _ = traced
-    running.engine.max_queue = 0  # every submission finds the queue full: 429
-    try:
+
+    def full():  # the queue is full at admission: 429 (max_queue 0 would be a 400 now)
+        raise QueueFullError("full")
+
+    with monkeypatch.context() as m:
+        m.setattr(running.engine, "check_capacity", full)
         resp = httpx.post(running.url + "/v1/completions", timeout=60,
                           json={"prompt": "x", "max_tokens": 2})
-    finally:
-        running.engine.max_queue = 256
     assert resp.status_code == 429
     root = _request_span(spans)
     assert root.status.status_code == StatusCode.ERROR

@@ -20,10 +20,7 @@ from dataclasses import dataclass
 from llmctl.errors import ConfigError
 from llmctl.perf import money, verdicts
 from llmctl.perf.utilization import PHASES, Timed, from_counters, from_requests, report, use
-
-# the dtype the products run in, by the served dtype's name
-_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16",
-           "fp16": "fp16", "fp32": "fp32"}
+from llmctl.utils.dtypes import short_name
 
 
 @dataclass(frozen=True)
@@ -42,15 +39,16 @@ def _timed(records) -> list[Timed]:
             and r.latency is not None and (r.output_tokens or 0) > 0]
 
 
-def _served_dtype(dtype: str, config: dict) -> str:
-    """``auto`` resolves as llmctl serve resolves it on this host; a remote server's dtype
-    is its own business, so give ``--dtype`` when it is not the checkpoint's."""
+def _served_dtype(dtype: str, config: dict) -> str | None:
+    """The dtype the products run in, by its short name (``bf16``). ``auto`` resolves as
+    llmctl serve resolves it on this host; a remote server's dtype is its own business, so
+    give ``--dtype`` when it is not the checkpoint's."""
     if dtype == "auto":
         from llmctl.utils.device import default_device, resolve_dtype
 
         dtype = resolve_dtype("auto", device=default_device(),
                               model_dtype=lambda: config.get("torch_dtype")).dtype
-    return _DTYPES[dtype]
+    return short_name(dtype)
 
 
 def diagnose(settings: PerfSettings, *, model_path, dtype: str, records: Sequence,

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from llmctl.engines.runtime import BatchedRuntime, BatchedState, DecodeBatch
+from llmctl.utils.dtypes import torch_dtype
 
 CHUNK = 64
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _round_up(n: int) -> int:
@@ -68,7 +68,7 @@ class AotiRuntime(BatchedRuntime):
         self.vocab_size = info["vocab_size"]
         self.max_len = info["max_seq_len"]
         self.max_batch_size = min(max_batch_size or info["max_batch_size"], info["max_batch_size"])
-        self.dtype = _DTYPES[info["dtype"]]
+        self.dtype = torch_dtype(info["dtype"])
         self.provider = "cpu (AOTInductor)"
         self._batch: _Batch | None = None
 

@@ -28,6 +28,7 @@ from llmctl.engines.options import CommonOptions
 from llmctl.engines.source import copy_metadata, float_checkpoint
 from llmctl.engines.targets import BuildContext, Target, TargetResult
 from llmctl.errors import UsageError
+from llmctl.utils.dtypes import torch_dtype
 
 PACKAGE = "model.pt2"
 _V2 = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")
@@ -45,7 +46,6 @@ ISA_EXTENSIONS = frozenset(_V4 + (
     "avx_vnni", "avx512ifma", "avx512vbmi", "avx512_vbmi2", "avx512_vnni", "avx512_bitalg",
     "avx512_vpopcntdq", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
     "asimd", "sve", "sve2", "bf16", "i8mm"))
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class TorchCompileOptions(BaseModel):
@@ -66,7 +66,7 @@ def required_flags(isa: str, build_flags: frozenset[str]) -> list[str]:
 
 class TorchCompileTarget(Target):
     name = "torch-compile"
-    precisions = tuple(PRECISIONS)
+    precisions = ("fp32", "bf16", "fp16")
     Options = TorchCompileOptions
 
     def check_request(self, common: CommonOptions, options: TorchCompileOptions) -> None:
@@ -92,7 +92,7 @@ class TorchCompileTarget(Target):
         opts: TorchCompileOptions = ctx.options
         if opts.threads:
             torch.set_num_threads(opts.threads)
-        dtype = getattr(torch, PRECISIONS[ctx.common.precision])
+        dtype = torch_dtype(ctx.common.precision)
         model_dir = float_checkpoint(ctx.source, ctx.workdir)
         config_max = int(ctx.source.config.get("max_position_embeddings", 2048))
         max_len = min(ctx.common.max_seq_len or min(config_max, 2048), config_max)

@@ -36,14 +36,13 @@ from llmctl.engines.manifest import PackageRule, Requirements
 from llmctl.engines.options import CommonOptions
 from llmctl.engines.source import METADATA_FILES
 from llmctl.engines.targets import BuildContext, Target, TargetResult
-from llmctl.serve.trtllm_options import PINNED_VERSION, validate_options, validate_with_library
 from llmctl.errors import ConfigError, MissingDependencyError, UsageError
+from llmctl.serve.trtllm_options import PINNED_VERSION, validate_options, validate_with_library
+from llmctl.utils.dtypes import dtype_name
 
 YAML_NAME = "extra_llm_api_options.yaml"
 CHECKPOINT = "checkpoint"
 DATASET = "bench_dataset.jsonl"
-# llmctl precision -> TorchLlmArgs.dtype
-PRECISIONS = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 class TensorRTLLMOptions(BaseModel):
@@ -67,7 +66,7 @@ class TensorRTLLMOptions(BaseModel):
 
 def llm_api_options(common: CommonOptions, opts: TensorRTLLMOptions, precision: str) -> dict:
     data: dict = {
-        "dtype": PRECISIONS[precision],
+        "dtype": dtype_name(precision),  # TorchLlmArgs.dtype: torch's name, or auto
         "max_batch_size": common.max_batch_size,
         "max_num_tokens": opts.max_num_tokens,
         "kv_cache_config": {"free_gpu_memory_fraction": opts.free_gpu_memory_fraction,
@@ -168,7 +167,7 @@ def library_available() -> bool:
 
 class TensorRTLLMTarget(Target):
     name = "tensorrt-llm"
-    precisions = tuple(PRECISIONS)
+    precisions = ("auto", "bf16", "fp16", "fp32")
     Options = TensorRTLLMOptions
     runnable = False
 

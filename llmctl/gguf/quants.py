@@ -1,21 +1,25 @@
-"""GGML's legacy block quantizers (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and BF16, as pure numpy.
+"""GGML's legacy block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and BF16, both ways, as pure numpy.
 
-Tensors in, bytes out: each function takes a float32 array whose last dimension is a
-multiple of 32 and returns uint8 rows laid out exactly as ggml stores them, so the
-result is bit-identical to gguf-py's reference ``gguf.quants.quantize`` (itself
-checked against ggml-quants.c). Tests compare both on random and edge-case data.
+One class per GGUF tensor type, registered in :data:`QUANTS` under the type's name, as
+gguf-py's ``quants.py`` does. ``encode`` takes float32 blocks and returns uint8 rows laid
+out exactly as ggml stores them, bit-identical to gguf-py's reference
+``gguf.quants.quantize`` (itself checked against ggml-quants.c); ``dequantize`` reads them
+back to float32 as gguf-py does. The legacy types also give their integer ``codes`` with a
+per-block scale and offset, which the engine runs as they are on its low-bit kernel
+(:mod:`llmctl.serve.gguf_weights`). Tests compare every direction with gguf-py.
 
 Why not call gguf-py directly: its quantizers allocate several full-size temporaries
-per 16-row group and run on one core; these work on row chunks (bounded memory) and
-spread the chunks over threads (numpy releases the GIL in its ufuncs).
+per 16-row group and run on one core; :func:`quantize` works on row chunks (bounded
+memory) and spreads the chunks over threads (numpy releases the GIL in its ufuncs).
 
-Block layouts (32 weights per block, little-endian, ``d``/``m`` are float16):
+Block layouts (32 weights per block, little-endian, ``d``/``m`` are float16), and the
+codes each decodes to (``x = d * q + z``):
 
-    Q8_0  | d | q[32] int8                       x = d * q          34 bytes
-    Q4_0  | d | nibbles[16]                      x = d * (q - 8)    18 bytes
-    Q4_1  | d | m | nibbles[16]                  x = d * q + m      20 bytes
-    Q5_0  | d | qh u32 | nibbles[16]             x = d * (q - 16)   22 bytes
-    Q5_1  | d | m | qh u32 | nibbles[16]         x = d * q + m      24 bytes
+    Q8_0  | d | q[32] int8                       x = d * q          z: none   34 bytes
+    Q4_0  | d | nibbles[16]                      x = d * (q - 8)    z = -8 d  18 bytes
+    Q4_1  | d | m | nibbles[16]                  x = d * q + m      z = m     20 bytes
+    Q5_0  | d | qh u32 | nibbles[16]             x = d * (q - 16)   z = -16 d 22 bytes
+    Q5_1  | d | m | qh u32 | nibbles[16]         x = d * q + m      z = m     24 bytes
 
 ``nibbles[j]`` holds q[j] in its low and q[j + 16] in its high four bits; bit j of
 ``qh`` is bit 4 of q[j].
@@ -24,9 +28,8 @@ Block layouts (32 weights per block, little-endian, ``d``/``m`` are float16):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -58,9 +61,19 @@ def _f16_bytes(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).view(np.uint8)
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Two bytes per block -> the float16 they hold, as float32 (one per block)."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
     """q[..., 32] in 0..15 (or 0..31: bit 4 dropped) -> [..., 16] bytes."""
     return (q[..., :16] & np.uint8(0x0F)) | (q[..., 16:] << np.uint8(4))
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> q[..., 32] in 0..15."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
 def _pack_high_bits(q: np.ndarray) -> np.ndarray:
@@ -68,77 +81,159 @@ def _pack_high_bits(q: np.ndarray) -> np.ndarray:
     return np.packbits((q >> np.uint8(4)) & np.uint8(1), axis=-1, bitorder="little")
 
 
-def _q8_0(blocks: np.ndarray) -> np.ndarray:
-    d = (np.abs(blocks).max(axis=-1, keepdims=True) / _F32(127)).astype(_F32)
-    q = _round_away(blocks * _safe_inverse(d)).astype(np.int8).view(np.uint8)
-    return np.concatenate([_f16_bytes(d), q], axis=-1)
+def _unpack_high_bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes (a little-endian uint32) -> bit 4 of each of the 32 values."""
+    return np.unpackbits(qh, axis=-1, bitorder="little") << np.uint8(4)
 
 
-def _q4_0(blocks: np.ndarray) -> np.ndarray:
-    # d = max / -8 maps the extreme value to q = 0 and leaves 15 for the other side.
-    d = (_signed_absmax(blocks) / _F32(-8)).astype(_F32)
-    q = np.trunc(blocks * _safe_inverse(d) + _F32(8.5)).clip(0, 15).astype(np.uint8)
-    return np.concatenate([_f16_bytes(d), _pack_nibbles(q)], axis=-1)
+# (codes q, scale d, offset z or None) per block: x = d * q + z
+Codes = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+
+QUANTS: dict[str, type[Quant]] = {}
 
 
-def _q4_1(blocks: np.ndarray) -> np.ndarray:
-    lo = blocks.min(axis=-1, keepdims=True)
-    d = ((blocks.max(axis=-1, keepdims=True) - lo) / _F32(15)).astype(_F32)
-    q = np.trunc((blocks - lo) * _safe_inverse(d) + _F32(0.5)).clip(0, 15).astype(np.uint8)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], axis=-1)
+class Quant:
+    """A GGUF tensor type llmctl writes: ``block_size`` weights in ``type_size`` bytes.
 
-
-def _q5_0(blocks: np.ndarray) -> np.ndarray:
-    d = (_signed_absmax(blocks) / _F32(-16)).astype(_F32)
-    q = np.trunc(blocks * _safe_inverse(d) + _F32(16.5)).clip(0, 31).astype(np.uint8)
-    return np.concatenate([_f16_bytes(d), _pack_high_bits(q), _pack_nibbles(q)], axis=-1)
-
-
-def _q5_1(blocks: np.ndarray) -> np.ndarray:
-    lo = blocks.min(axis=-1, keepdims=True)
-    d = ((blocks.max(axis=-1, keepdims=True) - lo) / _F32(31)).astype(_F32)
-    q = np.trunc((blocks - lo) * _safe_inverse(d) + _F32(0.5)).clip(0, 31).astype(np.uint8)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_high_bits(q),
-                           _pack_nibbles(q)], axis=-1)
-
-
-def _bf16(values: np.ndarray) -> np.ndarray:
-    """fp32 -> bf16 with round-to-nearest-even and NaNs kept quiet (ggml_compute_fp32_to_bf16).
-
-    uint32 arithmetic suffices: only NaN bit patterns can wrap, and those are replaced.
+    Subclasses register under their GGUF type name (``class Q8_0(LegacyBlock,
+    qtype="Q8_0", ...)``); gguf-py's ``GGML_QUANT_SIZES`` gives the same sizes.
     """
-    n = values.view(np.uint32)
-    rounded = (n + (np.uint32(0x7FFF) + ((n >> 16) & np.uint32(1)))) >> 16
-    nan = (n & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    if nan.any():
-        rounded = np.where(nan, (n >> 16) | np.uint32(64), rounded)
-    return rounded.astype(np.uint16).view(np.uint8)
+
+    name: ClassVar[str]
+    block_size: ClassVar[int]
+    type_size: ClassVar[int]
+    bits_per_weight: ClassVar[float]
+
+    def __init_subclass__(cls, qtype: str | None = None, *, block_size: int = BLOCK,
+                          type_size: int = 0, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if qtype is None:  # an abstract family (LegacyBlock)
+            return
+        cls.name, cls.block_size, cls.type_size = qtype, block_size, type_size
+        cls.bits_per_weight = 8 * type_size / block_size
+        QUANTS[qtype] = cls
+
+    @staticmethod
+    def encode(blocks: np.ndarray) -> np.ndarray:
+        """[n, block_size] float32 -> [n, type_size] uint8."""
+        raise NotImplementedError
+
+    @classmethod
+    def dequantize(cls, blocks: np.ndarray) -> np.ndarray:
+        """[..., type_size] uint8 -> [..., block_size] float32."""
+        raise NotImplementedError
 
 
-@dataclass(frozen=True)
-class BlockQuant:
-    name: str
-    block_size: int
-    type_size: int  # bytes per block
-    quantize_blocks: Callable[[np.ndarray], np.ndarray]  # [n, block] f32 -> [n, type_size] u8
+class LegacyBlock(Quant):
+    """32 weights, an fp16 scale ``d`` (an fp16 minimum ``m`` too for the ``_1`` types) and
+    ``bits``-bit codes: ``x = d * q + z`` (see the module table)."""
 
-    @property
-    def bits_per_weight(self) -> float:
-        return 8 * self.type_size / self.block_size
+    bits: ClassVar[int]
+
+    def __init_subclass__(cls, qtype: str | None = None, *, bits: int = 0, **kwargs) -> None:
+        super().__init_subclass__(qtype, **kwargs)
+        cls.bits = bits
+
+    @staticmethod
+    def codes(blocks: np.ndarray) -> Codes:
+        """[..., blocks, type_size] uint8 -> (q [..., blocks, 32] uint8 or int8,
+        d [..., blocks] float32, z [..., blocks] float32 or None)."""
+        raise NotImplementedError
+
+    @classmethod
+    def dequantize(cls, blocks: np.ndarray) -> np.ndarray:
+        q, d, z = cls.codes(blocks)
+        x = q.astype(_F32) * d[..., None]
+        return x if z is None else x + z[..., None]
 
 
-# gguf-py's constants.GGML_QUANT_SIZES gives the same (block, bytes) pairs.
-QUANTS: dict[str, BlockQuant] = {
-    q.name: q
-    for q in (
-        BlockQuant("Q8_0", BLOCK, 2 + 32, _q8_0),
-        BlockQuant("Q4_0", BLOCK, 2 + 16, _q4_0),
-        BlockQuant("Q4_1", BLOCK, 2 + 2 + 16, _q4_1),
-        BlockQuant("Q5_0", BLOCK, 2 + 4 + 16, _q5_0),
-        BlockQuant("Q5_1", BLOCK, 2 + 2 + 4 + 16, _q5_1),
-        BlockQuant("BF16", 1, 2, _bf16),
-    )
-}
+class Q8_0(LegacyBlock, qtype="Q8_0", bits=8, type_size=2 + 32):
+    @staticmethod
+    def encode(blocks: np.ndarray) -> np.ndarray:
+        d = (np.abs(blocks).max(axis=-1, keepdims=True) / _F32(127)).astype(_F32)
+        q = _round_away(blocks * _safe_inverse(d)).astype(np.int8).view(np.uint8)
+        return np.concatenate([_f16_bytes(d), q], axis=-1)
+
+    @staticmethod
+    def codes(blocks: np.ndarray) -> Codes:
+        return np.ascontiguousarray(blocks[..., 2:34]).view(np.int8), _f16(blocks[..., 0:2]), None
+
+
+class Q4_0(LegacyBlock, qtype="Q4_0", bits=4, type_size=2 + 16):
+    @staticmethod
+    def encode(blocks: np.ndarray) -> np.ndarray:
+        # d = max / -8 maps the extreme value to q = 0 and leaves 15 for the other side.
+        d = (_signed_absmax(blocks) / _F32(-8)).astype(_F32)
+        q = np.trunc(blocks * _safe_inverse(d) + _F32(8.5)).clip(0, 15).astype(np.uint8)
+        return np.concatenate([_f16_bytes(d), _pack_nibbles(q)], axis=-1)
+
+    @staticmethod
+    def codes(blocks: np.ndarray) -> Codes:
+        d = _f16(blocks[..., 0:2])
+        return _unpack_nibbles(blocks[..., 2:18]), d, -8.0 * d
+
+
+class Q4_1(LegacyBlock, qtype="Q4_1", bits=4, type_size=2 + 2 + 16):
+    @staticmethod
+    def encode(blocks: np.ndarray) -> np.ndarray:
+        lo = blocks.min(axis=-1, keepdims=True)
+        d = ((blocks.max(axis=-1, keepdims=True) - lo) / _F32(15)).astype(_F32)
+        q = np.trunc((blocks - lo) * _safe_inverse(d) + _F32(0.5)).clip(0, 15).astype(np.uint8)
+        return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], axis=-1)
+
+    @staticmethod
+    def codes(blocks: np.ndarray) -> Codes:
+        return _unpack_nibbles(blocks[..., 4:20]), _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+
+
+class Q5_0(LegacyBlock, qtype="Q5_0", bits=5, type_size=2 + 4 + 16):
+    @staticmethod
+    def encode(blocks: np.ndarray) -> np.ndarray:
+        d = (_signed_absmax(blocks) / _F32(-16)).astype(_F32)
+        q = np.trunc(blocks * _safe_inverse(d) + _F32(16.5)).clip(0, 31).astype(np.uint8)
+        return np.concatenate([_f16_bytes(d), _pack_high_bits(q), _pack_nibbles(q)], axis=-1)
+
+    @staticmethod
+    def codes(blocks: np.ndarray) -> Codes:
+        d = _f16(blocks[..., 0:2])
+        q = _unpack_nibbles(blocks[..., 6:22]) | _unpack_high_bits(blocks[..., 2:6])
+        return q, d, -16.0 * d
+
+
+class Q5_1(LegacyBlock, qtype="Q5_1", bits=5, type_size=2 + 2 + 4 + 16):
+    @staticmethod
+    def encode(blocks: np.ndarray) -> np.ndarray:
+        lo = blocks.min(axis=-1, keepdims=True)
+        d = ((blocks.max(axis=-1, keepdims=True) - lo) / _F32(31)).astype(_F32)
+        q = np.trunc((blocks - lo) * _safe_inverse(d) + _F32(0.5)).clip(0, 31).astype(np.uint8)
+        return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_high_bits(q),
+                               _pack_nibbles(q)], axis=-1)
+
+    @staticmethod
+    def codes(blocks: np.ndarray) -> Codes:
+        q = _unpack_nibbles(blocks[..., 8:24]) | _unpack_high_bits(blocks[..., 4:8])
+        return q, _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+
+
+class BF16(Quant, qtype="BF16", block_size=1, type_size=2):
+    @staticmethod
+    def encode(blocks: np.ndarray) -> np.ndarray:
+        """fp32 -> bf16 with round-to-nearest-even and NaNs kept quiet
+        (ggml_compute_fp32_to_bf16).
+
+        uint32 arithmetic suffices: only NaN bit patterns can wrap, and those are replaced.
+        """
+        n = blocks.view(np.uint32)
+        rounded = (n + (np.uint32(0x7FFF) + ((n >> 16) & np.uint32(1)))) >> 16
+        nan = (n & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        if nan.any():
+            rounded = np.where(nan, (n >> 16) | np.uint32(64), rounded)
+        return rounded.astype(np.uint16).view(np.uint8)
+
+    @classmethod
+    def dequantize(cls, blocks: np.ndarray) -> np.ndarray:
+        return (np.ascontiguousarray(blocks).view(np.uint16).astype(np.uint32) << 16).view(_F32)
+
 
 # Rows per work item: 4096 x 576 floats is ~9 MB in, a few temporaries of that size.
 _CHUNK_ELEMENTS = 1 << 21
@@ -170,7 +265,7 @@ def quantize(array: np.ndarray, type_name: str, threads: int | None = None) -> n
     def work(start: int) -> None:
         chunk = rows[start:start + step]
         blocks = chunk.reshape(-1, quant.block_size)
-        out[start:start + step] = quant.quantize_blocks(blocks).reshape(chunk.shape[0], out_row)
+        out[start:start + step] = quant.encode(blocks).reshape(chunk.shape[0], out_row)
 
     starts = range(0, rows.shape[0], step)
     threads = threads or min(len(starts), os.cpu_count() or 1)

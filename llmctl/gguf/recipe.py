@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from llmctl.errors import ConfigError, LlmctlError
 from llmctl.gguf.types import check_tensor_type, file_type
+from llmctl.utils.dtypes import DTYPES
 
 
 def _as_value_error(check, value):
@@ -162,5 +163,6 @@ def intermediate_type(recipe: GGUFRecipe, source_dtype: str) -> str:
     """The float type of the file handed to llama.cpp."""
     if recipe.intermediate != "auto":
         return recipe.intermediate
-    return {"bfloat16": "BF16", "float16": "F16"}.get(source_dtype, "F32")
+    row = DTYPES.get(source_dtype)
+    return row.gguf if row and row.gguf else "F32"
 

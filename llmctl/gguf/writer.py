@@ -34,6 +34,7 @@ from llmctl.models.architectures import (
     rope_permute,
 )
 from llmctl.utils.atomic import atomic_path
+from llmctl.utils.dtypes import SAFETENSORS
 
 Progress = Callable[[int, int], None]
 
@@ -90,9 +91,6 @@ def _header(file: Path) -> dict[str, Any]:
         return json.loads(f.read(n))
 
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-
-
 def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
                    ) -> list[SourceTensor]:
     """The checkpoint's tensors in GGUF order (embeddings, blocks, norm, output)."""
@@ -101,7 +99,9 @@ def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
     for file in _safetensors_files(directory):
         for key, info in _header(file).items():
             if key != "__metadata__":
-                found[key] = (tuple(info["shape"]), _ST_DTYPES.get(info["dtype"], info["dtype"]))
+                code = info["dtype"]
+                dtype = SAFETENSORS[code].name if code in SAFETENSORS else code
+                found[key] = (tuple(info["shape"]), dtype)
     unknown = sorted(k for k in found if k not in names and not k.endswith("rotary_emb.inv_freq"))
     if unknown:
         raise NotAModelError(

@@ -38,6 +38,7 @@ from llmctl.perf.probe_record import (
     check_threads,
     current_key,
 )
+from llmctl.utils import dtypes
 from llmctl.utils.cpu import (
     available_ram_bytes,
     cpu_flags,
@@ -53,7 +54,6 @@ LLC_MULTIPLE = 8  # the read buffer is at least this many times the last-level c
 # The own kernel's warm shape: SmolLM2's 576 x 576 o_proj (648 KB of bf16, inside a 1 MB
 # L2) times 512 rows, ``calls`` times per timed run.
 OWN_ROWS, OWN_IN, OWN_OUT = 512, 576, 576
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 class Unavailable(Exception):
@@ -153,7 +153,7 @@ def torch_matmul(dtype: str, n: int, repeats: int) -> Measurement:
     """A warm ``torch.matmul`` of ``n x n x n`` in ``dtype`` ("fp32", "bf16")."""
     import torch
 
-    torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
+    torch_dtype = dtypes.torch_dtype(dtype)
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen).to(torch_dtype)
     b = torch.randn(n, n, generator=gen).to(torch_dtype)
@@ -173,7 +173,7 @@ def packed_linear(dtype: str, n: int, repeats: int) -> Measurement:
         packing_available,
     )
 
-    torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
+    torch_dtype = dtypes.torch_dtype(dtype)
     if torch_dtype == torch.bfloat16 and not onednn_bf16_supported():
         raise Unavailable("oneDNN packs bf16 weights only on CPUs with AVX512-BW/VL/DQ or "
                           "AVX-NE-CONVERT; this one emulates bf16 (torch.matmul measures it)")

@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmctl.utils.dtypes import SAFETENSORS
+
 # Tensors that hold quantization parameters rather than model parameters.
 _AUX_SUFFIXES = ("_scale", "_zero_point", "_g_idx", "weight_shape", "input_global_scale",
                  "weight_global_scale")
-_DTYPE_BITS = {"F64": 64, "F32": 32, "BF16": 16, "F16": 16, "F8_E4M3": 8, "F8_E5M2": 8,
-               "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8}
 
 
 @dataclass
@@ -62,7 +62,7 @@ def _count_parameters(directory: Path, quant: dict | None) -> tuple[int, str]:
                 numel *= dim
             if name.endswith("weight_packed"):
                 # compressed-tensors packs 32 // num_bits values per int32.
-                numel = numel * _DTYPE_BITS[entry["dtype"]] // _packed_bits(quant)
+                numel = numel * SAFETENSORS[entry["dtype"]].bits // _packed_bits(quant)
             total += numel
             dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + numel
     main = max(dtypes, key=dtypes.get) if dtypes else "unknown"

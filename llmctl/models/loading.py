@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16", "auto": "auto"}
+from llmctl.utils.dtypes import DTYPE_ALIASES, FLOAT_DTYPES
+from llmctl.utils.dtypes import torch_dtype as _torch_dtype
 
 
 def torch_dtype(name: str):
-    import torch
-
+    """A compute float type's name or alias -> the torch dtype; ``auto`` stays."""
     from llmctl.errors import UsageError
 
-    try:
-        canonical = _DTYPES[name]
-    except KeyError:
-        raise UsageError(f"unknown dtype {name!r}", f"use one of: {', '.join(_DTYPES)}") from None
-    return canonical if canonical == "auto" else getattr(torch, canonical)
+    if name == "auto":
+        return name
+    if DTYPE_ALIASES.get(name, name) not in FLOAT_DTYPES:
+        raise UsageError(f"unknown dtype {name!r}",
+                         f"use one of: {', '.join(FLOAT_DTYPES)}, auto (or bf16, fp16, fp32)")
+    return _torch_dtype(name)
 
 
 def load_tokenizer(path: Path):

@@ -14,10 +14,7 @@ from pathlib import Path
 import torch
 
 from llmctl.errors import ConfigError, NotAModelError
-
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
-           "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "BOOL": torch.bool}
+from llmctl.utils.dtypes import SAFETENSORS, torch_dtype
 
 
 def _header(path: Path) -> dict:
@@ -64,7 +61,7 @@ class Checkpoint:
         return tuple(self.meta[name]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self.meta[name]["dtype"]]
+        return torch_dtype(SAFETENSORS[self.meta[name]["dtype"]].name)
 
     def nbytes(self, name: str) -> int:
         start, end = self.meta[name]["data_offsets"]

@@ -20,12 +20,12 @@ from llmctl.errors import ConfigError
 from llmctl.quant.checkpoint import Checkpoint
 from llmctl.quant.recipe import Recipe
 from llmctl.quant.rtn import IntGrid
+from llmctl.utils.dtypes import dtype_name, float_bytes
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 _LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 MIN_GROUP = 16
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -254,8 +254,8 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
     modifier = recipe.weight_modifier
     groups = modifier.resolved_groups()
     actorder_default = getattr(modifier, "actorder", None)
-    dtype = str(ckpt.weight_dtype).replace("torch.", "")
-    dtype_bytes = _DTYPE_BYTES.get(dtype, 4)
+    dtype = dtype_name(ckpt.weight_dtype)
+    dtype_bytes = float_bytes(dtype)
     tied = bool(ckpt.text_config.get("tie_word_embeddings", ckpt.config.get("tie_word_embeddings")))
     warnings: list[str] = []
     modules: list[ModulePlan] = []

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from llmctl.data.sources import fixed_windows, load_text_source, token_stream
+from llmctl.utils.dtypes import dtype_name
 
 HELDOUT = "builtin:pydoc-heldout"
 
@@ -43,5 +44,4 @@ def checkpoint_perplexity(directory: Path, windows: torch.Tensor,
     """Perplexity of a checkpoint as transformers loads it (compressed-tensors included)."""
     from llmctl.models.loading import load_model
 
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    return perplexity(load_model(Path(directory), name), windows)
+    return perplexity(load_model(Path(directory), dtype_name(dtype)), windows)

@@ -29,6 +29,7 @@ import torch
 
 from llmctl.quant.packing import pack_int32
 from llmctl.quant.plan import ModulePlan, QuantPlan
+from llmctl.utils.dtypes import DTYPES, dtype_name
 
 SKIP_SIDE_FILES = ("config.json", "llmctl-manifest.json", "llmctl-quant.json", "recipe.yaml",
                    "model.safetensors.index.json")
@@ -66,12 +67,6 @@ def module_tensors(plan: ModulePlan, q: QuantizedLinear, dtype: torch.dtype) -> 
         if q.input_zero is not None:
             out[f"{p}.input_zero_point"] = q.input_zero.reshape(1).to(torch.int8)
     return {k: v.contiguous().cpu() for k, v in out.items()}
-
-
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-                      torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
-                      torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-                      torch.float8_e4m3fn: "F8_E4M3"}
 
 
 @dataclass(frozen=True)
@@ -145,7 +140,8 @@ class PlannedWriter:
             offset = 0
             for name in names:
                 spec = specs[name]
-                header[name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape),
+                header[name] = {"dtype": DTYPES[dtype_name(spec.dtype)].safetensors,
+                                "shape": list(spec.shape),
                                 "data_offsets": [offset, offset + spec.nbytes]}
                 offset += spec.nbytes
             raw = json.dumps(header, separators=(",", ":")).encode()

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from llmctl.errors import ConfigError
 from llmctl.serve.policy import DEFAULT_CLASS, DEFAULT_CLASSES
+from llmctl.utils.dtypes import DTYPE_ALIASES
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -39,8 +40,8 @@ def parse_memory(value: str | float) -> tuple[str, float]:
     return "bytes", size
 
 
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-                  "float": "float32", "fp8_e4m3": "fp8"}
+# --dtype and --kv-cache-dtype spellings: the float aliases, and vLLM's name for fp8 KV.
+_DTYPE_ALIASES = {**DTYPE_ALIASES, "fp8_e4m3": "fp8"}
 
 
 class SpeculativeConfig(BaseModel):

@@ -1,15 +1,10 @@
 """A GGUF file's weights for the engine, quantized tensors kept quantized.
 
-Q4_0, Q4_1 and Q8_0 blocks (32 weights, one fp16 scale, Q4_1 an fp16 minimum too) become
-:class:`llmctl.serve.lowbit.AffineCodes` with groups of 32, bit for bit::
-
-    Q4_0  | d | nibbles[16]      w = d * (u - 8)     -> q = u, s = d, z = -8 d
-    Q4_1  | d | m | nibbles[16]  w = d * u + m       -> q = u, s = d, z = m
-    Q8_0  | d | q[32] int8       w = d * q           -> q,     s = d, no z
-
-(nibble ``j`` of a block is byte ``j``'s low half for ``j < 16``, byte ``j - 16``'s high
-half after), and run on the low-bit kernel as llama.cpp runs them: no float copy of a
-quantized matrix. Other types (F32, F16, BF16, K-quants, Q5_*) are read as float.
+Q4_0, Q4_1 and Q8_0 blocks become :class:`llmctl.serve.lowbit.AffineCodes` with groups of
+32, bit for bit: the codes, scales and offsets :meth:`llmctl.gguf.quants.LegacyBlock.codes`
+reads (``w = d * q + z``; the block layouts are drawn there), run on the low-bit kernel as
+llama.cpp runs them: no float copy of a quantized matrix. Other types (F32, F16, BF16,
+K-quants, Q5_* whose 5-bit codes the kernel does not take) are read as float.
 Names are Hugging Face's; q/k rows come back in HF order (the engine applies its own
 RoPE interleaving, which is the permutation llama.cpp's converter stored).
 """
@@ -22,47 +17,25 @@ import numpy as np
 import torch
 
 from llmctl.errors import GGUFError
+from llmctl.gguf.quants import QUANTS
 from llmctl.models.architectures import expand_tensor_names, rope_unpermute
 from llmctl.models.gguf_reader import open_checkpoint
 from llmctl.serve.lowbit import AffineCodes
 
-QK = 32  # weights per block in every legacy GGML type
-
-
-def _fp16(raw: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
-
-
-def _q4_0(blocks: np.ndarray):
-    d = _fp16(blocks[..., 0:2])
-    return _nibbles(blocks[..., 2:18]), d, -8.0 * d
-
-
-def _q4_1(blocks: np.ndarray):
-    return _nibbles(blocks[..., 4:20]), _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
-
-
-def _q8_0(blocks: np.ndarray):
-    return np.ascontiguousarray(blocks[..., 2:34]).view(np.int8), _fp16(blocks[..., 0:2]), None
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
-
-# type -> (bytes per block, bits, decoder of [rows, blocks, bytes] into (q, d, z))
-CODECS = {"Q4_0": (18, 4, _q4_0), "Q4_1": (20, 4, _q4_1), "Q8_0": (34, 8, _q8_0)}
+# The legacy types whose codes the low-bit kernel runs as they are (4 and 8 bits).
+CODECS = {name: QUANTS[name] for name in ("Q4_0", "Q4_1", "Q8_0")}
 
 
 def decode_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> AffineCodes:
     """A quantized GGUF tensor's bytes as codes with per-32 scales and offsets."""
-    size, bits, decode = CODECS[type_name]
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // QK, size)
-    q, d, z = decode(blocks)
+    codec = CODECS[type_name]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // codec.block_size,
+                                                     codec.type_size)
+    q, d, z = codec.codes(blocks)
     return AffineCodes(
         q=torch.from_numpy(np.ascontiguousarray(q).reshape(rows, cols)),
         scale=torch.from_numpy(d), zero=None if z is None else torch.from_numpy(z),
-        group_size=QK, bits=bits)
+        group_size=codec.block_size, bits=codec.bits)
 
 
 class GGUFWeights:

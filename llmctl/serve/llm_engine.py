@@ -107,10 +107,9 @@ from llmctl.serve.sampling_params import SamplingParams
 from llmctl.serve.scheduler import ScheduledSeq, Scheduler
 from llmctl.serve.sequence import Request, Sequence, SequenceStatus
 from llmctl.serve.spec_decode import DraftModelProposer, NgramProposer
+from llmctl.utils.dtypes import FLOAT_DTYPES, short_name, torch_dtype
 
 log = logging.getLogger("llmctl.serve")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _Built:
@@ -123,8 +122,8 @@ class _Built:
 
         path = resolved.path
         self.spec = ModelSpec.from_dir(path)
-        dtype = _DTYPES.get(config.dtype if config.dtype != "auto" else self.spec.torch_dtype,
-                            torch.float32)
+        name = config.dtype if config.dtype != "auto" else self.spec.torch_dtype
+        dtype = torch_dtype(name) if name in FLOAT_DTYPES else torch.float32
         reader = None
         if _gguf_native(resolved, config):
             from llmctl.serve.gguf_weights import GGUFWeights
@@ -202,9 +201,6 @@ class _PromptAwareBlockManager(BlockManager):
 # tokens with detokenization, stop checks and block commits (update), and building the
 # RequestOutputs (output).
 STEP_PHASES = ("schedule", "forward", "sample", "update", "output")
-# The dtype the matrix products run in -> the peak MFU is measured against (int4/int8
-# weights are widened to the activation dtype, so their products run in it too).
-_PERF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 class LLMEngine:
@@ -931,8 +927,10 @@ class LLMEngine:
             "step_phase_seconds": dict(self.phase_seconds),
             "perf_totals": {p: load for p, load in self.meter.totals.items()},
             "perf_recent": self.meter.recent(),
-            "perf_dtype": _PERF_DTYPES.get(getattr(getattr(self.target, "model", None),
-                                                   "dtype", None), "unknown"),
+            # the dtype the matrix products run in -> the peak MFU is measured against
+            # (int4/int8 weights are widened to the activation dtype, so theirs run in it too)
+            "perf_dtype": short_name(getattr(getattr(self.target, "model", None), "dtype",
+                                             None)) or "unknown",
             # deadline admission (llmctl.serve.admission): None until measured
             "admission_rate": rate,
             "queued_work": work,

@@ -26,10 +26,8 @@ from dataclasses import dataclass
 
 from llmctl.errors import UsageError
 from llmctl.utils.cpu import cpu_flags
+from llmctl.utils.dtypes import DTYPE_ALIASES, FLOAT_DTYPES
 
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-                 "float": "float32"}
 # /proc/cpuinfo flag -> how the log names it; the first one present wins.
 NATIVE_BF16_FLAGS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}
 

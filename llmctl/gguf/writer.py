@@ -33,6 +33,7 @@ from llmctl.models.architectures import (
     get_architecture,
     rope_permute,
 )
+from llmctl.models.spec import ModelArch
 from llmctl.utils.atomic import atomic_path
 from llmctl.utils.dtypes import SAFETENSORS
 
@@ -194,11 +195,11 @@ def rope_freqs(config: dict[str, Any]) -> np.ndarray | None:
     """Llama 3.1's frequency-dependent RoPE scaling, as the ``rope_freqs`` tensor
     llama.cpp multiplies into its rotation (same formula as transformers'
     ``_compute_llama3_parameters``)."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if str(params.get("rope_type", params.get("type", ""))).lower() != "llama3":
+    spec = ModelArch.from_config(config)
+    params = spec.rope
+    if str(params["rope_type"]).lower() != "llama3":
         return None
-    base = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    base, dim = params["rope_theta"], spec.head_dim
     freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     factor = params.get("factor", 8.0)
     low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
@@ -215,11 +216,6 @@ def generated_tensors(config: dict[str, Any]) -> dict[str, np.ndarray]:
     return {} if freqs is None else {"rope_freqs.weight": freqs}
 
 
-def _rope_theta(config: dict[str, Any]) -> float | None:
-    params = config.get("rope_parameters") or {}
-    return params.get("rope_theta", config.get("rope_theta"))
-
-
 def _write_metadata(writer, config: dict[str, Any], arch: Architecture, name: str,
                     ftype: int, vocab: GGUFVocab) -> None:
     import gguf
@@ -227,8 +223,9 @@ def _write_metadata(writer, config: dict[str, Any], arch: Architecture, name: st
     writer.add_name(name)
     writer.add_file_type(ftype)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    spec = ModelArch.from_config(config)
     for key, hf_key in GGUF_CONFIG_KEYS.items():
-        value = _rope_theta(config) if hf_key == "rope_theta" else config.get(hf_key)
+        value = spec.rope_theta if hf_key == "rope_theta" else config.get(hf_key)
         if value is None:
             continue
         full = key.format(arch=arch.gguf_arch)
@@ -236,12 +233,11 @@ def _write_metadata(writer, config: dict[str, Any], arch: Architecture, name: st
             writer.add_float32(full, float(value))
         else:
             writer.add_uint32(full, int(value))
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(spec.head_dim)
     # llama.cpp derives the V head size from hidden/heads unless told (Qwen3: 128 != 64/4).
-    writer.add_value_length(head_dim)
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = str(params.get("rope_type", params.get("type", "default"))).lower()
+    writer.add_value_length(spec.head_dim)
+    params = spec.rope
+    kind = str(params["rope_type"]).lower()
     if kind in ("linear", "yarn") and params.get("factor"):
         writer.add_rope_scaling_type(gguf.RopeScalingType[kind.upper()])
         writer.add_rope_scaling_factor(float(params["factor"]))
@@ -283,7 +279,8 @@ def write_gguf(directory: Path, out: Path, plan: list[TensorPlan], ftype: int, *
     arch = get_architecture(config["model_type"])
     vocab = vocab or read_hf_vocab(directory, config)
     extra = generated_tensors(config)
-    n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads")
+    spec = ModelArch.from_config(config)
+    n_head, n_kv = spec.num_heads, spec.num_kv_heads
     with atomic_path(Path(out)) as tmp:
         writer = gguf.GGUFWriter(None, arch.gguf_arch)
         _write_metadata(writer, config, arch, directory.name, ftype, vocab)
@@ -318,7 +315,7 @@ def write_gguf(directory: Path, out: Path, plan: list[TensorPlan], ftype: int, *
                 if arch.rope_permute and p.source.endswith("q_proj.weight"):
                     array = rope_permute(array, n_head)
                 elif arch.rope_permute and p.source.endswith("k_proj.weight"):
-                    array = rope_permute(array, n_kv or n_head)
+                    array = rope_permute(array, n_kv)
             data = _encode(array, p.type, threads)
             writer.write_tensor_data(data)
             del array, data

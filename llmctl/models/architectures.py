@@ -1,43 +1,18 @@
-"""The model families llmctl supports, as data.
-
-One row per Hugging Face ``model_type``: the transformers classes, the llama.cpp
-architecture name, and the tensors each block carries beyond the Llama core. Adding
-a Llama-like family is adding a row here.
+"""The model families llmctl converts, quantizes and runs: the rows of
+:data:`llmctl.models.spec.FAMILIES` that name a transformers class, their lookup, their
+GGUF tensor names per block and llama.cpp's RoPE row permutation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from llmctl.errors import UnsupportedArchitectureError
-
-# HF parameter name -> GGUF tensor name, shared by every Llama-family model.
-# ``{bid}`` is the decoder block index (gguf-py's tensor_mapping uses the same idea).
-LLAMA_TENSORS: dict[str, str] = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{bid}.input_layernorm.weight": "blk.{bid}.attn_norm.weight",
-    "model.layers.{bid}.self_attn.q_proj.weight": "blk.{bid}.attn_q.weight",
-    "model.layers.{bid}.self_attn.k_proj.weight": "blk.{bid}.attn_k.weight",
-    "model.layers.{bid}.self_attn.v_proj.weight": "blk.{bid}.attn_v.weight",
-    "model.layers.{bid}.self_attn.o_proj.weight": "blk.{bid}.attn_output.weight",
-    "model.layers.{bid}.post_attention_layernorm.weight": "blk.{bid}.ffn_norm.weight",
-    "model.layers.{bid}.mlp.gate_proj.weight": "blk.{bid}.ffn_gate.weight",
-    "model.layers.{bid}.mlp.up_proj.weight": "blk.{bid}.ffn_up.weight",
-    "model.layers.{bid}.mlp.down_proj.weight": "blk.{bid}.ffn_down.weight",
-}
-
-QKV_BIAS_TENSORS: dict[str, str] = {
-    "model.layers.{bid}.self_attn.q_proj.bias": "blk.{bid}.attn_q.bias",
-    "model.layers.{bid}.self_attn.k_proj.bias": "blk.{bid}.attn_k.bias",
-    "model.layers.{bid}.self_attn.v_proj.bias": "blk.{bid}.attn_v.bias",
-}
-
-QK_NORM_TENSORS: dict[str, str] = {
-    "model.layers.{bid}.self_attn.q_norm.weight": "blk.{bid}.attn_q_norm.weight",
-    "model.layers.{bid}.self_attn.k_norm.weight": "blk.{bid}.attn_k_norm.weight",
-}
+from llmctl.models.spec import (  # noqa: F401 (re-exported: the tables live in spec)
+    FAMILIES,
+    LLAMA_TENSORS,
+    QK_NORM_TENSORS,
+    QKV_BIAS_TENSORS,
+    Family,
+)
 
 # GGUF metadata key (``{arch}`` = general.architecture) -> HF config field.
 GGUF_CONFIG_KEYS: dict[str, str] = {
@@ -53,39 +28,11 @@ GGUF_CONFIG_KEYS: dict[str, str] = {
     "{arch}.vocab_size": "vocab_size",
 }
 
-
-@dataclass(frozen=True)
-class Architecture:
-    model_type: str
-    causal_lm_class: str
-    gguf_arch: str
-    # llama.cpp's "llama" graph applies RoPE to interleaved pairs, HF to halves, so
-    # its converter permutes q/k rows; NEOX-style families (qwen) are stored as is.
-    rope_permute: bool
-    tensors: dict[str, str] = field(default_factory=lambda: dict(LLAMA_TENSORS))
-
+# A family row that llmctl converts, quantizes and runs (it names a transformers class).
+Architecture = Family
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.model_type: a
-    for a in (
-        Architecture("llama", "LlamaForCausalLM", "llama", rope_permute=True),
-        Architecture("mistral", "MistralForCausalLM", "llama", rope_permute=True),
-        Architecture(
-            "qwen2",
-            "Qwen2ForCausalLM",
-            "qwen2",
-            rope_permute=False,
-            tensors={**LLAMA_TENSORS, **QKV_BIAS_TENSORS},
-        ),
-        Architecture(
-            "qwen3",
-            "Qwen3ForCausalLM",
-            "qwen3",
-            rope_permute=False,
-            tensors={**LLAMA_TENSORS, **QK_NORM_TENSORS},
-        ),
-    )
-}
+    t: row for t, row in FAMILIES.items() if row.causal_lm_class is not None}
 
 
 def get_architecture(model_type: str) -> Architecture:

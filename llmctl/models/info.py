@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmctl.models.spec import ModelArch
 from llmctl.utils.dtypes import SAFETENSORS
 
 # Tensors that hold quantization parameters rather than model parameters.
@@ -92,11 +93,9 @@ def _tokenizer_summary(directory: Path) -> tuple[str | None, bool, str | None]:
 def model_info(directory: Path, source: str = "local") -> ModelInfo:
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
-    text = config.get("text_config", config)
+    arch = ModelArch.from_config(config, known_only=False)
     quant = config.get("quantization_config")
     params, dtype = _count_parameters(directory, quant)
-    heads = text["num_attention_heads"]
-    rope = text.get("rope_parameters") or {}
     tokenizer, template, eos = _tokenizer_summary(directory)
     return ModelInfo(
         path=str(directory),
@@ -104,16 +103,16 @@ def model_info(directory: Path, source: str = "local") -> ModelInfo:
         model_type=config.get("model_type", "?"),
         architecture=(config.get("architectures") or ["?"])[0],
         parameters=params,
-        layers=text["num_hidden_layers"],
-        hidden_size=text["hidden_size"],
-        intermediate_size=text.get("intermediate_size", 0),
-        heads=heads,
-        kv_heads=text.get("num_key_value_heads", heads),
-        head_dim=text.get("head_dim") or text["hidden_size"] // heads,
-        vocab_size=text["vocab_size"],
-        context_length=text.get("max_position_embeddings", 0),
-        rope_theta=rope.get("rope_theta", text.get("rope_theta")),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        heads=arch.num_heads,
+        kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        vocab_size=arch.vocab_size,
+        context_length=arch.max_position_embeddings or 0,
+        rope_theta=arch.rope_theta,
+        tied_embeddings=arch.tie_word_embeddings,
         dtype=dtype,
         size_on_disk=sum(p.stat().st_size for p in directory.iterdir() if p.is_file()),
         tokenizer=tokenizer,

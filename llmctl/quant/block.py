@@ -7,7 +7,8 @@ mlp_act -> (down_proj)``. Linears are applied through a callback so the caller d
 which weight (float, smoothed, quantized) and which activation quantizer each one uses.
 
 Covers llama / mistral (dense attention; Mistral's sliding window is honoured),
-qwen2 (q/k/v biases) and qwen3 (per-head q/k RMSNorm). RoPE cos/sin come from
+qwen2 (q/k/v biases) and qwen3 (per-head q/k RMSNorm); the shape is a view of
+:class:`llmctl.models.spec.ModelArch`. RoPE cos/sin come from
 transformers' own rotary class, so every ``rope_type`` it knows is right.
 """
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from llmctl.models.spec import ModelArch
 
 # name of a linear -> the activation that feeds it (its "tap")
 TAPS = ("attn_in", "attn_out", "mlp_in", "mlp_act")
@@ -50,12 +53,14 @@ class BlockShape:
 
     @classmethod
     def from_config(cls, config: dict) -> BlockShape:
-        heads = config["num_attention_heads"]
-        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
-        return cls(hidden=config["hidden_size"], heads=heads,
-                   kv_heads=config.get("num_key_value_heads") or heads,
-                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                   eps=config.get("rms_norm_eps", 1e-6), sliding_window=window)
+        return cls.from_arch(ModelArch.from_config(config))
+
+    @classmethod
+    def from_arch(cls, arch: ModelArch) -> BlockShape:
+        # one window for every block: the family's windows as transformers reads them,
+        # when every layer has one (a model mixing full and windowed layers attends fully)
+        return cls(hidden=arch.hidden_size, heads=arch.num_heads, kv_heads=arch.num_kv_heads,
+                   head_dim=arch.head_dim, eps=arch.rms_norm_eps, sliding_window=arch.kv_window)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from llmctl.errors import ResourceError
+from llmctl.models.spec import ModelArch
 
 GIB = 1 << 30
 
@@ -59,14 +60,11 @@ class MemoryEstimate:
                 "peak_bytes": self.peak, "available_bytes": self.available}
 
 
-def estimate(config: dict, *, samples: int, seq_len: int, compute_bytes: int,
+def estimate(arch: ModelArch, *, samples: int, seq_len: int, compute_bytes: int,
              chunk_tokens: int, layer_params: int, hessian_dims: list[int],
              max_rows: int, smoothing: bool) -> MemoryEstimate:
-    hidden = config["hidden_size"]
-    inter = config.get("intermediate_size", 4 * hidden)
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    vocab = config.get("vocab_size", 0)
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    heads, head_dim, vocab = arch.num_heads, arch.head_dim, arch.vocab_size
     tokens = samples * seq_len
     chunk_seqs = max(1, chunk_tokens // seq_len)
     parts = {

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmctl.errors import ConfigError
+from llmctl.models.spec import ModelArch
 from llmctl.quant.checkpoint import Checkpoint
 from llmctl.quant.recipe import Recipe
 from llmctl.quant.rtn import IntGrid
@@ -330,8 +331,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
 
 
 def kv_heads(ckpt: Checkpoint) -> int:
-    config = ckpt.text_config or ckpt.config
-    return int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    return ModelArch.from_config(ckpt.config).num_kv_heads
 
 
 def _output_groups(groups: dict[str, Any], modules: list[ModulePlan]) -> dict[str, Any]:

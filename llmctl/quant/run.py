@@ -62,18 +62,19 @@ def prepare(model: str, recipe: str, *, strict_group_size: bool = False) -> Prep
 
 def memory_estimate(prep: Prepared, calib: CalibrationSpec | None, options: PipelineOptions):
     """Peak memory of the run; ``calib`` None: a data-free run (no activations)."""
+    from llmctl.models.spec import ModelArch
     from llmctl.quant import block, memory
 
-    cfg = prep.ckpt.text_config
-    shape = block.BlockShape.from_config(cfg)
+    arch = ModelArch.from_config(prep.ckpt.config)
+    shape = block.BlockShape.from_arch(arch)
     prefix = "model.layers.0."
     layer_params = sum(_numel(prep.ckpt.shape(n)) for n in prep.ckpt.names() if n.startswith(prefix))
     uses_h = prep.recipe.method in ("gptq", "awq")
-    inter = cfg.get("intermediate_size", 4 * shape.hidden)
+    inter = arch.intermediate_size
     dims = [shape.hidden, shape.heads * shape.head_dim, shape.hidden, inter] if uses_h else []
     rows = max((shape.heads + 2 * shape.kv_heads) * shape.head_dim, 2 * inter, shape.hidden)
     compute_bytes = 2 if str(options.compute_dtype).endswith(("bfloat16", "float16")) else 4
-    return memory.estimate(cfg, samples=calib.samples if calib else 0,
+    return memory.estimate(arch, samples=calib.samples if calib else 0,
                            seq_len=calib.seq_len if calib else 1,
                            compute_bytes=compute_bytes,
                            chunk_tokens=options.chunk_tokens if calib else 0,

@@ -1,9 +1,10 @@
 """The Llama-family forward pass, written for the paged KV cache.
 
 One decoder covers llama, mistral, qwen2 and qwen3: they differ in data, not code
-(:data:`FAMILIES`): qkv biases (qwen2 always, llama/qwen3 when ``attention_bias``),
-an RMSNorm over each head of q and k before RoPE (qwen3), tied embeddings, and which
-layers attend through a sliding window (:data:`WINDOW_RULES`, as transformers reads the
+(their rows of :data:`llmctl.models.spec.FAMILIES`, read into
+:class:`llmctl.models.spec.ModelArch`): qkv biases (qwen2 always, llama/qwen3 when
+``attention_bias``), an RMSNorm over each head of q and k before RoPE (qwen3), tied embeddings, and which
+layers attend through a sliding window (``spec.WINDOW_RULES``, as transformers reads the
 config: mistral's ``sliding_window`` covers every layer; qwen2/qwen3 window only with
 ``use_sliding_window``, the layers ``layer_types`` names "sliding_attention", by default
 those with index >= ``max_window_layers``). A windowed layer's query at position ``p``
@@ -25,90 +26,23 @@ the per-call overhead of modules is a measurable share of a decode step.
 from __future__ import annotations
 
 import json
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from llmctl.errors import UnsupportedArchitectureError
 from llmctl.models.architectures import get_architecture
+from llmctl.models.spec import ModelArch
 from llmctl.serve.attention import AttnMetadata, paged_attention
 from llmctl.serve.cpu_kernels import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.decode_layers import DecodeLayers
 from llmctl.serve.kv_quant import CODECS
-from llmctl.serve.rope import apply_rope, rope_freqs, rope_parameters
+from llmctl.serve.rope import apply_rope, check_rope, rope_freqs
 
 if TYPE_CHECKING:
     from llmctl.serve.lora_batch import LoRABatch
-
-log = logging.getLogger("llmctl.serve")
-
-# model_type -> features: a bool, or the config key that switches the feature on;
-# "windows": the rule of WINDOW_RULES that reads its sliding windows.
-FAMILIES: dict[str, dict[str, bool | str]] = {
-    "llama": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "qk_norm": False,
-              "windows": "none"},
-    "mistral": {"qkv_bias": False, "o_bias": False, "qk_norm": False, "windows": "every_layer"},
-    "qwen2": {"qkv_bias": True, "o_bias": False, "qk_norm": False, "windows": "layer_types"},
-    "qwen3": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "qk_norm": True,
-              "windows": "layer_types"},
-}
-
-
-def _feature(config: dict, value: bool | str) -> bool:
-    return bool(config.get(value, False)) if isinstance(value, str) else value
-
-
-def _no_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
-    # transformers' Llama has no sliding window: a ``sliding_window`` key in its config is
-    # not read there either (the engine runs what the reference runs)
-    if config.get("sliding_window"):
-        log.warning("config.json sets sliding_window=%s for model_type %r, whose "
-                    "transformers implementation attends fully: so does the engine",
-                    config["sliding_window"], config.get("model_type"))
-    return (None,) * num_layers
-
-
-def _every_layer(config: dict, num_layers: int) -> tuple[int | None, ...]:
-    # MistralModel masks every layer with config.sliding_window (null: full attention)
-    return (_window(config.get("sliding_window")),) * num_layers
-
-
-def _by_layer_type(config: dict, num_layers: int) -> tuple[int | None, ...]:
-    # Qwen2Config: sliding_window only counts with use_sliding_window; layer_types, when
-    # absent, is "sliding_attention" for i >= max_window_layers (transformers' default 28)
-    window = _window(config.get("sliding_window")) if config.get("use_sliding_window") \
-        else None
-    types = config.get("layer_types") or [
-        "sliding_attention" if window is not None and i >= config.get("max_window_layers", 28)
-        else "full_attention" for i in range(num_layers)]
-    unknown = set(types) - set(LAYER_TYPES)
-    if len(types) != num_layers or unknown:
-        raise UnsupportedArchitectureError(
-            f"config.json's layer_types {types} do not name one of "
-            f"{', '.join(LAYER_TYPES)} per layer ({num_layers})",
-            "the engine runs full and sliding-window attention layers only")
-    return tuple(window if LAYER_TYPES[t] else None for t in types)
-
-
-def _window(value) -> int | None:
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UnsupportedArchitectureError(
-            f"config.json's sliding_window {value!r} is not a positive token count",
-            "fix the checkpoint's config.json")
-    return value
-
-
-# layer_types entry -> whether the layer attends through the sliding window
-LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
-WINDOW_RULES = {"none": _no_windows, "every_layer": _every_layer,
-                "layer_types": _by_layer_type}
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -160,40 +94,18 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: dict, eos: tuple[int, ...] | None = None) -> ModelSpec:
-        model_type = config.get("model_type", "")
-        get_architecture(model_type)  # raises with the supported list
-        family = FAMILIES.get(model_type)
-        if family is None:
-            raise UnsupportedArchitectureError(
-                f"the engine has no forward pass for {model_type!r}",
-                f"it runs: {', '.join(FAMILIES)}")
-        heads = config["num_attention_heads"]
-        max_pos = config.get("max_position_embeddings", 2048)
-        layers = config["num_hidden_layers"]
+        get_architecture(config.get("model_type", ""))  # raises with the supported list
+        arch = ModelArch.from_config(config)
+        check_rope(arch)
         if eos is None:
             eos = _as_tuple(config.get("eos_token_id"))
-        return cls(
-            model_type=model_type,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=_feature(config, family["qkv_bias"]),
-            o_bias=_feature(config, family["o_bias"]),
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=_feature(config, family["qk_norm"]),
-            rope=rope_parameters(config),
-            eos_token_ids=eos,
-            quantization_config=config.get("quantization_config"),
-            torch_dtype=config.get("torch_dtype") or config.get("dtype"),
-            layer_windows=WINDOW_RULES[family["windows"]](config, layers),
-        )
+        # the fields named as in ModelArch are its own; the rest are the engine's
+        same = {f.name: getattr(arch, f.name) for f in fields(cls) if hasattr(arch, f.name)}
+        return cls(**same | {
+            "max_position_embeddings": arch.max_position_embeddings or 2048,
+            "eos_token_ids": eos,
+            "quantization_config": config.get("quantization_config"),
+            "torch_dtype": config.get("torch_dtype") or config.get("dtype")})
 
 
 def _as_tuple(value) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from llmctl.errors import UnsupportedArchitectureError
+from llmctl.models.spec import ModelArch, partial_rotary, rope_settings
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -95,13 +96,19 @@ ROPE_TYPES: dict[str, Callable[[dict, int, int], tuple[torch.Tensor, float]]] = 
 
 def rope_parameters(config: dict) -> dict:
     """The RoPE settings of an HF config.json, old (``rope_scaling``) or new layout."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    if config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
+    _check_full_rotary(partial_rotary(config))
+    return rope_settings(config)
+
+
+def check_rope(arch: ModelArch) -> None:
+    """Refuse what the engine's RoPE does not compute."""
+    _check_full_rotary(arch.partial_rotary_factor)
+
+
+def _check_full_rotary(factor: float) -> None:
+    if factor != 1.0:
         raise UnsupportedArchitectureError("partial rotary embeddings are not supported",
                                            "use a model that rotates the whole head")
-    return params
 
 
 def _inv_freq(params: dict, head_dim: int, max_pos: int) -> tuple[torch.Tensor, float]:

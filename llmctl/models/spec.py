@@ -1,0 +1,320 @@
+"""One description of a model: the family table as data, and config.json read once.
+
+:data:`FAMILIES` has one row per Hugging Face ``model_type``: what the type implies beyond
+its config fields (transformers class, llama.cpp name and tensor names, biases, QK-norm,
+how its sliding windows are read, the defaults transformers leaves out of config.json).
+:class:`ModelArch` is a checkpoint's architecture, read from ``config.json`` by
+:meth:`ModelArch.from_config` and nowhere else: the engine's ``ModelSpec``, the cost
+model's ``ArchSpec``, the quantizer's ``BlockShape`` and ``llmctl info`` are views of it.
+
+Adding a Llama-like family is a row here. Pure data and dict reading: no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmctl.errors import ConfigError, UnsupportedArchitectureError
+
+log = logging.getLogger("llmctl.models")
+
+# HF parameter name -> GGUF tensor name, shared by every Llama-family model.
+# ``{bid}`` is the decoder block index (gguf-py's tensor_mapping uses the same idea).
+LLAMA_TENSORS: dict[str, str] = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{bid}.input_layernorm.weight": "blk.{bid}.attn_norm.weight",
+    "model.layers.{bid}.self_attn.q_proj.weight": "blk.{bid}.attn_q.weight",
+    "model.layers.{bid}.self_attn.k_proj.weight": "blk.{bid}.attn_k.weight",
+    "model.layers.{bid}.self_attn.v_proj.weight": "blk.{bid}.attn_v.weight",
+    "model.layers.{bid}.self_attn.o_proj.weight": "blk.{bid}.attn_output.weight",
+    "model.layers.{bid}.post_attention_layernorm.weight": "blk.{bid}.ffn_norm.weight",
+    "model.layers.{bid}.mlp.gate_proj.weight": "blk.{bid}.ffn_gate.weight",
+    "model.layers.{bid}.mlp.up_proj.weight": "blk.{bid}.ffn_up.weight",
+    "model.layers.{bid}.mlp.down_proj.weight": "blk.{bid}.ffn_down.weight",
+}
+
+QKV_BIAS_TENSORS: dict[str, str] = {
+    "model.layers.{bid}.self_attn.q_proj.bias": "blk.{bid}.attn_q.bias",
+    "model.layers.{bid}.self_attn.k_proj.bias": "blk.{bid}.attn_k.bias",
+    "model.layers.{bid}.self_attn.v_proj.bias": "blk.{bid}.attn_v.bias",
+}
+
+QK_NORM_TENSORS: dict[str, str] = {
+    "model.layers.{bid}.self_attn.q_norm.weight": "blk.{bid}.attn_q_norm.weight",
+    "model.layers.{bid}.self_attn.k_norm.weight": "blk.{bid}.attn_k_norm.weight",
+}
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Config keys and module names of one mixture-of-experts layout."""
+
+    experts_key: tuple[str, ...]  # the config key of the expert count, the first present
+    expert_width_key: str  # the intermediate size of one expert
+    router: str  # module names under ``model.layers.{i}.``
+    experts: tuple[str, str, str]  # gate, up, down of expert {e}
+    shared: tuple[str, str, str] | None = None  # an always-on shared expert, if any
+    shared_gate: str | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a ``model_type`` implies beyond its config fields.
+
+    A feature is a bool, or the config key that switches it on (``"attention_bias"``).
+    ``windows`` names the rule of :data:`WINDOW_RULES` that reads the sliding windows.
+    A row without ``causal_lm_class`` is known to the cost model only: llmctl neither
+    converts nor runs it.
+    """
+
+    model_type: str
+    causal_lm_class: str | None = None
+    gguf_arch: str | None = None
+    # llama.cpp's "llama" graph applies RoPE to interleaved pairs, HF to halves, so
+    # its converter permutes q/k rows; NEOX-style families (qwen) are stored as is.
+    rope_permute: bool = False
+    tensors: dict[str, str] = field(default_factory=dict, hash=False)
+    qkv_bias: bool | str = "attention_bias"
+    o_bias: bool | str = "attention_bias"
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE
+    windows: str = "none"
+    norms_per_layer: int = 2  # RMSNorm vectors per block (Gemma 2/3 also norm after each)
+    # transformers writes config.json as a diff from the class defaults, so a field equal
+    # to its default is absent: these are the defaults of the config classes
+    tied_default: bool = False
+    head_dim_default: int | None = None  # None: hidden_size / num_attention_heads
+    fused: tuple[str, ...] = ()  # projections stored fused in the checkpoint
+    moe: MoeLayout | None = None
+
+
+_QWEN_MOE_EXPERTS = ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj",
+                     "mlp.experts.{e}.down_proj")
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", "LlamaForCausalLM", "llama", rope_permute=True,
+           tensors=LLAMA_TENSORS),
+    Family("mistral", "MistralForCausalLM", "llama", rope_permute=True,
+           tensors=LLAMA_TENSORS, qkv_bias=False, o_bias=False, windows="every_layer"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", tensors={**LLAMA_TENSORS, **QKV_BIAS_TENSORS},
+           qkv_bias=True, o_bias=False, windows="layer_types"),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", tensors={**LLAMA_TENSORS, **QK_NORM_TENSORS},
+           qk_norm=True, windows="layer_types", head_dim_default=128),
+    # known to the cost model (llmctl plan) only
+    Family("granite"),
+    Family("phi3", windows="every_layer", fused=("self_attn.qkv_proj", "mlp.gate_up_proj")),
+    Family("gemma", tied_default=True, head_dim_default=256),
+    Family("gemma2", norms_per_layer=4, tied_default=True, head_dim_default=256,
+           windows="interleaved"),
+    Family("gemma3_text", norms_per_layer=4, qk_norm=True, tied_default=True,
+           head_dim_default=256, windows="interleaved"),
+    Family("mixtral", windows="every_layer", moe=MoeLayout(
+        ("num_local_experts",), "intermediate_size", "block_sparse_moe.gate",
+        ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+         "block_sparse_moe.experts.{e}.w2"))),
+    Family("qwen2_moe", qkv_bias=True, o_bias=False, windows="layer_types", moe=MoeLayout(
+        ("num_experts",), "moe_intermediate_size", "mlp.gate", _QWEN_MOE_EXPERTS,
+        shared=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+                "mlp.shared_expert.down_proj"),
+        shared_gate="mlp.shared_expert_gate")),
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
+    Family("qwen3_moe", qk_norm=True, windows="layer_types", moe=MoeLayout(
+        ("num_experts", "num_local_experts"), "moe_intermediate_size", "mlp.gate",
+        _QWEN_MOE_EXPERTS)),
+)}
+
+
+def family(model_type: str) -> Family:
+    """The row of ``model_type``; an unknown type raises with the known ones."""
+    row = FAMILIES.get(model_type)
+    if row is None:
+        raise UnsupportedArchitectureError(
+            f"model type {model_type!r} is not in llmctl's family table",
+            f"known: {', '.join(sorted(FAMILIES))}")
+    return row
+
+
+# -- sliding windows: one rule per way transformers reads them ----------------------------
+
+# layer_types entry -> whether the layer attends through the sliding window
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+
+
+def _window(value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UnsupportedArchitectureError(
+            f"config.json's sliding_window {value!r} is not a positive token count",
+            "fix the checkpoint's config.json")
+    return value
+
+
+def _no_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
+    # transformers' Llama has no sliding window: a ``sliding_window`` key in its config is
+    # not read there either (llmctl computes what the reference computes)
+    if config.get("sliding_window"):
+        log.warning("config.json sets sliding_window=%s for model_type %r, whose "
+                    "transformers implementation attends fully: so does llmctl",
+                    config["sliding_window"], config.get("model_type"))
+    return (None,) * num_layers
+
+
+def _every_layer(config: dict, num_layers: int) -> tuple[int | None, ...]:
+    # MistralModel masks every layer with config.sliding_window (null: full attention)
+    return (_window(config.get("sliding_window")),) * num_layers
+
+
+def _by_layer_type(config: dict, num_layers: int) -> tuple[int | None, ...]:
+    # Qwen2Config: sliding_window only counts with use_sliding_window; layer_types, when
+    # absent, is "sliding_attention" for i >= max_window_layers (transformers' default 28)
+    window = _window(config.get("sliding_window")) if config.get("use_sliding_window") \
+        else None
+    types = config.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= config.get("max_window_layers", 28)
+        else "full_attention" for i in range(num_layers)]
+    unknown = set(types) - set(LAYER_TYPES)
+    if len(types) != num_layers or unknown:
+        raise UnsupportedArchitectureError(
+            f"config.json's layer_types {types} do not name one of "
+            f"{', '.join(LAYER_TYPES)} per layer ({num_layers})",
+            "llmctl runs full and sliding-window attention layers only")
+    return tuple(window if LAYER_TYPES[t] else None for t in types)
+
+
+def _not_read(config: dict, num_layers: int) -> tuple[int | None, ...]:
+    # gemma2/3 interleave local and global layers; no llmctl runtime reads them (the cost
+    # model notes them), nor the windows of a type outside the table
+    return ()
+
+
+WINDOW_RULES = {"none": _no_windows, "every_layer": _every_layer,
+                "layer_types": _by_layer_type, "interleaved": _not_read,
+                "unknown": _not_read}
+
+
+def rope_settings(config: dict) -> dict:
+    """The RoPE settings of an HF config.json, old (``rope_scaling``) or new layout:
+    ``rope_theta`` (default 10000) and ``rope_type`` (default "default") always set."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def partial_rotary(config: dict) -> float:
+    """The share of each head that RoPE rotates (1.0: all of it)."""
+    return float(config.get("partial_rotary_factor",
+                            rope_settings(config).get("partial_rotary_factor", 1.0)))
+
+
+def _feature(config: dict, value: bool | str) -> bool:
+    return bool(config.get(value, False)) if isinstance(value, str) else value
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config: a multimodal config's ``text_config``, else the config."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """A checkpoint's architecture, as its config.json (and family row) describe it."""
+
+    family: Family
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # the dense MLP's width (0 when absent: a mixture of experts)
+    vocab_size: int
+    max_position_embeddings: int | None
+    rope: dict = field(hash=False)  # rope_settings(): theta, type and scaling fields
+    rope_theta: float | None  # as config.json states it (None: unstated)
+    partial_rotary_factor: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool  # the config's own switch, whatever the family implies
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    # per layer: the sliding window W (the query at p sees keys p - W + 1 .. p) or None;
+    # () where the family's windows are not read (see WINDOW_RULES)
+    layer_windows: tuple[int | None, ...] = ()
+    num_experts: int = 0  # 0: a dense MLP
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def model_type(self) -> str:
+        return self.family.model_type
+
+    @property
+    def kv_window(self) -> int | None:
+        """The largest window when every layer has one; None when any attends fully."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], *, known_only: bool = True) -> ModelArch:
+        """Read ``config.json`` (a multimodal one's ``text_config``). ``known_only=False``
+        reads a type outside the table with a neutral row (for reports such as ``info``)."""
+        cfg = text_config(config)
+        model_type = cfg.get("model_type") or config.get("model_type") or ""
+        if known_only:
+            if not model_type:
+                raise ConfigError("config.json has no 'model_type'",
+                                  "pass the config of a decoder-only model: "
+                                  + ", ".join(sorted(FAMILIES)))
+            row = family(model_type)
+        else:
+            row = FAMILIES.get(model_type) or Family(model_type, windows="unknown")
+
+        def need(*keys: str) -> Any:
+            value = next((cfg[k] for k in keys if cfg.get(k) is not None), None)
+            if value is None:
+                raise ConfigError(f"config.json of a {model_type} model has no "
+                                  f"{' or '.join(map(repr, keys))}",
+                                  "add it or pass a complete config.json")
+            return value
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        layers = int(need("num_hidden_layers"))
+        moe = row.moe
+        experts = per_token = expert_width = shared = 0
+        if moe is not None:
+            experts, per_token = int(need(*moe.experts_key)), int(need("num_experts_per_tok"))
+            expert_width = int(need(moe.expert_width_key))
+            shared = int(cfg.get("shared_expert_intermediate_size") or 0) if moe.shared else 0
+            width = int(cfg.get("intermediate_size") or 0)
+        else:
+            width = int(need("intermediate_size")) if known_only \
+                else int(cfg.get("intermediate_size") or 0)
+        stated_rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope = rope_settings(cfg)
+        return cls(
+            family=row, hidden_size=hidden, num_layers=layers, num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            # the one head_dim rule: stated, else the family's default, else hidden / heads
+            head_dim=int(cfg.get("head_dim") or row.head_dim_default or hidden // heads),
+            intermediate_size=width, vocab_size=int(need("vocab_size")),
+            max_position_embeddings=cfg.get("max_position_embeddings"),
+            rope=rope, rope_theta=stated_rope.get("rope_theta", cfg.get("rope_theta")),
+            partial_rotary_factor=partial_rotary(cfg),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", row.tied_default)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            qkv_bias=_feature(cfg, row.qkv_bias), o_bias=_feature(cfg, row.o_bias),
+            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=row.qk_norm,
+            layer_windows=WINDOW_RULES[row.windows](cfg, layers),
+            num_experts=experts, experts_per_token=per_token,
+            expert_intermediate_size=expert_width, shared_expert_intermediate_size=shared)

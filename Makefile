@@ -63,7 +63,7 @@ browser:
 	  echo "warning: cannot install chromium (apt as root): the report.html test will fail"
 
 # The kernels' portable bodies are cross-compiled for aarch64 and checked under qemu-user
-# (tests/serve/test_kernel_cross.py): Debian's cross compiler and qemu, installed here
+# (tests/serve/kernels/test_kernel_cross.py): Debian's cross compiler and qemu, installed here
 # when missing and the user is root; without them those tests skip and say why.
 cross:
 	@command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1 || \

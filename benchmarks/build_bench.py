@@ -6,7 +6,7 @@
 Backends (each measured in its own subprocess, one after the other, same prompts):
 
 - ``hf``: transformers ``generate`` (float32, eager) -- the baseline of every ratio;
-- ``llmctl``: llmctl's engine (``llmctl.serve.llm.LLM``, float32), if present;
+- ``llmctl``: llmctl's engine (``llmctl.serve.engine.llm.LLM``, float32), if present;
 - ``onnx-fp32`` / ``onnx-int4``: ``llmctl build-engine --target onnx`` engines run by
   ONNX Runtime (int4: MatMulNBits, block 32, accuracy level 4 = int8 activations);
 - ``torch-compile``: the AOTInductor package (float32).
@@ -78,8 +78,8 @@ def make_generate(backend: str, args) -> tuple:
 
         return generate, {"runtime": f"transformers {__import__('transformers').__version__}"}
     if backend == "llmctl":
-        from llmctl.serve.llm import LLM
-        from llmctl.serve.sampling_params import SamplingParams
+        from llmctl.serve.core.sampling_params import SamplingParams
+        from llmctl.serve.engine.llm import LLM
 
         llm = LLM(args.model, dtype="float32", num_threads=args.threads)
 
@@ -261,7 +261,7 @@ def main() -> None:
     if "llmctl" in backends:
         import importlib.util
 
-        if importlib.util.find_spec("llmctl.serve.llm") is None:
+        if importlib.util.find_spec("llmctl.serve.engine.llm") is None:
             backends.remove("llmctl")
     builds = ensure_engines(args, backends)
     prompts = make_prompts(args)

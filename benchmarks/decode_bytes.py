@@ -58,7 +58,7 @@ def llmctl_model_reads(model) -> list[WeightRead]:
     """The :class:`WeightRead` list of an llmctl ``LlamaModel`` (plumbing for the above)."""
     import torch
 
-    from llmctl.serve.model import Layer
+    from llmctl.serve.model.decoder import Layer
 
     reads = [WeightRead("embed", _tensor_bytes(model.embed), rows=model.embed.shape[0],
                         lookup=True),

@@ -117,7 +117,7 @@ def copy_bandwidth(size_mib: int = 512, repeats: int = 5) -> float:
 
 
 def engine(model: str, **kwargs):
-    from llmctl.serve.llm import LLM
+    from llmctl.serve.engine.llm import LLM
 
     return LLM(model, **kwargs)
 
@@ -165,7 +165,7 @@ def workload_summary(cfg: dict) -> dict:
 
 def worker_engine_throughput(cfg: dict) -> dict:
     """One engine round in a fresh process: a fresh engine, so nothing is cached."""
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
 
     path, _, work, warm = _throughput_workload(cfg)
     scale = SCALES[cfg["scale"]]
@@ -324,7 +324,7 @@ def _progress(record: dict) -> None:
 
 
 def _decode_rate(llm, prompt, n) -> float:
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     stamps = []
@@ -378,7 +378,7 @@ def worker_decode(cfg: dict) -> dict:
 def worker_prefix(cfg: dict) -> dict:
     from llmctl.models.loading import load_tokenizer
     from llmctl.models.resolve import resolve_model
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
 
     path = str(resolve_model(cfg["model"]).path)
     scale = SCALES[cfg["scale"]]
@@ -499,7 +499,7 @@ def worker_spec(cfg: dict) -> dict:
     from llmctl.models.loading import load_tokenizer
     from llmctl.models.prompting import encode_prompt
     from llmctl.models.resolve import resolve_model
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
 
     path = str(resolve_model(cfg["model"]).path)
     scale = SCALES[cfg["scale"]]

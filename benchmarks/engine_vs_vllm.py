@@ -95,8 +95,8 @@ if __name__ == "__main__":  # vLLM starts its engine core with multiprocessing "
 def worker_llmctl(spec: dict) -> dict:
     import torch
 
-    from llmctl.serve.llm import LLM
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
+    from llmctl.serve.engine.llm import LLM
 
     torch.set_num_threads(spec["threads"])
     llm = LLM(spec["model"], dtype=spec["dtype"], kv_cache_memory=f"{spec['kv_gib']}GiB",

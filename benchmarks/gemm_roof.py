@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     import torch
 
     from llmctl.hw.probe import median_seconds
-    from llmctl.serve.quant_linear import PackedLinear, bf16_gemm_layer
+    from llmctl.serve.layers.quant_linear import PackedLinear, bf16_gemm_layer
 
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out_dir)

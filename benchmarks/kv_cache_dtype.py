@@ -25,7 +25,7 @@ random prompts in an OpenAI batch file, EOS ignored, greedy, pinned to every all
 one torch thread per CPU); its throughput is the batch summary's ``output_throughput``
 (completion tokens / seconds from the first line in to the last line out; model load
 excluded, no warm-up). Each side's blocks and tokens are the engine's own plan for that
-budget (``llmctl.serve.kv_cache.plan_kv_cache``, scales counted).
+budget (``llmctl.serve.model.kv_cache.plan_kv_cache``, scales counted).
 Rounds rotate the order (round r starts with side r of ``--sides``); each 8-bit side's
 ratio to bf16 is taken within a round and the summary is the median over rounds. Every
 round records the load before/after and the CPU other processes used (``common.py``).
@@ -64,9 +64,9 @@ def kv_plan(model: str, side: str, kv_memory: str, lim: svv.Limits) -> dict:
     """The blocks the engine plans for this cache dtype and budget (what it logs)."""
     import torch
 
-    from llmctl.serve.kv_cache import plan_kv_cache
-    from llmctl.serve.kv_quant import kv_format
-    from llmctl.serve.model import ModelSpec
+    from llmctl.serve.layers.kv_quant import kv_format
+    from llmctl.serve.model.decoder import ModelSpec
+    from llmctl.serve.model.kv_cache import plan_kv_cache
 
     spec = ModelSpec.from_dir(Path(model))
     fmt = kv_format(side, torch.bfloat16)

@@ -7,7 +7,7 @@ alone, in one engine, rotating the order.
         --output-len 8 --out-dir /tmp/lora-smoke --allow-dirty     # a smoke run
 
 Model: SmolLM2-135M (``--dtype``, bfloat16 by default) on the offline engine
-(:class:`llmctl.serve.llm.LLM`), max_num_seqs = the prompt count (every request in one
+(:class:`llmctl.serve.engine.llm.LLM`), max_num_seqs = the prompt count (every request in one
 batch), prefix caching off (rounds repeat the prompts: a hit would skip the next round's
 prefill), ``--max-loras 4``, one torch thread per CPU this process may use.
 
@@ -19,7 +19,7 @@ log directory.
 Workload: ``--num-prompts`` random prompts of ``--input-len`` token ids (seeded),
 ``--output-len`` tokens out, EOS ignored, greedy. "mixed": request ``i`` runs adapter
 ``i % 4`` (each step holds all four adapters: one small matmul pair per adapter and
-fused linear, :mod:`llmctl.serve.lora_batch`); "base": the same requests, no adapter.
+fused linear, :mod:`llmctl.serve.lora.batch`); "base": the same requests, no adapter.
 Decode steps of "mixed" run the fused native decode layers (bf16) with the adapters' sums
 inside them (csrc/lora.cpp). "mixed-torch": the same requests with that kernel switched
 off in this process (``lora_batch.lora_kernel`` returns None), so the adapters' sums are
@@ -84,9 +84,8 @@ def prompts(w: Workload, vocab: int) -> list[list[int]]:
 
 def run_side(llm, side: str, rnd: int, batch: list[list[int]], w: Workload,
              threads: int) -> dict:
-    from llmctl.serve.sampling_params import SamplingParams
-
-    from llmctl.serve import lora_batch
+    from llmctl.serve.core.sampling_params import SamplingParams
+    from llmctl.serve.lora import batch as lora_batch
 
     names = [f"lora{i % NUM_ADAPTERS + 1}" for i in range(len(batch))] if side != "base" \
         else None
@@ -150,7 +149,7 @@ def main(argv=None) -> int:
     common.add_run_arguments(ap)
     args = ap.parse_args(argv)
     from llmctl.models.resolve import resolve_model
-    from llmctl.serve.llm import LLM
+    from llmctl.serve.engine.llm import LLM
 
     model = resolve_model(args.model).path
     w = Workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.rank)

@@ -29,7 +29,7 @@ bandwidth is a 512 MiB ``torch.sum`` on the same threads, measured in every roun
 
 Quality: KLD(float32 || side) per position over 256 tokens of ``builtin:pydoc-heldout``
 (text no calibration saw), one decode step per token for llmctl, full vocabulary, float64; the float32 reference is llmctl's engine in float32 on the float
-checkpoint (matches transformers to 2e-4 in tests/serve/test_model.py). For llama.cpp
+checkpoint (matches transformers to 2e-4 in tests/serve/model/test_model.py). For llama.cpp
 the rows are its ``scores`` after evaluating the same ids.
 
 Targets (issue 16): W4A16 decode >= 1.2x llama.cpp on its Q4_1 GGUF at the same threads;
@@ -131,9 +131,9 @@ def worker_llmctl(cfg: dict) -> dict:
     from decode_bytes import bytes_read_per_token, llmctl_model_reads
     from engine_bench import _decode_rate
 
-    from llmctl.serve.llm import LLM
-    from llmctl.serve.quant_linear import describe
-    from llmctl.serve.scoring import teacher_forced_logits
+    from llmctl.serve.engine.llm import LLM
+    from llmctl.serve.layers.quant_linear import describe
+    from llmctl.serve.model.scoring import teacher_forced_logits
 
     llm = LLM(cfg["model"], kv_cache_memory="128MiB", max_num_seqs=1, max_model_len=512,
               **cfg["engine"])
@@ -239,6 +239,7 @@ def main(argv=None) -> int:
     import tempfile
 
     import numpy as np
+
     from llmctl.home import models_dir
     from llmctl.models.resolve import resolve_model
 

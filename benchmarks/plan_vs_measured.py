@@ -53,8 +53,8 @@ def worker(cfg: dict) -> dict:
     from decode_bytes import bytes_read_per_token, llmctl_model_reads
     from lowbit_decode import read_bandwidth
 
-    from llmctl.serve.llm import LLM
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
+    from llmctl.serve.engine.llm import LLM
 
     batch, n = cfg["batch"], cfg["decode_tokens"]
     llm = LLM(cfg["model"], dtype="bfloat16", kv_cache_memory="256MiB", max_num_seqs=batch,

@@ -52,8 +52,8 @@ PHASES = ("schedule", "forward", "sample", "update", "output")
 
 OFFLINE = r"""
 import json, random, sys, time
-from llmctl.serve.llm import LLM
-from llmctl.serve.sampling_params import SamplingParams
+from llmctl.serve.engine.llm import LLM
+from llmctl.serve.core.sampling_params import SamplingParams
 
 cfg = json.loads(sys.argv[1])
 llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],

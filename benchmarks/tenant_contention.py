@@ -26,7 +26,7 @@ holds only their SHA-256, as the server wants):
    target <= 2 (issue 18); A's refusals by reason (429 rate limit, 429 full queue, 503
    deadline admission, 408 timeout); the batch probe's wait in the server's queue
    against its aging bound, ``2 x --aging-seconds`` (batch is two classes below
-   interactive: llmctl.serve.policy). Aging bounds the wait until a request is
+   interactive: llmctl.serve.core.policy). Aging bounds the wait until a request is
    scheduled; its TTFT adds the step in flight and its own prefill, and its E2E its
    decode, both reported. The wait is the server's ``queue`` span (arrival to first
    scheduled) of the probe's trace: every server runs with ``--otlp-traces-endpoint`` to

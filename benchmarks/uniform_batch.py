@@ -63,7 +63,7 @@ class Sides:
 
         from llmctl.models.loading import load_model, load_tokenizer
         from llmctl.models.resolve import resolve_model
-        from llmctl.serve.llm import LLM
+        from llmctl.serve.engine.llm import LLM
 
         path = resolve_model(model).path
         self.work = work
@@ -80,7 +80,7 @@ class Sides:
             self.mask[r, width - len(p):] = 1
 
     def engine(self) -> tuple[float, list[list[int]]]:
-        from llmctl.serve.sampling_params import SamplingParams
+        from llmctl.serve.core.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         start = time.perf_counter()

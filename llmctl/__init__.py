@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 # The engine's offline API, imported on first use so `llmctl --help` stays torch-free.
-_LAZY = {"LLM": "llmctl.serve.llm", "SamplingParams": "llmctl.serve.sampling_params"}
+_LAZY = {"LLM": "llmctl.serve.engine.llm", "SamplingParams": "llmctl.serve.core.sampling_params"}
 
 
 def __getattr__(name: str):

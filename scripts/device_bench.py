@@ -88,7 +88,7 @@ def utilization(flops: float, bytes_: float, seconds: float, peaks) -> dict:
 
 
 def engine_run(llm, batch: int, prompt_ids: list[list[int]], new: int, cost, peaks) -> dict:
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     before = llm.engine.stats()["perf_totals"]["decode"]
@@ -129,7 +129,7 @@ def hf_run(model, batch: int, prompt_ids: list[list[int]], new: int, cost, peaks
 
 def bench_decode(config_dir: Path, device: torch.device, quick: bool, peaks) -> dict:
     from llmctl.perf.costs import ArchSpec, ModelCost
-    from llmctl.serve.llm import LLM
+    from llmctl.serve.engine.llm import LLM
 
     batches = (1, 4) if quick else (1, 64)
     prompt_len, new, rounds = (16, 8, 1) if quick else (128, 128, 3)

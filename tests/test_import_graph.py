@@ -12,7 +12,7 @@ free. Lazy imports by string (``importlib`` tables such as ``llmctl.engines.targ
 are not seen; keep them inside one package.
 
 When two packages need each other, the lower one defines the interface (a protocol, a
-registry) and the higher one registers into it: see ``llmctl.serve.sources``.
+registry) and the higher one registers into it: see ``llmctl.serve.engine.sources``.
 """
 
 from __future__ import annotations
@@ -158,3 +158,65 @@ def test_guard_sees_function_level_relative_and_from_package_imports(tmp_path):
     assert edges[("llmctl.a", "llmctl.b")] == ["llmctl/a/x.py:2 -> llmctl.b.y"]
     assert edges[("llmctl.b", "llmctl.c")] == ["llmctl/b/y.py:1 -> llmctl.c.z"]
     assert ("llmctl.d", "llmctl.a") in edges and ("llmctl.d", "llmctl.c") in edges
+
+
+# --- inside serve: its sub-packages in one fixed order ------------------------------------
+
+# Lowest first: a sub-package may import only those before it. The kernels know nothing
+# of the engine; layers are built on kernels (and take a step's LoRA work); the model is
+# built of layers; sampling reads the model's runner (draft models); the engine front
+# drives all of them; engine processes wrap the engine; HTTP wraps engines or processes;
+# launching assembles all of it; the batch runner reuses the launch settings.
+SERVE_ORDER = ("kernels", "lora", "layers", "core", "model", "sample", "engine", "proc",
+               "api", "handoff", "launch", "batch")
+
+
+def serve_edges(root: Path = ROOT) -> dict[tuple[str, str], list[str]]:
+    """(from, to) sub-package of ``llmctl.serve`` -> the import sites that make the edge."""
+    def node(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if parts[:2] == ["llmctl", "serve"] and len(parts) > 2 else None
+
+    edges: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for path in sorted((root / "llmctl" / "serve").rglob("*.py")):
+        module = module_name(path, root)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, target in imported_modules(tree, module, path.name == "__init__.py", root):
+            a, b = node(module), node(target)
+            if a and b and a != b:
+                edges[(a, b)].add(f"{path.relative_to(root)}:{line} -> {target}")
+    return {edge: sorted(sites) for edge, sites in edges.items()}
+
+
+def test_serve_is_only_sub_packages_in_the_fixed_order():
+    serve = ROOT / "llmctl" / "serve"
+    packages = {p.parent.name for p in serve.glob("*/__init__.py")}
+    loose = sorted(p.name for p in serve.glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"llmctl/serve/ holds sub-packages only; place these in one: {loose}"
+    assert packages == set(SERVE_ORDER), (
+        f"every sub-package of llmctl/serve has its place in SERVE_ORDER: "
+        f"missing {sorted(packages - set(SERVE_ORDER))}, gone {sorted(set(SERVE_ORDER) - packages)}")
+
+
+def test_serve_sub_packages_import_only_downward():
+    edges = serve_edges()
+    assert len(edges) >= 10, sorted(edges)  # the walk saw the sub-packages
+    rank = {name: i for i, name in enumerate(SERVE_ORDER)}
+    upward = {edge: sites for edge, sites in edges.items() if rank[edge[1]] > rank[edge[0]]}
+    assert not upward, "imports up SERVE_ORDER inside llmctl.serve:\n" + "\n".join(
+        f"  {a} -> {b}:\n" + "\n".join(f"    {s}" for s in sites)
+        for (a, b), sites in sorted(upward.items()))
+
+
+def test_serve_guard_sees_an_upward_import(tmp_path):
+    root = _tree(tmp_path, {
+        "llmctl/__init__.py": "",
+        "llmctl/serve/__init__.py": "",
+        "llmctl/serve/kernels/__init__.py": "",
+        "llmctl/serve/kernels/k.py": "def f():\n    from llmctl.serve.engine import e\n",
+        "llmctl/serve/engine/__init__.py": "",
+        "llmctl/serve/engine/e.py": "from ..kernels import k\n",
+    })
+    assert serve_edges(root) == {
+        ("kernels", "engine"): ["llmctl/serve/kernels/k.py:2 -> llmctl.serve.engine.e"],
+        ("engine", "kernels"): ["llmctl/serve/engine/e.py:1 -> llmctl.serve.kernels.k"]}

@@ -5,7 +5,7 @@ serve`` would answer for that line's body; rerunning the same command resumes.
 Exit codes: 0 every line succeeded; 1 some lines failed (their error bodies are in
 OUTPUT) or the run failed; 2 a usage error (missing input, unwritable output, duplicate
 custom_ids, bad options); 130 interrupted (finished lines are kept: rerun to resume).
-The work is in :mod:`llmctl.serve.api.batch`.
+The work is in :mod:`llmctl.serve.batch.runner`.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def batch(
     """Run an OpenAI Batch API input file on a model; resumable."""
     import llmctl.engines  # noqa: F401 - registers engine directories as a model source
     from llmctl.cli.output import Output
-    from llmctl.serve.api.batch import check_paths, run_batch, stop_on_signals
-    from llmctl.serve.config import EngineConfig
-    from llmctl.serve.sources import CheckpointSource, source_for
-    from llmctl.serve.startup import ServeSettings, auto_tool_parser, engine_kwargs
+    from llmctl.serve.batch.runner import check_paths, run_batch, stop_on_signals
+    from llmctl.serve.engine.config import EngineConfig
+    from llmctl.serve.engine.sources import CheckpointSource, source_for
+    from llmctl.serve.launch.startup import ServeSettings, auto_tool_parser, engine_kwargs
 
     out = Output(json_mode=json_)
     check_paths(input_file, output)

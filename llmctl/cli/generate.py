@@ -112,8 +112,8 @@ def _engine(out, path, ids, *, dtype, max_tokens, temperature, top_p, top_k, min
     import sys
     import time
 
-    from llmctl.serve.llm import LLM
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
+    from llmctl.serve.engine.llm import LLM
 
     spec = None
     if speculative:

@@ -2,7 +2,7 @@
 dtype) for the threads used and cache them per machine; ``llmctl hw show``: the cached
 probe. The work is in :mod:`llmctl.hw.probe` and :mod:`llmctl.perf.probe_record`. Both
 also say which build of the engine's native kernels runs here (an instruction-set
-variant, :func:`llmctl.serve.cpu_kernels.describe_variant`) and why."""
+variant, :func:`llmctl.serve.kernels.cpu.describe_variant`) and why."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _render(record, cached: bool, path):
 
 
 def _kernels() -> dict:
-    from llmctl.serve.cpu_kernels import describe_variant
+    from llmctl.serve.kernels.cpu import describe_variant
 
     return describe_variant()
 

@@ -1,6 +1,6 @@
 """``llmctl serve``: the built-in engine behind an OpenAI-compatible HTTP API, or a
 hand-off to vLLM / TensorRT-LLM for scale beyond one box. The work is in
-:mod:`llmctl.serve.startup`.
+:mod:`llmctl.serve.launch.startup`.
 
 MODEL may also be an engine directory from ``llmctl build-engine`` (ONNX or
 torch-compile): the built-in scheduler and API then drive its runtime (see
@@ -169,8 +169,8 @@ def serve(
     settings = {k: v for k, v in locals().items() if k != "ctx"}
     settings["lora"] = tuple(lora or ())
     import llmctl.engines  # noqa: F401 - registers engine directories as a model source
-    from llmctl.serve.startup import ServeSettings
-    from llmctl.serve.startup import serve as run
+    from llmctl.serve.launch.startup import ServeSettings
+    from llmctl.serve.launch.startup import serve as run
 
     given = frozenset(name for name in settings if _given(ctx, name))
     raise typer.Exit(run(ServeSettings(**settings, given=given),

@@ -8,7 +8,7 @@ llmctl's scheduler (:mod:`llmctl.engines.serve_engine`); ``llmctl eval ENGINE_DI
 (``EngineCandidate`` in :mod:`llmctl.eval.candidates`).
 
 Importing this package registers engine directories as a model source of
-:mod:`llmctl.serve.sources` (:mod:`llmctl.engines.serve_source`): the serve layer sits
+:mod:`llmctl.serve.engine.sources` (:mod:`llmctl.engines.serve_source`): the serve layer sits
 below this package and never imports it.
 """
 

@@ -13,7 +13,7 @@
 Where this is wired:
 
 - ``llmctl serve ENGINE_DIR``: the model source this package registers with
-  :mod:`llmctl.serve.sources` (:mod:`llmctl.engines.serve_source`) claims it with
+  :mod:`llmctl.serve.engine.sources` (:mod:`llmctl.engines.serve_source`) claims it with
   :func:`is_engine_dir` and calls
   :func:`llmctl.engines.serve_engine.open_serving_engine`, which opens the engine
   here (manifest, host compatibility, file hashes) and builds an ``LLMEngine`` whose
@@ -122,7 +122,7 @@ class Engine:
         call per step; a finished sequence leaves the batch. Returns the new token ids
         (a stop / EOS token included, as the engine and HF generate do).
 
-        Tokens are drawn by the serving engine's sampler (:mod:`llmctl.serve.sampler`):
+        Tokens are drawn by the serving engine's sampler (:mod:`llmctl.serve.sample.sampler`):
         prompt ``i`` with ``seed`` draws as a served request with ``seed + i`` would.
         """
         import torch
@@ -166,7 +166,7 @@ def _next_tokens(rows, temperature: float, top_p: float, generators, shared) -> 
     """One token per row of last-position logits, with the serving engine's sampler."""
     import torch
 
-    from llmctl.serve.sampler import exponential_race, filter_logits
+    from llmctl.serve.sample.sampler import exponential_race, filter_logits
 
     logits = torch.from_numpy(np.stack([np.asarray(r, dtype=np.float32) for r in rows]))
     if temperature == 0.0:

@@ -1,6 +1,6 @@
 """``llmctl serve ENGINE_DIR``: llmctl's serving engine over a built engine directory.
 
-:class:`EngineDirLLMEngine` is an :class:`~llmctl.serve.llm_engine.LLMEngine` whose
+:class:`EngineDirLLMEngine` is an :class:`~llmctl.serve.engine.llm_engine.LLMEngine` whose
 model is an engine directory: the scheduler, sampler, detokenizer, n-gram speculation
 and the HTTP API are the ones every model gets; the forward pass is the directory's
 runtime through :class:`~llmctl.engines.serve_runner.EngineRunner`. What differs:
@@ -37,10 +37,10 @@ import numpy as np
 
 from llmctl.engines.engine_dir import Engine, open_engine
 from llmctl.errors import ConfigError, UsageError
-from llmctl.serve.config import EngineConfig, make_engine_config
-from llmctl.serve.kv_cache import KVCachePlan, available_memory, plan_kv_cache
-from llmctl.serve.llm_engine import LLMEngine
-from llmctl.serve.model import ModelSpec
+from llmctl.serve.engine.config import EngineConfig, make_engine_config
+from llmctl.serve.engine.llm_engine import LLMEngine
+from llmctl.serve.model.decoder import ModelSpec
+from llmctl.serve.model.kv_cache import KVCachePlan, available_memory, plan_kv_cache
 
 log = logging.getLogger("llmctl.serve")
 

@@ -1,5 +1,5 @@
 """Let llmctl's serving engine (scheduler, sampler, detokenizer, HTTP API) drive an engine
-directory: an object with the ``ModelRunner`` contract of :mod:`llmctl.serve.model_runner`.
+directory: an object with the ``ModelRunner`` contract of :mod:`llmctl.serve.model.runner`.
 
 ``execute(scheduled) -> (logits [rows, vocab], rows)``: for each scheduled sequence the
 runner feeds the tokens from its ``num_computed_tokens`` on (a prompt chunk, the last
@@ -86,7 +86,7 @@ class EngineRunner:
         prompt positions in this chunk (``PromptLogits``, as the paged runner returns)."""
         import torch
 
-        from llmctl.serve.model_runner import LogitRows, PromptLogits
+        from llmctl.serve.model.runner import LogitRows, PromptLogits
 
         self._collect()
         states, chunks, wants, items, prompt_spans = [], [], [], [], []

@@ -1,4 +1,4 @@
-"""Engine directories as a model source of ``llmctl serve`` (:mod:`llmctl.serve.sources`).
+"""Engine directories as a model source of ``llmctl serve`` (:mod:`llmctl.serve.engine.sources`).
 
 Registered when :mod:`llmctl.engines` is imported, so the serve layer never imports this
 package. Claiming a MODEL reads only its manifest; opening it is
@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from llmctl.serve.sources import OpenedModel, register_model_source
+from llmctl.serve.engine.sources import OpenedModel, register_model_source
 
 log = logging.getLogger("llmctl.serve")
 

@@ -100,7 +100,7 @@ def float_checkpoint(source: Source, workdir: Path) -> Path:
 
     The ONNX model builder and torch.export want plain float weights. A compressed-tensors
     checkpoint (what ``llmctl quantize`` writes) is read with the serving engine's reader
-    (:mod:`llmctl.serve.quant_linear`) and each quantized layer becomes
+    (:mod:`llmctl.serve.layers.quant_linear`) and each quantized layer becomes
     ``(q - zero_point) * scale`` per group: exactly the model llmctl quantized.
     """
     if not source.quantization:
@@ -109,8 +109,8 @@ def float_checkpoint(source: Source, workdir: Path) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from llmctl.serve.quant_linear import QuantConfig, load_quant_weight
-    from llmctl.serve.weights import CheckpointReader
+    from llmctl.serve.layers.quant_linear import QuantConfig, load_quant_weight
+    from llmctl.serve.model.weights import CheckpointReader
 
     read = CheckpointReader(source.path)
     quant = QuantConfig(source.quantization)

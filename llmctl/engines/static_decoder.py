@@ -1,6 +1,6 @@
 """A functional Llama-family forward with an explicit KV cache, for torch.export.
 
-The serving engine's forward (:mod:`llmctl.serve.model`) reads a paged cache through
+The serving engine's forward (:mod:`llmctl.serve.model.decoder`) reads a paged cache through
 per-step Python metadata (attention groups, block tables): right for continuous
 batching, not exportable as one graph. This one has only tensor inputs::
 
@@ -127,8 +127,8 @@ def build_static_decoder(model_dir, dtype: torch.dtype, max_len: int):
     """(decoder, spec) for a float HF checkpoint directory."""
     from llmctl.errors import UnsupportedArchitectureError
     from llmctl.models.loading import load_model
-    from llmctl.serve.model import ModelSpec
-    from llmctl.serve.rope import rope_cos_sin
+    from llmctl.serve.layers.rope import rope_cos_sin
+    from llmctl.serve.model.decoder import ModelSpec
 
     spec = ModelSpec.from_dir(model_dir)
     window = spec.window_free_len

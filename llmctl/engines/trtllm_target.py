@@ -37,7 +37,11 @@ from llmctl.engines.options import CommonOptions
 from llmctl.engines.source import METADATA_FILES
 from llmctl.engines.targets import BuildContext, Target, TargetResult
 from llmctl.errors import ConfigError, MissingDependencyError, UsageError
-from llmctl.serve.trtllm_options import PINNED_VERSION, validate_options, validate_with_library
+from llmctl.serve.handoff.trtllm_options import (
+    PINNED_VERSION,
+    validate_options,
+    validate_with_library,
+)
 from llmctl.utils.dtypes import dtype_name
 
 YAML_NAME = "extra_llm_api_options.yaml"

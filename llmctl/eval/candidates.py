@@ -505,7 +505,7 @@ class ServeEngineCandidate(Candidate, kind="serve"):
     """A checkpoint scored through llmctl's serving engine (``--backend serve``): the
     weights as it loads them, its kernels and its paged KV cache, ``kv_cache_dtype``
     choosing the cache. Each window is one prefill step returning every position's row
-    (:func:`llmctl.serve.scoring.prompt_logits`); with an 8-bit cache that prefill
+    (:func:`llmctl.serve.model.scoring.prompt_logits`); with an 8-bit cache that prefill
     attends over the K/V as stored, so the rows carry the quantization error that
     generation sees. Chosen only by ``--backend serve`` (a checkpoint is HF's by default).
     """
@@ -516,8 +516,8 @@ class ServeEngineCandidate(Candidate, kind="serve"):
     def __init__(self, spec: str, options: CandidateOptions) -> None:
         super().__init__(spec, options)
         from llmctl.models.resolve import resolve_model
-        from llmctl.serve.llm_engine import LLMEngine
-        from llmctl.serve.model import ModelSpec
+        from llmctl.serve.engine.llm_engine import LLMEngine
+        from llmctl.serve.model.decoder import ModelSpec
 
         self.path = resolve_model(spec).path
         max_len = min(ModelSpec.from_dir(self.path).max_position_embeddings, self.MAX_LEN)
@@ -542,7 +542,7 @@ class ServeEngineCandidate(Candidate, kind="serve"):
                 "kv_cache": self.engine.kv_plan.dtype}
 
     def logits(self, input_ids: list[int]):
-        from llmctl.serve.scoring import prompt_logits
+        from llmctl.serve.model.scoring import prompt_logits
 
         if len(input_ids) > self.engine.max_model_len:
             raise ConfigError(f"a window of {len(input_ids)} tokens exceeds the engine's "

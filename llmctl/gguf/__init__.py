@@ -6,5 +6,5 @@ Reading a GGUF in is the model layer's (:mod:`llmctl.models.gguf_reader`,
 reader sits below this package, which loads checkpoints through :mod:`llmctl.models`.
 The one exception is the legacy block codecs (:mod:`llmctl.gguf.quants`, numpy only): each
 type's encoder and decoder live side by side there, and the engine
-(:mod:`llmctl.serve.gguf_weights`) imports the decoders to keep quantized tensors quantized.
+(:mod:`llmctl.serve.model.gguf_weights`) imports the decoders to keep quantized tensors quantized.
 """

@@ -6,7 +6,7 @@ out exactly as ggml stores them, bit-identical to gguf-py's reference
 ``gguf.quants.quantize`` (itself checked against ggml-quants.c); ``dequantize`` reads them
 back to float32 as gguf-py does. The legacy types also give their integer ``codes`` with a
 per-block scale and offset, which the engine runs as they are on its low-bit kernel
-(:mod:`llmctl.serve.gguf_weights`). Tests compare every direction with gguf-py.
+(:mod:`llmctl.serve.model.gguf_weights`). Tests compare every direction with gguf-py.
 
 Why not call gguf-py directly: its quantizers allocate several full-size temporaries
 per 16-row group and run on one core; :func:`quantize` works on row chunks (bounded

@@ -5,9 +5,9 @@
    its second half the copy bandwidth, counted as bytes read + written.
 2. Matrix products per dtype, each through the paths llmctl itself can take, on shapes
    that are compute-bound: a warm ``torch.matmul`` of n x n x n (oneDNN/MKL), the
-   oneDNN packed linear of :class:`llmctl.serve.quant_linear.PackedLinear` (dense
+   oneDNN packed linear of :class:`llmctl.serve.layers.quant_linear.PackedLinear` (dense
    fp32/bf16 layers), and for bf16 llmctl's own AVX512-BF16 kernel
-   (:file:`llmctl/serve/csrc/gemm_bf16.cpp`) on a weight that stays in L2; int8 through
+   (:file:`llmctl/serve/kernels/csrc/gemm_bf16.cpp`) on a weight that stays in L2; int8 through
    ``torch._int_mm`` when torch has it on the CPU. A dtype's peak is its fastest path.
 3. Every quantity runs once untimed, then ``repeats`` timed runs; the peak is the best
    run, the notes keep best / median / worst (this VM's bandwidth moves by a third from
@@ -163,11 +163,11 @@ def torch_matmul(dtype: str, n: int, repeats: int) -> Measurement:
 
 
 def packed_linear(dtype: str, n: int, repeats: int) -> Measurement:
-    """llmctl's dense layer on oneDNN (:class:`~llmctl.serve.quant_linear.PackedLinear`):
+    """llmctl's dense layer on oneDNN (:class:`~llmctl.serve.layers.quant_linear.PackedLinear`):
     ``n`` rows through an ``n x n`` weight."""
     import torch
 
-    from llmctl.serve.quant_linear import (
+    from llmctl.serve.layers.quant_linear import (
         PackedLinear,
         onednn_bf16_supported,
         packing_available,
@@ -192,7 +192,7 @@ def own_gemm_bf16(calls: int, repeats: int) -> Measurement:
     products per timed run."""
     import torch
 
-    from llmctl.serve.quant_linear import bf16_gemm_layer
+    from llmctl.serve.layers.quant_linear import bf16_gemm_layer
 
     gen = torch.Generator().manual_seed(0)
     layer = bf16_gemm_layer(torch.randn(OWN_OUT, OWN_IN, generator=gen).bfloat16())

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 E4M3_MAX = 448.0
-# KV-cache scales (a recipe's kv_cache_scheme; llmctl.serve.kv_scales when the checkpoint
+# KV-cache scales (a recipe's kv_cache_scheme; llmctl.serve.model.kv_scales when the checkpoint
 # has none): twice the calibrated absmax over 448. E4M3's relative precision is the same
 # from 2^-6 to 448, so the headroom costs nothing until values fall below 2^-6 s, while a
 # K/V value past the calibrated range would saturate.

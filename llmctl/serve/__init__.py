@@ -1,12 +1,21 @@
 """The built-in inference engine: paged KV cache, prefix caching, continuous batching,
 chunked prefill, preemption, speculative decoding, low-bit weights.
 
-Imports flow one way::
+Laid out by concept, one sub-package each, importing only those listed before it
+(``tests/test_import_graph.py:SERVE_ORDER``)::
 
-    sampling_params -> sequence -> block_manager, policy -> scheduler
-    policy (the ordering tables) -> config
-    rope, attention, quant_linear -> model -> weights -> model_runner
-    sampler, detokenizer, rejection_sampler, spec_decode, admission -> llm_engine -> llm
+    kernels   the C++ CPU kernels (csrc/) and their loader
+    lora      LoRA adapters and one step's LoRA work
+    layers    attention, RoPE, plain and low-bit linears, fused decode layers, KV codecs
+    core      requests and sequences, sampling parameters, blocks, policies, the scheduler
+    model     the forward on the paged cache, its weights, KV cache sizing, the runner
+    sample    logits -> tokens, speculative decoding, grammars
+    engine    the engine front (offline, in-process, async), outputs, model sources
+    proc      engine processes, replicas and their routing
+    api       the OpenAI-compatible HTTP layer (tenancy/ and tools/ inside)
+    handoff   hand a model to vLLM or TensorRT-LLM instead
+    launch    ``llmctl serve`` settings -> a running server
+    batch     ``llmctl batch``: Batch API files on the engine, without HTTP
 
 ``LLM``, ``LLMEngine``, ``SamplingParams`` and ``EngineConfig`` are exported lazily, so
 importing this package does not import torch.
@@ -15,12 +24,12 @@ importing this package does not import torch.
 from __future__ import annotations
 
 _EXPORTS = {
-    "LLM": "llmctl.serve.llm",
-    "LLMEngine": "llmctl.serve.llm_engine",
-    "SamplingParams": "llmctl.serve.sampling_params",
-    "EngineConfig": "llmctl.serve.config",
-    "RequestOutput": "llmctl.serve.outputs",
-    "CompletionOutput": "llmctl.serve.outputs",
+    "LLM": "llmctl.serve.engine.llm",
+    "LLMEngine": "llmctl.serve.engine.llm_engine",
+    "SamplingParams": "llmctl.serve.core.sampling_params",
+    "EngineConfig": "llmctl.serve.engine.config",
+    "RequestOutput": "llmctl.serve.engine.outputs",
+    "CompletionOutput": "llmctl.serve.engine.outputs",
 }
 
 __all__ = list(_EXPORTS)

@@ -63,12 +63,12 @@ def test_measured_round_fills_the_record():
 
 
 def test_dirty_tree_is_refused_unless_allowed(capsys):
-    state = {"dirty": True, "changed_files": ["llmctl/serve/model.py"], "commit": "abc"}
+    state = {"dirty": True, "changed_files": ["llmctl/serve/model/decoder.py"], "commit": "abc"}
     with pytest.raises(SystemExit) as exc:
         refuse_dirty(state, allow_dirty=False)
     assert exc.value.code == 2  # a usage error
     err = capsys.readouterr().err
-    assert "llmctl/serve/model.py" in err and "--allow-dirty" in err
+    assert "llmctl/serve/model/decoder.py" in err and "--allow-dirty" in err
     refuse_dirty(state, allow_dirty=True)
     refuse_dirty({**state, "dirty": False, "changed_files": []}, allow_dirty=False)
 

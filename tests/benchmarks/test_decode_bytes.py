@@ -54,7 +54,7 @@ def test_llmctl_tied_model_reads(tmp_path, dtype):
     bytes read = element size x (parameters + the one looked-up row)."""
     import torch
 
-    from llmctl.serve.weights import load_model
+    from llmctl.serve.model.weights import load_model
     from tests.tiny import build_tiny_llama
 
     path = build_tiny_llama(tmp_path / "tiny", tie=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from llmctl.serve.cpu_kernels import supported_variants
+from llmctl.serve.kernels.cpu import supported_variants
 
 ROOT = Path(__file__).resolve().parents[2]
 AS_AVX2 = ROOT / "benchmarks" / "as_avx2"

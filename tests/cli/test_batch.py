@@ -93,7 +93,7 @@ def test_tool_choice_auto_takes_the_parser_flags(tiny_llama, tmp_path):
     """A line with tools and tool_choice "auto" fails (400 in its error body) unless the
     batch has vLLM's --enable-auto-tool-choice --tool-call-parser; with them the model's
     Llama 3 style call (forced by a schema on the tiny model) comes back as tool_calls."""
-    from tests.serve.api.test_tools import TIME, TOOLS
+    from tests.serve.api.tools.test_tools import TIME, TOOLS
 
     call = {"type": "object", "properties": {"name": {"type": "string", "enum": ["get_time"]},
                                              "parameters": TIME},

@@ -157,7 +157,7 @@ def test_generate_defaults_to_dtype_auto_and_says_why(tiny_llama, fake_cpu, flag
 def test_serve_resolves_dtype_auto_once_and_logs_it(tiny_llama, fake_cpu, monkeypatch, caplog):
     import logging
 
-    from llmctl.serve.api import launch
+    from llmctl.serve.launch import assemble as launch
 
     seen = []
     monkeypatch.setattr(launch, "run_server", lambda opts, ready=None: seen.append(opts) or 0)
@@ -171,7 +171,7 @@ def test_serve_resolves_dtype_auto_once_and_logs_it(tiny_llama, fake_cpu, monkey
 
 
 def test_serve_engine_settings_are_checked_before_loading(tiny_llama, monkeypatch):
-    from llmctl.serve.api import launch
+    from llmctl.serve.launch import assemble as launch
 
     monkeypatch.setattr(launch, "run_server", lambda opts, ready=None: pytest.fail("ran"))
     result = run("serve", str(tiny_llama), "--speculative", "draft")  # no --draft-model

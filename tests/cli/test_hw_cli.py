@@ -160,7 +160,7 @@ def test_show_names_the_kernel_variant_and_why(home, monkeypatch):
 
 
 def test_an_arm_cpu_is_said_to_run_the_neon_bodies(monkeypatch):
-    from llmctl.serve import cpu_kernels
+    from llmctl.serve.kernels import cpu as cpu_kernels
 
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
     monkeypatch.delenv("LLMCTL_KERNEL_ISA", raising=False)

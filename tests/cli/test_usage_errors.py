@@ -103,7 +103,7 @@ def test_typer_usage_errors_print_like_every_other_error():
 
 class Handoff:
     def __init__(self, monkeypatch):
-        from llmctl.serve.api import handoff
+        from llmctl.serve.handoff import engines as handoff
 
         self.commands = []
         monkeypatch.setattr(handoff, "run_handoff", lambda cmd: self.commands.append(cmd) or 0)

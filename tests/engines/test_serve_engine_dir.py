@@ -24,8 +24,8 @@ def reference(tiny_llama):
     """Greedy outputs of llmctl's own engine on the source checkpoint: token ids and
     text (the detokenizer holds back an incomplete UTF-8 tail, so text is compared with
     its text, not with tokenizer.decode)."""
-    from llmctl.serve.llm import LLM
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
+    from llmctl.serve.engine.llm import LLM
 
     llm = LLM(str(tiny_llama), kv_cache_memory="32MiB")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
@@ -162,7 +162,7 @@ def test_prefix_caching_is_forced_off_with_a_warning_and_draft_models_refused(on
 def test_torch_compile_engine_with_ngram_speculation(torch_compiled, tiny_llama, reference):
     """The compiled engine's max_seq_len (128) caps the context; ngram drafts verify."""
     from llmctl.engines.serve_engine import open_serving_engine
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
 
     want, _ = reference
     engine = open_serving_engine(torch_compiled, kv_cache_memory="8MiB", num_threads=1,
@@ -234,7 +234,7 @@ def test_eval_scores_the_torch_compile_engine_against_its_source(torch_compiled,
 def test_serve_passes_only_settings_the_user_gave(onnx_fp32, monkeypatch):
     """Defaults (prefix caching on, float32) are not requests to warn about; flags are."""
     from llmctl.engines.serve_engine import engine_dir_settings
-    from llmctl.serve.api import launch
+    from llmctl.serve.launch import assemble as launch
 
     seen = []
     monkeypatch.setattr(launch, "run_server", lambda opts, ready=None: seen.append(opts) or 0)
@@ -257,8 +257,8 @@ import sys
 from typer.testing import CliRunner
 
 from llmctl.cli.app import build_app
-from llmctl.serve.api import launch
-from llmctl.serve.sources import source_for
+from llmctl.serve.launch import assemble as launch
+from llmctl.serve.engine.sources import source_for
 
 assert "llmctl.engines" not in sys.modules, "the serve layer imported llmctl.engines"
 launch.run_server = lambda opts, ready=None: print("source:", source_for(opts.model).name) or 0

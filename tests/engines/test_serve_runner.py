@@ -4,12 +4,12 @@ import pytest
 
 from tests.engines.conftest import PROMPTS, hf_greedy
 
-pytest.importorskip("llmctl.serve.llm")
+pytest.importorskip("llmctl.serve.engine.llm")
 
 
 def _llm(tiny_llama, engine_dir, **config):
     from llmctl.engines.engine_dir import open_engine
-    from llmctl.serve.llm import LLM
+    from llmctl.serve.engine.llm import LLM
 
     llm = LLM(str(tiny_llama), enable_prefix_caching=False, max_num_batched_tokens=32,
               kv_cache_memory="32MiB", **config)
@@ -22,7 +22,7 @@ def _llm(tiny_llama, engine_dir, **config):
 ])
 def test_scheduler_drives_engine_dir_greedy_equal_to_transformers(
         request, tiny_llama, hf_tiny, engine_fixture, speculative):
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
 
     engine_dir = request.getfixturevalue(engine_fixture)
     llm = _llm(tiny_llama, engine_dir, speculative=speculative)
@@ -34,7 +34,7 @@ def test_scheduler_drives_engine_dir_greedy_equal_to_transformers(
 
 
 def test_n_greater_than_one_forks_from_the_sibling_cache(tiny_llama, onnx_fp32, hf_tiny):
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
 
     llm = _llm(tiny_llama, onnx_fp32)
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0, n=2,

@@ -113,12 +113,12 @@ def test_native_isa_requires_the_build_cpus_extensions():
 
 
 def test_sampling_draws_what_the_serving_engine_draws(torch_compiled, tiny_llama):
-    """Engine.generate samples with the serving engine's sampler (llmctl.serve.sampler):
+    """Engine.generate samples with the serving engine's sampler (llmctl.serve.sample.sampler):
     seeded, it draws the tokens llmctl's engine draws from the source checkpoint. Float32,
     so both see the same logits to ~1e-5; a flip needs two tokens' p/E that close."""
     from llmctl.engines.engine_dir import open_engine
-    from llmctl.serve.llm import LLM
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
+    from llmctl.serve.engine.llm import LLM
 
     engine = open_engine(torch_compiled, threads=1)
     llm = LLM(str(tiny_llama), kv_cache_memory="8MiB")

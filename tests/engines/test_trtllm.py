@@ -7,8 +7,8 @@ from llmctl.engines.builder import build_engine
 from llmctl.engines.engine_dir import open_engine
 from llmctl.engines.manifest import EngineIncompatibleError, read_manifest
 from llmctl.engines.options import CommonOptions
-from llmctl.serve.trtllm_options import PINNED_VERSION, validate_options
 from llmctl.errors import ConfigError, MissingDependencyError, UsageError
+from llmctl.serve.handoff.trtllm_options import PINNED_VERSION, validate_options
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 the tiny model's widened weights make greedy choices decisive) through the paged KV
 cache's gather/SDPA path, chunked prefill, preemption, prefix-cache hits, speculative
 decoding, and the int8 and fp8 caches against transformers with K/V quantized the same
-way. On CUDA the engine has no native kernels (llmctl.serve.cpu_kernels is CPU only):
+way. On CUDA the engine has no native kernels (llmctl.serve.kernels.cpu is CPU only):
 these tests are about every tensor being where the step expects it."""
 
 from __future__ import annotations
@@ -10,9 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmctl.serve.kv_quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
-from llmctl.serve.llm import LLM
-from llmctl.serve.sampling_params import SamplingParams
+from llmctl.serve.core.sampling_params import SamplingParams
+from llmctl.serve.engine.llm import LLM
+from llmctl.serve.layers.kv_quant import (
+    dequantize_fp8,
+    dequantize_int8,
+    quantize_fp8,
+    quantize_int8,
+)
 from tests.gpu.common import GPU, REAL_CUDA, device_name
 from tests.serve.conftest import PROMPTS, assert_all_blocks_free, encode, hf_greedy
 from tests.serve.kv_quant_engine import check, quantized_reference

@@ -27,7 +27,7 @@ def _eval(candidate, reference, cache_dir, kv_cache_dtype="auto") -> dict:
 def _on_cpu(monkeypatch) -> None:
     """What follows runs as on a machine without a GPU, and without the native CPU
     kernels (the CPU side needs no C++ compiler on the GPU machine)."""
-    from llmctl.serve import cpu_kernels
+    from llmctl.serve.kernels import cpu as cpu_kernels
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")

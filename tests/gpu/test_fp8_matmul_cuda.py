@@ -1,7 +1,7 @@
 """FP8 on the GPU's own tensor cores against llmctl's FP8 emulation.
 
 No llmctl path calls an FP8 matmul yet: an FP8 checkpoint's weights are dequantized at
-load on CUDA as on the CPU (llmctl.serve.quant_linear.make_linear), and quantization
+load on CUDA as on the CPU (llmctl.serve.layers.quant_linear.make_linear), and quantization
 scores FP8 layers by quantize-dequantize (llmctl.quant.fp8.fake_quantize). What this
 proves is that the emulation computes what the hardware computes: with llmctl's codes
 and scales, ``torch._scaled_mm`` (cuBLASLt E4M3 x E4M3, float32 accumulation) equals the

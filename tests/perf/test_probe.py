@@ -189,8 +189,8 @@ def test_a_quick_probe_measures_plausible_numbers():
     import torch
 
     from llmctl.hw.probe import INT8_DOT_FLAGS, measure
+    from llmctl.serve.kernels.cpu import gemm_bf16_kernel
     from llmctl.utils.cpu import cpu_flags
-    from llmctl.serve.cpu_kernels import gemm_bf16_kernel
     from llmctl.utils.device import native_bf16
 
     gemm_bf16_kernel()  # the one-time build of llmctl's kernels (seconds) is not the probe's

@@ -47,8 +47,8 @@ def test_scales_are_what_the_engine_measures_on_the_quantized_model(tiny_llama, 
     so equal within float32 noise; per layer, the max over heads."""
     from llmctl.models.loading import load_tokenizer
     from llmctl.quant.calibration import CalibrationSpec, build_calibration
-    from llmctl.serve.kv_scales import calibrate_kv_scales
-    from llmctl.serve.llm import LLM
+    from llmctl.serve.engine.llm import LLM
+    from llmctl.serve.model.kv_scales import calibrate_kv_scales
 
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path / "r.yaml", RECIPE.format(strategy=strategy))

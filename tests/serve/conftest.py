@@ -60,7 +60,7 @@ def assert_all_blocks_free(engine) -> None:
 @pytest.fixture(params=ISA_VARIANTS)
 def isa(request, monkeypatch):
     """The kernel accessors return one instruction-set variant's kernels for this test."""
-    from llmctl.serve import cpu_kernels
+    from llmctl.serve.kernels import cpu as cpu_kernels
 
     monkeypatch.setenv(cpu_kernels.VARIANT_ENV, request.param)
     return request.param
@@ -69,7 +69,7 @@ def isa(request, monkeypatch):
 @pytest.fixture
 def kernels_off(monkeypatch):
     """The pure-torch paths: the native CPU kernels switched off for one test."""
-    from llmctl.serve import cpu_kernels
+    from llmctl.serve.kernels import cpu as cpu_kernels
 
     monkeypatch.setenv("LLMCTL_CPU_KERNELS", "0")
     cpu_kernels.load_variant.cache_clear()

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
-from llmctl.serve.llm import LLM
-from llmctl.serve.sampling_params import SamplingParams
+from llmctl.serve.core.sampling_params import SamplingParams
+from llmctl.serve.engine.llm import LLM
 from tests.serve.conftest import PROMPTS, assert_all_blocks_free, encode
 
 # transform(layer, kind, x): kind 0 = post-RoPE keys, 1 = values, x [B, T, kv_heads, d]
@@ -131,7 +131,7 @@ def prefill_logit_shift(path, kv_cache_dtype: str) -> float:
     """A fresh prompt attends over its K/V as stored (quantized), so one prefill's rows
     equal decoding it token by token through the cache (within PREFILL_VS_DECODE_ATOL);
     returns the largest change of those logits against a float cache."""
-    from llmctl.serve.scoring import prompt_logits, teacher_forced_logits
+    from llmctl.serve.model.scoring import prompt_logits, teacher_forced_logits
 
     ids = encode(path, PROMPTS[3])
     llm = LLM(str(path), kv_cache_dtype=kv_cache_dtype, kv_cache_memory="4MiB")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmctl.serve import cpu_kernels
-from llmctl.serve.attention import (
+from llmctl.serve.kernels import cpu as cpu_kernels
+from llmctl.serve.layers.attention import (
     AttnMetadata,
     build_kernel_group,
     build_paged_group,

@@ -20,13 +20,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from llmctl.serve.api import errors
-from llmctl.serve.api.async_engine import (
-    AsyncEngine,
-    DeadlineError,
-    EngineDeadError,
-    QueueFullError,
-    RequestFailedError,
-)
 from llmctl.serve.api.content_tokens import ContentTokens
 from llmctl.serve.api.errors import APIError
 from llmctl.serve.api.limits import OFF_LOOP_CHARS, BodyLimit, max_prompt_chars
@@ -54,14 +47,21 @@ from llmctl.serve.api.render import (
     usage_block,
     without_generation,
 )
-from llmctl.serve.api.tenancy import Grant, Tenancy
-from llmctl.serve.api.tenants import TenantTable
-from llmctl.serve.api.tools import (
+from llmctl.serve.api.tenancy.gate import Grant, Tenancy
+from llmctl.serve.api.tenancy.keys import TenantTable
+from llmctl.serve.api.tools.request import (
     ToolPlan,
     ToolRequestError,
     plan_tools,
     template_tools,
     warn_if_template_ignores_tools,
+)
+from llmctl.serve.engine.async_engine import (
+    AsyncEngine,
+    DeadlineError,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
 )
 from llmctl.serve.proc.engine import EngineUnavailableError
 
@@ -161,7 +161,7 @@ def response_id(jobs: list[_Job]) -> str:
 class Frontend:
     """OpenAI bodies in, engine requests out, and engine outputs back to OpenAI bodies,
     with neither HTTP nor an engine in it: the server and ``llmctl batch``
-    (:mod:`llmctl.serve.api.batch`) share it, so a batch line gets what the HTTP API
+    (:mod:`llmctl.serve.batch.runner`) share it, so a batch line gets what the HTTP API
     would answer."""
 
     def __init__(self, tokenizer, config: ServerConfig, grammar_factory=None,
@@ -302,7 +302,7 @@ class Frontend:
         """``cap``: the tenant's max_tokens per request, bounding an unset max_tokens;
         ``overrides``: SamplingParams fields set by a feature (a ToolPlan's)."""
         from llmctl.errors import UsageError
-        from llmctl.serve.sampling_params import SamplingParams
+        from llmctl.serve.core.sampling_params import SamplingParams
 
         limit = self.config.max_model_len
         if prompt_len >= limit:
@@ -472,7 +472,7 @@ class Server(Frontend):
         """Queue every prompt before answering, so refusals are plain HTTP errors (and
         cost the tenant nothing)."""
         from llmctl.errors import LlmctlError
-        from llmctl.serve.lora_adapter import LoRANotFoundError
+        from llmctl.serve.lora.adapter import LoRANotFoundError
 
         submitted = []
         try:

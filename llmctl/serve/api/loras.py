@@ -29,7 +29,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmctl.serve.api import errors
-from llmctl.serve.lora_adapter import LoRAError, LoRANameError, LoRANotFoundError
+from llmctl.serve.lora.adapter import LoRAError, LoRANameError, LoRANotFoundError
 
 log = logging.getLogger("llmctl.serve")
 

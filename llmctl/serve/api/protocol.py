@@ -9,7 +9,7 @@ a message saying so, rather than silently ignored.
 ``logit_bias`` maps token ids (JSON object keys, so strings of integers) to a bias in
 ``[-100, 100]``, at most 300 of them (OpenAI's limits); the server checks the ids against
 the vocabulary. Chat requests may carry function ``tools`` and a ``tool_choice``
-(:mod:`llmctl.serve.api.tools` turns them into a template argument, a grammar or a
+(:mod:`llmctl.serve.api.tools.request` turns them into a template argument, a grammar or a
 parser), and messages carry ``tool_calls`` (assistant) and ``tool_call_id`` (tool).
 
 ``echo`` (completions) returns the prompt before the completion and, with ``logprobs``,
@@ -21,7 +21,7 @@ Every number is bounded and every list capped, so no value reaches the engine th
 cannot take (a client's mistake is a 400, never a 500 or another request's failure):
 floats must be finite (``NaN``/``Infinity`` are not JSON either: the parser refuses
 them), ``seed`` is a 64-bit integer (what ``torch.Generator`` takes, see
-:class:`~llmctl.serve.sampling_params.SamplingParams`), ``0 < top_p <= 1``, and the
+:class:`~llmctl.serve.core.sampling_params.SamplingParams`), ``0 < top_p <= 1``, and the
 lists below are at most ``MAX_*`` long. ``max_tokens`` is bounded by the context length
 once the prompt is tokenized.
 """
@@ -39,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmctl.serve.sampling_params import (
+from llmctl.serve.core.sampling_params import (
     INT64_MAX,
     LOGIT_BIAS_LIMIT,
     MAX_LOGIT_BIAS_ENTRIES,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmctl.serve.outputs import RequestMetrics
+from llmctl.serve.engine.outputs import RequestMetrics
 
 
 @dataclass(frozen=True)

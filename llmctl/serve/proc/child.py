@@ -49,7 +49,7 @@ class ChildSpec:
 
     model: str
     engine_kwargs: dict[str, Any]
-    # the model source that claimed MODEL in the parent (llmctl.serve.sources), pickled by
+    # the model source that claimed MODEL in the parent (llmctl.serve.engine.sources), pickled by
     # reference to its class: the child opens MODEL with it, so sources registered by
     # packages above this one (engine directories) work without this layer importing them
     source: Any = None
@@ -114,13 +114,13 @@ def _setup(spec: ChildSpec) -> None:
 
 
 def _open(spec: ChildSpec):
-    from llmctl.serve.sources import source_for
+    from llmctl.serve.engine.sources import source_for
 
     source = spec.source if spec.source is not None else source_for(spec.model)
     opened = source.open(spec.model, spec.engine_kwargs)
     engine = opened.engine
     try:  # response_format grammars arrive as text; this process compiles its own
-        from llmctl.serve.api.grammar import GrammarFactory, install_process_factory
+        from llmctl.serve.sample.grammar import GrammarFactory, install_process_factory
 
         vocab = max(len(engine.tokenizer), engine.spec.vocab_size)
         install_process_factory(GrammarFactory(engine.tokenizer, vocab))

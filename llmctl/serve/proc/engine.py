@@ -1,4 +1,4 @@
-"""The engine interface :class:`~llmctl.serve.api.async_engine.AsyncEngine` drives, served
+"""The engine interface :class:`~llmctl.serve.engine.async_engine.AsyncEngine` drives, served
 by engine processes: crash isolation, restarts, replicas.
 
 ``add_request``/``abort_request`` run on the API's event loop and write to a replica's
@@ -40,13 +40,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from llmctl.errors import ConfigError, UsageError
-from llmctl.serve.outputs import RequestOutput
+from llmctl.serve.engine.outputs import RequestOutput
+from llmctl.serve.engine.request_checks import check_request
+from llmctl.serve.engine.sources import source_for
 from llmctl.serve.proc.child import ChildSpec, ReadyInfo
 from llmctl.serve.proc.replica import Replica, State
 from llmctl.serve.proc.router import NoReplicaError, Router, RouterConfig
 from llmctl.serve.proc.stats import merge_stats
-from llmctl.serve.request_checks import check_request
-from llmctl.serve.sources import source_for
 
 log = logging.getLogger("llmctl.serve")
 
@@ -327,7 +327,7 @@ class ProcessEngine:
                 raise UsageError(f"request id {request_id!r} is already in use",
                                  "give every request a unique id")
             if lora is not None and lora not in self._loras:
-                from llmctl.serve.lora_adapter import LoRANotFoundError
+                from llmctl.serve.lora.adapter import LoRANotFoundError
 
                 raise LoRANotFoundError(f"no LoRA adapter named {lora!r} is loaded",
                                         f"loaded: {', '.join(self._loras) or 'none'}")
@@ -359,7 +359,7 @@ class ProcessEngine:
         is the caller's error, not a replica's), then load it in every replica. A request
         naming it after this returns reaches a replica after the load (one pipe, in
         order)."""
-        from llmctl.serve.lora_adapter import LoRAError, LoRANameError, load_adapter
+        from llmctl.serve.lora.adapter import LoRAError, LoRANameError, load_adapter
 
         info = self.info
         if info.lora_spec is None:
@@ -378,7 +378,7 @@ class ProcessEngine:
             self._tell_replicas(("load_lora", name, str(path)))
 
     def remove_lora(self, name: str) -> None:
-        from llmctl.serve.lora_adapter import LoRANotFoundError
+        from llmctl.serve.lora.adapter import LoRANotFoundError
 
         with self._lock:
             if self._loras.pop(name, None) is None:

@@ -24,7 +24,7 @@ from llmctl.serve.proc.child import ChildSpec, ReadyInfo, main
 
 # modules the forkserver imports once, so that each engine process starts with them
 _PRELOAD = ["llmctl.serve.proc.forkserver_init", "llmctl.serve.proc.child",
-            "llmctl.serve.llm_engine", "llmctl.serve.sources"]
+            "llmctl.serve.engine.llm_engine", "llmctl.serve.engine.sources"]
 _CONTEXT = None
 
 

@@ -12,7 +12,7 @@ the replicas' summed rate.
 from __future__ import annotations
 
 from llmctl.perf.utilization import PhaseLoad
-from llmctl.serve.admission import ServiceRate
+from llmctl.serve.core.admission import ServiceRate
 
 # summed as plain numbers
 _SUMS = ("num_running", "num_waiting", "kv_cache_blocks", "kv_cache_tokens",

@@ -38,7 +38,7 @@ def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=Non
     import uvicorn
 
     from llmctl.serve.api.app import create_app
-    from llmctl.serve.api.launch import ServeOptions, build_server
+    from llmctl.serve.launch.assemble import ServeOptions, build_server
 
     kwargs = dict(kv_cache_memory="64MiB", max_num_seqs=32, max_num_batched_tokens=256)
     kwargs.update(engine_kwargs)

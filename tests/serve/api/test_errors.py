@@ -125,7 +125,7 @@ def test_the_queue_limit_is_per_class_under_fair(tiny_llama, tmp_path):
     does not: a flood of one class cannot fill the queue against another."""
     import yaml
 
-    from llmctl.serve.api.tenants import hash_key
+    from llmctl.serve.api.tenancy.keys import hash_key
 
     doc = {"tenants": {"flood": {"priority_class": "batch"},
                        "urgent": {"priority_class": "interactive"}},

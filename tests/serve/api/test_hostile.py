@@ -178,7 +178,7 @@ TENANTS = {"admin": {"admin": True}, "user": {"models": ["tiny", "all4"]},
 def keyed(tiny_llama, tmp_path_factory):
     import yaml
 
-    from llmctl.serve.api.tenants import hash_key
+    from llmctl.serve.api.tenancy.keys import hash_key
 
     path = tmp_path_factory.mktemp("auth") / "keys.yaml"
     path.write_text(yaml.safe_dump({
@@ -221,7 +221,7 @@ def test_every_route_but_health_needs_a_key(keyed):
 def test_metrics_public_only_when_asked_and_keys_stay_out_of_the_log(tiny_llama, caplog):
     import logging
 
-    from llmctl.serve.api.server import redact_access_log, redact_query
+    from llmctl.serve.launch.uvicorn_server import redact_access_log, redact_query
 
     assert redact_query("/v1/models?x=1&api_key=sk-1&token=t&API-KEY=k") == \
         "/v1/models?x=1&api_key=REDACTED&token=REDACTED&API-KEY=REDACTED"

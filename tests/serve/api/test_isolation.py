@@ -18,7 +18,7 @@ import pytest
 
 from tests.serve.api.conftest import EngineGate, start_server
 from tests.serve.api.test_errors import _error, _wait_idle
-from tests.serve.test_llm_engine_isolation import FailingFactory
+from tests.serve.engine.test_llm_engine_isolation import FailingFactory
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from llmctl.serve.llm import LLM
-from llmctl.serve.sampling_params import SamplingParams
+from llmctl.serve.core.sampling_params import SamplingParams
+from llmctl.serve.engine.llm import LLM
 from tests.serve.api.conftest import start_server
 from tests.serve.conftest import PROMPTS
 

@@ -25,8 +25,8 @@ def _metric(text: str, name: str, **labels) -> float:
 
 
 def test_greedy_over_http_equals_offline_engine(served, tiny_llama):
-    from llmctl.serve.llm import LLM
-    from llmctl.serve.sampling_params import SamplingParams
+    from llmctl.serve.core.sampling_params import SamplingParams
+    from llmctl.serve.engine.llm import LLM
 
     prompts = ["The file object", "In Python, a class", "x"]
     llm = LLM(str(tiny_llama), kv_cache_memory="32MiB")

@@ -10,8 +10,8 @@ import torch
 from openai import OpenAI
 
 from llmctl.errors import UsageError
-from llmctl.serve.logits_process import apply_logit_bias
-from llmctl.serve.sampling_params import SamplingParams
+from llmctl.serve.core.sampling_params import SamplingParams
+from llmctl.serve.sample.logits_process import apply_logit_bias
 from tests.serve.api.conftest import start_server
 from tests.serve.conftest import encode, hf_model
 

@@ -2,7 +2,7 @@
 default) and in-process, and through ``llmctl batch``'s request path.
 
 Every answer is compared with the offline engine (LLM) on the same adapter, which
-tests/serve/test_lora.py holds to PEFT's logits; greedy float32, so texts are equal.
+tests/serve/lora/test_lora.py holds to PEFT's logits; greedy float32, so texts are equal.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from llmctl.serve.llm import LLM
-from llmctl.serve.sampling_params import SamplingParams
+from llmctl.serve.core.sampling_params import SamplingParams
+from llmctl.serve.engine.llm import LLM
 from tests.serve.api.conftest import start_server
 
 PROMPT = "The file object"
@@ -131,7 +131,7 @@ def test_in_process_engine_serves_adapters_and_refuses_updates(inproc_server, ti
 
 
 def test_batch_lines_name_adapters(tiny_llama, tiny_loras, offline, tmp_path):
-    from llmctl.serve.api.batch import run_batch
+    from llmctl.serve.batch.runner import run_batch
 
     lines = [{"custom_id": name, "method": "POST", "url": "/v1/completions",
               "body": {"model": name, "prompt": PROMPT, "max_tokens": MAX_TOKENS,

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from llmctl.serve.api.handoff import HandoffOptions, run_handoff, trtllm_command, vllm_command
+from llmctl.serve.handoff.engines import HandoffOptions, run_handoff, trtllm_command, vllm_command
 from tests.serve.api.conftest import free_port
 
 

@@ -7,9 +7,9 @@ import time
 
 import httpx
 
-from llmctl.serve.llm import LLM
-from llmctl.serve.llm_engine import STEP_PHASES
-from llmctl.serve.sampling_params import SamplingParams
+from llmctl.serve.core.sampling_params import SamplingParams
+from llmctl.serve.engine.llm import LLM
+from llmctl.serve.engine.llm_engine import STEP_PHASES
 from tests.serve.api.test_load import _metric
 
 

@@ -1,7 +1,7 @@
 """A request's phases from the engine's recorded times, against hand-laid timelines."""
 
 from llmctl.serve.api.timeline import Phase, request_phases
-from llmctl.serve.outputs import RequestMetrics
+from llmctl.serve.engine.outputs import RequestMetrics
 
 
 def _spans(phases):

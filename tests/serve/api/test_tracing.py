@@ -222,7 +222,7 @@ def test_a_request_that_times_out_has_error_status(traced, spans):
 
 
 def test_a_refused_request_has_error_status_and_no_phases(traced, spans, monkeypatch):
-    from llmctl.serve.api.async_engine import QueueFullError
+    from llmctl.serve.engine.async_engine import QueueFullError
 
     running, _ = traced
 

@@ -169,7 +169,7 @@ def test_cli_refuses_a_grpc_endpoint_before_loading_anything():
 
 def test_handoffs_pass_the_flag_to_vllm_and_refuse_it_for_trtllm(tiny_llama, tmp_path,
                                                                   monkeypatch):
-    from llmctl.serve.api import handoff
+    from llmctl.serve.handoff import engines as handoff
 
     commands = []
     monkeypatch.setattr(handoff, "run_handoff", lambda cmd: commands.append(cmd) or 0)
@@ -190,16 +190,16 @@ def test_handoffs_pass_the_flag_to_vllm_and_refuse_it_for_trtllm(tiny_llama, tmp
 
 def test_without_the_flag_the_sdk_is_never_imported():
     code = ("import sys\n"
-            "from llmctl.serve.api import app, launch\n"
-            "from llmctl.serve import startup\n"
+            "from llmctl.serve.api import app\n"
+            "from llmctl.serve.launch import assemble, startup\n"
             "from llmctl.cli import serve\n"
             "print([m for m in sys.modules if m.startswith(('opentelemetry.sdk', "
             "'opentelemetry.exporter', 'llmctl.serve.api.tracing'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
-    from llmctl.serve.api.launch import ServeOptions
-    from llmctl.serve.startup import ServeSettings
+    from llmctl.serve.launch.assemble import ServeOptions
+    from llmctl.serve.launch.startup import ServeSettings
 
     assert ServeOptions(model="m").otlp_traces_endpoint is None  # off by default
     assert ServeSettings(model="m").otlp_traces_endpoint is None

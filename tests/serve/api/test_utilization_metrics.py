@@ -12,8 +12,8 @@ import pytest
 from llmctl.perf.costs import ArchSpec, ModelCost
 from llmctl.perf.peaks import Peaks
 from llmctl.serve.api.metrics import ServerMetrics
-from llmctl.serve.llm import LLM
-from llmctl.serve.sampling_params import SamplingParams
+from llmctl.serve.core.sampling_params import SamplingParams
+from llmctl.serve.engine.llm import LLM
 from tests.serve.api.test_load import _metric
 
 
@@ -86,7 +86,7 @@ def test_metrics_read_right_after_the_last_response_count_every_token(tiny_llama
     would be; delivering first, the closing read saw the idle snapshot (0 FLOPs)."""
     import asyncio
 
-    from llmctl.serve.api.async_engine import AsyncEngine
+    from llmctl.serve.engine.async_engine import AsyncEngine
 
     engine = LLM(str(tiny_llama), kv_cache_memory="32MiB").engine
     busy = engine.has_unfinished_requests
@@ -126,7 +126,7 @@ def test_a_snapshot_from_before_a_burst_never_reads_as_idle(tiny_llama):
     import asyncio
     import threading
 
-    from llmctl.serve.api.async_engine import AsyncEngine
+    from llmctl.serve.engine.async_engine import AsyncEngine
 
     engine = LLM(str(tiny_llama), kv_cache_memory="32MiB").engine
     front = AsyncEngine(engine)

@@ -7,7 +7,7 @@ import pytest
 
 from llmctl.errors import UsageError
 from llmctl.perf.utilization import PhaseLoad
-from llmctl.serve.admission import ServiceRate
+from llmctl.serve.core.admission import ServiceRate
 from llmctl.serve.proc.engine import Supervision, split_cpus
 from llmctl.serve.proc.stats import merge_stats
 

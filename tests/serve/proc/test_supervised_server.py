@@ -175,8 +175,8 @@ def test_a_hung_step_is_detected_within_the_limit(tiny_llama, monkeypatch, refer
 def test_hung_step_detection_time(tiny_llama, monkeypatch):
     """From the engine's last message to its kill: within the limit plus the supervisor's
     50 ms wait (and scheduling slack on a loaded machine)."""
+    from llmctl.serve.core.sampling_params import SamplingParams
     from llmctl.serve.proc.engine import ProcessEngine
-    from llmctl.serve.sampling_params import SamplingParams
 
     monkeypatch.setenv(FAULT_ENV, "hang@3")
     limit = 1.0

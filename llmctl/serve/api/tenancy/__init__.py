@@ -1,0 +1,1 @@
+"""Tenants: API keys, their limits, and the request path's calls for them."""

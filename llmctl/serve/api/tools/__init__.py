@@ -1,0 +1,1 @@
+"""Function tools: what a chat request asks for, and tool calls parsed out of generated text."""

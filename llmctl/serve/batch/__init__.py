@@ -1,0 +1,1 @@
+"""``llmctl batch``: OpenAI Batch API files run on the engine, without HTTP."""

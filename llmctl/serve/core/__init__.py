@@ -1,0 +1,1 @@
+"""Scheduling state: sequences, the block manager, ordering policies, admission, the scheduler."""

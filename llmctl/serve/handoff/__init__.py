@@ -1,0 +1,1 @@
+"""Handing a model to another serving engine (vLLM, TensorRT-LLM)."""

@@ -1,0 +1,1 @@
+"""Native CPU kernels: the C++ sources in ``csrc/`` and their loader."""

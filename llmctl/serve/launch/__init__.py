@@ -1,0 +1,1 @@
+"""From ``llmctl serve`` settings to a running server: checks, assembly, uvicorn."""

@@ -1,0 +1,1 @@
+"""LoRA adapters: loading them, and one step's LoRA work."""

@@ -1,0 +1,90 @@
+"""A GGUF file's weights for the engine, quantized tensors kept quantized.
+
+Q4_0, Q4_1 and Q8_0 blocks become :class:`llmctl.serve.layers.lowbit.AffineCodes` with groups of
+32, bit for bit: the codes, scales and offsets :meth:`llmctl.gguf.quants.LegacyBlock.codes`
+reads (``w = d * q + z``; the block layouts are drawn there), run on the low-bit kernel as
+llama.cpp runs them: no float copy of a quantized matrix. Other types (F32, F16, BF16,
+K-quants, Q5_* whose 5-bit codes the kernel does not take) are read as float.
+Names are Hugging Face's; q/k rows come back in HF order (the engine applies its own
+RoPE interleaving, which is the permutation llama.cpp's converter stored).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmctl.errors import GGUFError
+from llmctl.gguf.quants import QUANTS
+from llmctl.models.architectures import expand_tensor_names, rope_unpermute
+from llmctl.models.gguf_reader import open_checkpoint
+from llmctl.serve.layers.lowbit import AffineCodes
+
+# The legacy types whose codes the low-bit kernel runs as they are (4 and 8 bits).
+CODECS = {name: QUANTS[name] for name in ("Q4_0", "Q4_1", "Q8_0")}
+
+
+def decode_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> AffineCodes:
+    """A quantized GGUF tensor's bytes as codes with per-32 scales and offsets."""
+    codec = CODECS[type_name]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // codec.block_size,
+                                                     codec.type_size)
+    q, d, z = codec.codes(blocks)
+    return AffineCodes(
+        q=torch.from_numpy(np.ascontiguousarray(q).reshape(rows, cols)),
+        scale=torch.from_numpy(d), zero=None if z is None else torch.from_numpy(z),
+        group_size=codec.block_size, bits=codec.bits)
+
+
+class GGUFWeights:
+    """``reader(hf_name) -> float tensor``; :meth:`layer_weight` keeps codes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._ckpt = open_checkpoint(self.path)
+        config = self._ckpt.config
+        names = expand_tensor_names(self._ckpt.arch, config["num_hidden_layers"])
+        by_gguf = {t.name: t for t in self._ckpt.reader.tensors}
+        self._tensors = {hf: by_gguf[g] for hf, g in names.items() if g in by_gguf}
+        self._heads = {"q_proj": config["num_attention_heads"],
+                       "k_proj": config["num_key_value_heads"]}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def _entry(self, name: str):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise GGUFError(f"{self.path.name} has no tensor for {name!r}",
+                            "the file does not match its own metadata; re-export it") from None
+
+    def _unpermute_heads(self, name: str) -> int | None:
+        if not self._ckpt.arch.rope_permute:
+            return None
+        return self._heads.get(name.rsplit(".", 2)[-2]) if name.endswith(".weight") else None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        import gguf
+
+        t = self._entry(name)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        array = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                           dtype=np.float32).reshape(shape)
+        heads = self._unpermute_heads(name)
+        if heads:
+            array = rope_unpermute(array, heads)
+        return torch.from_numpy(np.array(array, order="C"))
+
+    def layer_weight(self, name: str) -> torch.Tensor | AffineCodes:
+        """A linear layer's ``{name}.weight``: codes for Q4_0/Q4_1/Q8_0, else float."""
+        full = f"{name}.weight"
+        t = self._entry(full)
+        if t.tensor_type.name not in CODECS:
+            return self(full)
+        cols, rows = (int(d) for d in t.shape)
+        codes = decode_blocks(t.data, t.tensor_type.name, rows, cols)
+        heads = self._unpermute_heads(full)
+        return codes.map_rows(lambda t: rope_unpermute(t, heads)) if heads else codes

@@ -1,0 +1,207 @@
+"""Read a checkpoint directory (safetensors, plain or compressed-tensors) into a model.
+
+Tensors are read one at a time from memory-mapped safetensors files, so peak memory is
+the model in its final form plus one layer in flight. q/k/v and gate/up are fused into
+one linear each when their formats allow (fewer, larger matmuls per step). A GGUF file's
+quantized tensors come through :class:`llmctl.serve.model.gguf_weights.GGUFWeights` instead:
+any reader with ``name in reader``, ``reader(name)`` and ``reader.layer_weight(name)``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from llmctl.errors import NotAModelError
+from llmctl.serve.layers.lowbit import (
+    AffineCodes,
+    LowBitLinear,
+    fast_fits,
+    quantize_int8,
+)
+from llmctl.serve.layers.quant_linear import (
+    ConcatLinear,
+    QuantConfig,
+    QuantWeight,
+    concat_quant,
+    dense_linear,
+    load_quant_weight,
+    make_linear,
+)
+from llmctl.serve.layers.rope import interleave_rows
+from llmctl.serve.model.decoder import Layer, LlamaModel, ModelSpec
+from llmctl.utils.cpu import cpu_flags
+
+
+def _interleave(weight, num_heads: int):
+    """q/k rows (a tensor, or the rows of integer codes) in the engine's RoPE layout."""
+    if isinstance(weight, AffineCodes):
+        return weight.map_rows(lambda t: interleave_rows(t, num_heads))
+    if isinstance(weight, QuantWeight):
+        return QuantWeight(
+            q=interleave_rows(weight.q, num_heads), scale=interleave_rows(weight.scale, num_heads),
+            zero_point=(None if weight.zero_point is None
+                        else interleave_rows(weight.zero_point, num_heads)),
+            group_size=weight.group_size, num_bits=weight.num_bits)
+    return interleave_rows(weight, num_heads)
+
+
+class CheckpointReader:
+    """``reader(name) -> tensor`` over every ``*.safetensors`` file of a directory."""
+
+    def __init__(self, path: Path, quantization_config: dict | None = None) -> None:
+        from safetensors import safe_open
+
+        self._quant = QuantConfig(quantization_config)
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise NotAModelError(f"{path} has no *.safetensors weights",
+                                 "the engine reads safetensors checkpoints; re-save the model "
+                                 "with save_pretrained(safe_serialization=True)")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where: dict[str, object] = {}
+        for handle in self._handles:
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                self._where[key] = handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def layer_weight(self, name: str) -> torch.Tensor | QuantWeight:
+        """A linear layer's weight as a float tensor or a QuantWeight (not yet a kernel)."""
+        scheme = self._quant.scheme_for(name)
+        if scheme is None or f"{name}.weight_scale" not in self:
+            return self(f"{name}.weight")
+        return load_quant_weight(self, name, scheme.args, scheme.format)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        """An owned copy: a tensor viewing the memory map would keep the whole file
+        mapped (and counted in RSS) after loading."""
+        try:
+            return self._where[name].get_tensor(name).clone()
+        except KeyError:
+            raise NotAModelError(f"the checkpoint has no tensor {name!r}",
+                                 "the weights do not match config.json; re-export the model"
+                                 ) from None
+
+
+def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend: str,
+               max_len: int, spec: ModelSpec | None = None, reader=None,
+               lm_head: str = "auto", bf16_gemm: str = "onednn") -> LlamaModel:
+    """The engine's model from the checkpoint at ``path`` (or from ``reader``).
+
+    ``lm_head="int8"`` runs the output projection on int8 codes with a scale per 32
+    inputs (the tied 49k x 576 head of SmolLM2 is half of a bf16 batch-1 step's bytes);
+    "auto" keeps it as the checkpoint has it. ``bf16_gemm``: see
+    :class:`llmctl.serve.engine.config.EngineConfig` (:func:`bf16_gemm_plan`).
+    """
+    spec = spec or ModelSpec.from_dir(path)
+    gemm = bf16_gemm_plan(bf16_gemm, spec, dtype, device)
+    read = reader if reader is not None else CheckpointReader(path, spec.quantization_config)
+
+    def tensor(name: str) -> torch.Tensor:
+        return read(name).to(device=device, dtype=dtype)
+
+    def optional(name: str) -> torch.Tensor | None:
+        return read(name) if name in read else None
+
+    def linear(weight, bias):
+        return make_linear(weight, bias, dtype=dtype, device=device, backend=backend,
+                           gemm=gemm)
+
+    rotated = {"q_proj": spec.num_heads, "k_proj": spec.num_kv_heads}
+
+    def fused(names: list[str], with_bias: bool):
+        weights = [read.layer_weight(n) for n in names]
+        biases = [optional(f"{n}.bias") for n in names] if with_bias else [None] * len(names)
+        for i, name in enumerate(names):
+            heads = rotated.get(name.rsplit(".", 1)[-1])
+            if heads:
+                weights[i] = _interleave(weights[i], heads)
+                if biases[i] is not None:
+                    biases[i] = interleave_rows(biases[i], heads)
+        bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        kinds = {type(w) for w in weights}
+        if len(kinds) == 1:
+            joined = (torch.cat(weights) if torch.Tensor in kinds
+                      else AffineCodes.cat(weights) if AffineCodes in kinds
+                      else concat_quant(weights))
+            if joined is not None:
+                return linear(joined, bias)
+        return ConcatLinear([linear(w, b) for w, b in zip(weights, biases)])
+
+    def qk_norm(attn: str) -> torch.Tensor:
+        """qwen3's per-head q and k RMSNorm weights as one ``[heads + kv_heads, d]`` table."""
+        q = interleave_rows(read(f"{attn}.q_norm.weight"), 1)
+        k = interleave_rows(read(f"{attn}.k_norm.weight"), 1)
+        table = torch.cat([q.expand(spec.num_heads, -1), k.expand(spec.num_kv_heads, -1)])
+        return table.to(device=device, dtype=dtype).contiguous()
+
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        attn, mlp = f"{p}.self_attn", f"{p}.mlp"
+        layers.append(Layer(
+            input_norm=tensor(f"{p}.input_layernorm.weight"),
+            qkv=fused([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], spec.qkv_bias),
+            qk_norm=qk_norm(attn) if spec.qk_norm else None,
+            o=fused([f"{attn}.o_proj"], spec.o_bias),
+            post_norm=tensor(f"{p}.post_attention_layernorm.weight"),
+            gate_up=fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"], spec.mlp_bias),
+            down=fused([f"{mlp}.down_proj"], spec.mlp_bias),
+        ))
+    tied = spec.tie_word_embeddings or ("lm_head.weight" not in read
+                                        and "lm_head.weight_packed" not in read)
+    head_source = "model.embed_tokens" if tied else "lm_head"
+    head_weight = read.layer_weight(head_source)
+    if tied and isinstance(head_weight, AffineCodes):
+        embed = head_weight.dequantize(dtype).to(device)
+    elif tied and isinstance(head_weight, torch.Tensor):
+        embed = head_weight.to(device=device, dtype=dtype)  # the same table: read once
+    else:
+        embed = tensor("model.embed_tokens.weight")
+    already_int8 = isinstance(head_weight, AffineCodes) and head_weight.bits == 8
+    if lm_head == "int8" and device.type == "cpu" and not already_int8:
+        if isinstance(head_weight, AffineCodes):
+            head_weight = head_weight.dequantize()
+        if isinstance(head_weight, torch.Tensor):
+            head_weight = quantize_int8(head_weight, 32)
+    head = _head_linear(head_weight, device)
+    if head is None:
+        # tied: a packed layout is a copy (the embedding lookup needs the plain table)
+        head = dense_linear(embed, None, gemm=gemm) if tied else linear(head_weight, None)
+    return LlamaModel(spec, embed=embed, layers=layers, norm=tensor("model.norm.weight"),
+                      lm_head=head, dtype=dtype, device=device, max_len=max_len)
+
+
+def dense_parameters(spec: ModelSpec) -> int:
+    """Parameters of the matrix products (the output head counted once, tied or not)."""
+    attn = spec.hidden_size * (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    mlp = 3 * spec.hidden_size * spec.intermediate_size
+    return spec.num_layers * (attn + mlp) + spec.vocab_size * spec.hidden_size
+
+
+def bf16_gemm_plan(choice: str, spec: ModelSpec, dtype: torch.dtype,
+                   device: torch.device) -> str:
+    """The :class:`llmctl.serve.layers.quant_linear.PackedLinear` form of a model's bf16 dense
+    layers for the ``bf16_gemm`` setting: "own" and "onednn" as said; "auto" = "own" on
+    a CPU without AMX (measured faster than oneDNN at 1-2048 rows, one copy), and with
+    AMX oneDNN (its tile kernels, not measured here) plus the own kernel for small
+    batches ("both") when that second copy of every dense weight is at most 1/8 of
+    physical memory."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or choice == "onednn":
+        return "onednn"
+    if choice == "own" or "amx_bf16" not in cpu_flags():
+        return "own"
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return "both" if 2 * dense_parameters(spec) <= memory // 8 else "onednn"
+
+
+def _head_linear(weight, device: torch.device):
+    """Integer codes of the output projection on the low-bit kernel, float32 logits
+    out; None when the head is a float tensor (or the kernel is missing)."""
+    if isinstance(weight, AffineCodes) and device.type == "cpu" and fast_fits(weight):
+        return LowBitLinear(weight, out_float=True)
+    return None

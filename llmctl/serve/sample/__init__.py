@@ -1,0 +1,1 @@
+"""Choosing tokens: sampling parameters, the sampler, constraints, speculation."""

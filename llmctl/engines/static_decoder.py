@@ -20,7 +20,9 @@ every real query. B, T and C are dynamic dimensions of one compiled artifact.
 
 Per layer: ``h = RMSNorm(x)``; ``q, k, v = h W_q, h W_k, h W_v`` (+ biases; qwen3
 RMSNorms each q/k head); RoPE at the positions; attention (GQA: each KV head serves
-``H / Hkv`` query heads); ``x += W_o attn``; ``x += W_down (silu(h W_gate) * h W_up)``.
+``H / Hkv`` query heads); ``x += W_o attn``; ``x += W_down (act(h W_gate) * h W_up)``.
+Each step is a shared building block of :mod:`llmctl.models.layers` (torch's fused
+RMSNorm, RoPE in the halves layout, the gated MLP's activation by name).
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmctl.models.layers import (
+    activation,
+    attend,
+    fused_rms_norm,
+    gated,
+    repeat_kv,
+    rope_cos_sin,
+)
+from llmctl.models.layers import rotate_halves as _rope
 
 
 class StaticDecoder(nn.Module):
@@ -40,6 +52,7 @@ class StaticDecoder(nn.Module):
         self.eps = spec.rms_norm_eps
         self.scale = spec.head_dim ** -0.5
         self.qk_norm = spec.qk_norm
+        self.act = activation(spec.hidden_act)
 
         def put(name: str, tensor: torch.Tensor | None) -> None:
             if tensor is not None:
@@ -73,12 +86,6 @@ class StaticDecoder(nn.Module):
     def _linear(self, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
         return F.linear(x, self._w(i, name), self._w(i, f"{name}_b"))
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t = input_ids.shape
@@ -95,30 +102,25 @@ class StaticDecoder(nn.Module):
         x = F.embedding(input_ids, self.embed)
         k_out, v_out = [], []
         for i in range(self.num_layers):
-            h = F.rms_norm(x, (self.hidden,), self._w(i, "input_layernorm"), self.eps)
+            h = fused_rms_norm(x, self._w(i, "input_layernorm"), self.eps)
             q = self._linear(h, i, "q_proj").view(b, t, nh, d).transpose(1, 2)
             k = self._linear(h, i, "k_proj").view(b, t, nkv, d).transpose(1, 2)
             v = self._linear(h, i, "v_proj").view(b, t, nkv, d).transpose(1, 2)
             if self.qk_norm:
-                q = F.rms_norm(q, (d,), self._w(i, "q_norm"), self.eps)
-                k = F.rms_norm(k, (d,), self._w(i, "k_norm"), self.eps)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
+                q = fused_rms_norm(q, self._w(i, "q_norm"), self.eps)
+                k = fused_rms_norm(k, self._w(i, "k_norm"), self.eps)
+            q = _rope(q, cos, sin)
+            k = _rope(k, cos, sin)
             k_out.append(k)
             v_out.append(v)
-            keys = torch.cat([k_cache[i], k], dim=2)  # [B, Hkv, C + T, d]
-            values = torch.cat([v_cache[i], v], dim=2)
-            if group > 1:  # query head h uses KV head h // group (HF repeat_kv layout)
-                keys = keys[:, :, None].expand(b, nkv, group, c + t, d).reshape(b, nh, c + t, d)
-                values = values[:, :, None].expand(b, nkv, group, c + t, d).reshape(
-                    b, nh, c + t, d)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                  scale=self.scale)
+            keys = repeat_kv(torch.cat([k_cache[i], k], dim=2), group)  # [B, H, C + T, d]
+            values = repeat_kv(torch.cat([v_cache[i], v], dim=2), group)
+            attn = attend(q, keys, values, mask, scale=self.scale)
             x = x + self._linear(attn.transpose(1, 2).reshape(b, t, nh * d), i, "o_proj")
-            h = F.rms_norm(x, (self.hidden,), self._w(i, "post_attention_layernorm"), self.eps)
-            x = x + self._linear(F.silu(self._linear(h, i, "gate_proj"))
-                                 * self._linear(h, i, "up_proj"), i, "down_proj")
-        x = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
+            h = fused_rms_norm(x, self._w(i, "post_attention_layernorm"), self.eps)
+            x = x + self._linear(gated(self.act, self._linear(h, i, "gate_proj"),
+                                       self._linear(h, i, "up_proj")), i, "down_proj")
+        x = fused_rms_norm(x, self.norm, self.eps)
         logits = F.linear(x, self.embed if self.tied else self.lm_head).float()
         return logits, torch.stack(k_out), torch.stack(v_out)
 
@@ -127,7 +129,6 @@ def build_static_decoder(model_dir, dtype: torch.dtype, max_len: int):
     """(decoder, spec) for a float HF checkpoint directory."""
     from llmctl.errors import UnsupportedArchitectureError
     from llmctl.models.loading import load_model
-    from llmctl.serve.layers.rope import rope_cos_sin
     from llmctl.serve.model.decoder import ModelSpec
 
     spec = ModelSpec.from_dir(model_dir)

@@ -83,6 +83,12 @@ class Family:
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE
     windows: str = "none"
     norms_per_layer: int = 2  # RMSNorm vectors per block (Gemma 2/3 also norm after each)
+    # Gemma stores RMSNorm weights as w - 1 and scales by (1 + w): llmctl.models.layers.norm
+    norm_offset: float = 0.0
+    # the gated MLP's activation (llmctl.models.layers.mlp.ACTIVATIONS): the config key
+    # that names it (Gemma 2/3: hidden_activation) and the config class's default
+    act_key: str = "hidden_act"
+    act_default: str = "silu"
     # transformers writes config.json as a diff from the class defaults, so a field equal
     # to its default is absent: these are the defaults of the config classes
     tied_default: bool = False
@@ -106,11 +112,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # known to the cost model (llmctl plan) only
     Family("granite"),
     Family("phi3", windows="every_layer", fused=("self_attn.qkv_proj", "mlp.gate_up_proj")),
-    Family("gemma", tied_default=True, head_dim_default=256),
+    Family("gemma", tied_default=True, head_dim_default=256, norm_offset=1.0,
+           act_default="gelu_pytorch_tanh"),
     Family("gemma2", norms_per_layer=4, tied_default=True, head_dim_default=256,
-           windows="interleaved"),
+           windows="interleaved", norm_offset=1.0, act_key="hidden_activation",
+           act_default="gelu_pytorch_tanh"),
     Family("gemma3_text", norms_per_layer=4, qk_norm=True, tied_default=True,
-           head_dim_default=256, windows="interleaved"),
+           head_dim_default=256, windows="interleaved", norm_offset=1.0,
+           act_key="hidden_activation", act_default="gelu_pytorch_tanh"),
     Family("mixtral", windows="every_layer", moe=MoeLayout(
         ("num_local_experts",), "intermediate_size", "block_sparse_moe.gate",
         ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
@@ -247,6 +256,7 @@ class ModelArch:
     # per layer: the sliding window W (the query at p sees keys p - W + 1 .. p) or None;
     # () where the family's windows are not read (see WINDOW_RULES)
     layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation, config.json's name for it
     num_experts: int = 0  # 0: a dense MLP
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
@@ -316,5 +326,6 @@ class ModelArch:
             qkv_bias=_feature(cfg, row.qkv_bias), o_bias=_feature(cfg, row.o_bias),
             mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=row.qk_norm,
             layer_windows=WINDOW_RULES[row.windows](cfg, layers),
+            hidden_act=str(cfg.get(row.act_key) or row.act_default),
             num_experts=experts, experts_per_token=per_token,
             expert_intermediate_size=expert_width, shared_expert_intermediate_size=shared)

@@ -8,8 +8,10 @@ which weight (float, smoothed, quantized) and which activation quantizer each on
 
 Covers llama / mistral (dense attention; Mistral's sliding window is honoured),
 qwen2 (q/k/v biases) and qwen3 (per-head q/k RMSNorm); the shape is a view of
-:class:`llmctl.models.spec.ModelArch`. RoPE cos/sin come from
-transformers' own rotary class, so every ``rope_type`` it knows is right.
+:class:`llmctl.models.spec.ModelArch`. Each stage is a shared building block of
+:mod:`llmctl.models.layers`: RMSNorm in transformers' op order (calibration sees what
+transformers computes, in bfloat16 too), RoPE per ``rope_type`` in the halves layout,
+the gated MLP's activation by the config's name.
 """
 
 from __future__ import annotations
@@ -20,6 +22,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmctl.models.layers import (
+    RMSNorm,
+    RoPE,
+    activation,
+    attend,
+    gated,
+    qk_norm,
+    repeat_kv,
+    rotate_halves,
+    sliding_causal_mask,
+)
+from llmctl.models.layers import rms_norm as rms_norm  # noqa: PLC0414 (block.rms_norm)
 from llmctl.models.spec import ModelArch
 
 # name of a linear -> the activation that feeds it (its "tap")
@@ -50,6 +64,12 @@ class BlockShape:
     head_dim: int
     eps: float
     sliding_window: int | None
+    norm_offset: float = 0.0  # the family's RMSNorm weight offset (Gemma: 1)
+    hidden_act: str = "silu"  # the gated MLP's activation, by config.json's name
+
+    @property
+    def norm(self) -> RMSNorm:
+        return RMSNorm(self.eps, self.norm_offset)
 
     @classmethod
     def from_config(cls, config: dict) -> BlockShape:
@@ -60,31 +80,19 @@ class BlockShape:
         # one window for every block: the family's windows as transformers reads them,
         # when every layer has one (a model mixing full and windowed layers attends fully)
         return cls(hidden=arch.hidden_size, heads=arch.num_heads, kv_heads=arch.num_kv_heads,
-                   head_dim=arch.head_dim, eps=arch.rms_norm_eps, sliding_window=arch.kv_window)
+                   head_dim=arch.head_dim, eps=arch.rms_norm_eps, sliding_window=arch.kv_window,
+                   norm_offset=arch.family.norm_offset, hidden_act=arch.hidden_act)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers: normalise in float32, cast back, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.to(x.dtype) * xf.to(x.dtype)
-
-
-def rotary_tables(hf_config, seq_len: int, dtype: torch.dtype, device=None
+def rotary_tables(config, seq_len: int, dtype: torch.dtype, device=None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (1, seq_len, head_dim) from transformers' rotary embedding."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rotary = LlamaRotaryEmbedding(config=hf_config).to(device)
-    positions = torch.arange(seq_len, device=device).unsqueeze(0)
-    probe = torch.empty(1, dtype=dtype, device=device)
-    return rotary(probe, positions)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """cos/sin of shape (1, seq_len, rotary_dim) in ``dtype``: the shared RoPE of the
+    model's ``config`` (a :class:`ModelArch`, config.json's dict or transformers' config
+    object), computed in float32 as transformers' rotary embedding computes them."""
+    if not isinstance(config, ModelArch):
+        config = ModelArch.from_config(config if isinstance(config, dict) else config.to_dict())
+    cos, sin = RoPE.of(config).cos_sin(seq_len, device)
+    return cos[None].to(dtype), sin[None].to(dtype)
 
 
 def attention(h: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
@@ -99,37 +107,35 @@ def attention(h: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
     k = linear("self_attn.k_proj", h).view(b, t, shape.kv_heads, shape.head_dim)
     v = linear("self_attn.v_proj", h).view(b, t, shape.kv_heads, shape.head_dim)
     if "self_attn.q_norm" in weights:  # qwen3: RMSNorm over each head's vector
-        q = rms_norm(q, weights["self_attn.q_norm"], shape.eps)
-        k = rms_norm(k, weights["self_attn.k_norm"], shape.eps)
+        q, k = qk_norm(q, k, weights["self_attn.q_norm"], weights["self_attn.k_norm"],
+                       shape.norm)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     c, s = cos[:, None, :t], sin[:, None, :t]
-    q, k = _rotate(q, c, s), _rotate(k, c, s)
+    q, k = rotate_halves(q, c, s), rotate_halves(k, c, s)
     if observe_kv is not None:
         observe_kv(k, v)
-    if shape.kv_heads != shape.heads:
-        rep = shape.heads // shape.kv_heads
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+    group = shape.heads // shape.kv_heads
+    k, v = repeat_kv(k, group), repeat_kv(v, group)
     if shape.sliding_window and t > shape.sliding_window:
-        i = torch.arange(t, device=h.device)
-        allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < shape.sliding_window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        out = attend(q, k, v, sliding_causal_mask(t, shape.sliding_window, h.device))
     else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = attend(q, k, v, causal=True)
     return out.transpose(1, 2).reshape(b, t, shape.heads * shape.head_dim)
 
 
 def attn_input(x: torch.Tensor, weights: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
-    return rms_norm(x, weights["input_layernorm"], shape.eps)
+    return shape.norm(x, weights["input_layernorm"])
 
 
 def mlp_input(x: torch.Tensor, weights: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
-    return rms_norm(x, weights["post_attention_layernorm"], shape.eps)
+    return shape.norm(x, weights["post_attention_layernorm"])
 
 
-def mlp_act(h: torch.Tensor, linear: Linear) -> torch.Tensor:
-    """SwiGLU activation: the input of down_proj."""
-    return F.silu(linear("mlp.gate_proj", h)) * linear("mlp.up_proj", h)
+def mlp_act(h: torch.Tensor, linear: Linear, shape: BlockShape | None = None) -> torch.Tensor:
+    """The gated MLP's activation, the input of down_proj: ``act(gate) * up`` with the
+    activation ``shape`` names (None: silu, SwiGLU)."""
+    act = activation(shape.hidden_act if shape is not None else "silu")
+    return gated(act, linear("mlp.gate_proj", h), linear("mlp.up_proj", h))
 
 
 def float_linear(weights: dict[str, torch.Tensor]) -> Linear:
@@ -146,4 +152,4 @@ def forward(x: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
     """The whole block (used by tests and the reference path)."""
     a = attention(attn_input(x, weights, shape), weights, linear, shape, cos, sin)
     x = x + linear("self_attn.o_proj", a)
-    return x + linear("mlp.down_proj", mlp_act(mlp_input(x, weights, shape), linear))
+    return x + linear("mlp.down_proj", mlp_act(mlp_input(x, weights, shape), linear, shape))

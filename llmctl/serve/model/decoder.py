@@ -18,9 +18,13 @@ Per layer, for the flat stream of this step's ``T`` tokens::
     h = RMSNorm(x);  g, u = split(h @ W_gate_up)            # fused gate/up
     x = x + W_down · (silu(g) * u)                          # SwiGLU
 
-RMSNorm: ``x / sqrt(mean(x^2) + eps) * w``. Weights are plain tensors and small callable
-linears (dense or low-bit, :mod:`llmctl.serve.layers.quant_linear`), not ``nn.Module``s: on CPU
-the per-call overhead of modules is a measurable share of a decode step.
+RMSNorm: ``x / sqrt(mean(x^2) + eps) * w``. The torch path is the shared building blocks
+of :mod:`llmctl.models.layers` (RMSNorm, RoPE, the gated MLP); the native kernels of
+:mod:`llmctl.serve.kernels` (fused norm + residual, SwiGLU, RoPE + cache write, the fused
+decode layers) are the engine's own fast paths. Weights are plain tensors and small
+callable linears (dense or low-bit, :mod:`llmctl.serve.layers.quant_linear`), not
+``nn.Module``s: on CPU the per-call overhead of modules is a measurable share of a decode
+step.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from llmctl.errors import UnsupportedArchitectureError
 from llmctl.models.architectures import get_architecture
+from llmctl.models.layers import add_rms_norm, fused_gated, fused_rms_norm
 from llmctl.models.spec import ModelArch
 from llmctl.serve.kernels.cpu import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.layers.attention import AttnMetadata, paged_attention
@@ -69,6 +75,7 @@ class ModelSpec:
     torch_dtype: str | None = None
     # per layer: the sliding window W (the query at p sees keys p - W + 1 .. p) or None
     layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"
 
     @property
     def kv_window(self) -> int | None:
@@ -97,6 +104,10 @@ class ModelSpec:
         get_architecture(config.get("model_type", ""))  # raises with the supported list
         arch = ModelArch.from_config(config)
         check_rope(arch)
+        if arch.hidden_act not in SWIGLU:
+            raise UnsupportedArchitectureError(
+                f"MLP activation {arch.hidden_act!r}: the engine's MLP is SwiGLU",
+                "use a model whose config.json sets hidden_act to silu")
         if eos is None:
             eos = _as_tuple(config.get("eos_token_id"))
         # the fields named as in ModelArch are its own; the rest are the engine's
@@ -134,21 +145,17 @@ class Layer:
             setattr(self, name, parts.get(name))
 
 
+# the activations the engine's MLP computes: its kernels and fused decode layers are SwiGLU
+SWIGLU = ("silu", "swish")
+
+
 class TorchNormAct:
-    """Residual add + RMSNorm, and SwiGLU's activation, as torch ops (any dtype/device);
-    :class:`llmctl.serve.kernels.cpu.NormActKernels` fuses them for bf16 on the CPU."""
+    """Residual add + RMSNorm, and SwiGLU's activation, as the shared torch blocks (any
+    dtype/device); :class:`llmctl.serve.kernels.cpu.NormActKernels` fuses them for bf16
+    on the CPU. The functions themselves, not wrappers: no extra call per op."""
 
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
-        if residual is not None:
-            x.add_(residual)
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    add_rms_norm = staticmethod(add_rms_norm)
+    silu_mul = staticmethod(fused_gated("silu"))
 
 
 class LlamaModel:
@@ -184,7 +191,6 @@ class LlamaModel:
         natively (``lora.native``: the LoRA kernel is built), the layer loop otherwise."""
         spec = self.spec
         eps = spec.rms_norm_eps
-        head = (spec.head_dim,)
         t = input_ids.shape[0]
         nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         quantized = kv_scales is not None
@@ -216,7 +222,7 @@ class LlamaModel:
             qk = qkv[:, :qk_size].view(t, nh + nkv, d)
             v = qkv[:, qk_size:].view(t, nkv, d)
             if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, head, None, eps) * layer.qk_norm
+                qk = fused_rms_norm(qk, None, eps) * layer.qk_norm
             layer_cache = kv_cache[i]
             layer_scales = kv_scales[i] if quantized else None
             if rope_kv is not None:  # bf16 throughout: rotate in place, write the cache

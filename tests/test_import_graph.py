@@ -165,10 +165,11 @@ def test_guard_sees_function_level_relative_and_from_package_imports(tmp_path):
 # Lowest first: a sub-package may import only those before it. The kernels know nothing
 # of the engine; layers are built on kernels (and take a step's LoRA work); the model is
 # built of layers; sampling reads the model's runner (draft models); the engine front
-# drives all of them; engine processes wrap the engine; HTTP wraps engines or processes;
-# launching assembles all of it; the batch runner reuses the launch settings.
+# drives all of them; engine processes wrap the engine; the OpenAI frontend (no HTTP)
+# turns OpenAI bodies into engine requests; HTTP wraps the frontend; launching assembles
+# all of it; the batch runner composes the frontend too, never the HTTP layer.
 SERVE_ORDER = ("kernels", "lora", "layers", "core", "model", "sample", "engine", "proc",
-               "api", "handoff", "launch", "batch")
+               "openai", "api", "handoff", "launch", "batch")
 
 
 def serve_edges(root: Path = ROOT) -> dict[tuple[str, str], list[str]]:

@@ -5,9 +5,9 @@
    alone, without reading a byte of the body; a chunked body is counted while it is read
    and refused the moment it passes the limit. Nothing is buffered or parsed first
    (uvicorn reads and drops what the client still sends after the 413).
-2. **Prompt characters** (:func:`max_prompt_chars`): a text longer than the context can
-   hold is refused before it is tokenized, which for a multi-megabyte prompt is where the
-   time and the memory go.
+2. **Prompt characters** (:func:`llmctl.serve.openai.prompts.max_prompt_chars`): a text
+   longer than the context can hold is refused before it is tokenized, which for a
+   multi-megabyte prompt is where the time and the memory go.
 3. **Off the event loop**: what is left (tokenizing and rendering a chat template for
    inputs of up to that size) runs on a worker thread when the input is large
    (:data:`OFF_LOOP_CHARS`), so ``/health`` and other clients' streams are not held up.
@@ -35,8 +35,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from llmctl.serve.api import errors
-from llmctl.serve.api.protocol import MAX_PROMPTS
+from llmctl.serve.openai import errors
+from llmctl.serve.openai.protocol import MAX_PROMPTS
 
 BYTES_PER_TOKEN = 16
 OVERHEAD = 1 << 20
@@ -138,33 +138,3 @@ async def _send_error(send, exc: errors.APIError) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
-
-
-def max_token_chars(tokenizer) -> int:
-    """The most characters one token stands for: the longest entry of the vocabulary,
-    added and special tokens included. For byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM)
-    an entry's length is its byte count, at least the characters it decodes to; for
-    SentencePiece it is its characters ("▁" for a space), a byte-fallback entry
-    ("<0xE3>") overstating its one byte. An overstatement only loosens the bound."""
-    try:
-        vocab = tokenizer.get_vocab()
-    except (AttributeError, NotImplementedError):
-        return 0
-    return max((len(token) for token in vocab), default=0)
-
-
-def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
-    """Characters above which a text cannot fit ``max_model_len`` tokens; None: no bound
-    is known (an empty or unreadable vocabulary).
-
-    The direction matters: every token decodes to at most ``L = max_token_chars``
-    characters, so a text of ``c`` characters has at least ``c / L`` tokens, and
-    ``c > max_model_len * L`` means more tokens than the context holds -- refusing it is
-    always right. (The converse -- "a token is at least one character" -- is false:
-    byte-level tokenizers spend up to four tokens on one character, so no bound on
-    characters can say a text *fits*.) This assumes the tokenizer's normalizer keeps
-    every character, as byte-level BPE and SentencePiece BPE do; one that deletes
-    characters (whitespace collapsing, control-character stripping) could fit a longer
-    text, which is then refused: a prompt that long only fits by being thrown away."""
-    per_token = max_token_chars(tokenizer)
-    return max_model_len * per_token if per_token > 0 else None

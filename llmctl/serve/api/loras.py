@@ -1,7 +1,8 @@
 """LoRA adapters over HTTP, with vLLM's routes and bodies.
 
 - ``GET /v1/models`` lists each loaded adapter after the base model, with ``parent``
-  the base model's name (the base's ``parent`` is null), as vLLM does.
+  the base model's name (the base's ``parent`` is null), as vLLM does
+  (:meth:`llmctl.serve.openai.models.OpenAIModels.cards`).
 - ``POST /v1/load_lora_adapter`` ``{"lora_name": ..., "lora_path": ...}``: 200 with a
   line of text; 400 for a bad path, config or tensors, or a name already in use.
 - ``POST /v1/unload_lora_adapter`` ``{"lora_name": ...}``: 200; 404 when not loaded.
@@ -22,21 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llmctl.serve.api import errors
+from llmctl.serve.api.body import read_body
+from llmctl.serve.api.handler import RequestHandler, tenant_of
 from llmctl.serve.lora.adapter import LoRAError, LoRANameError, LoRANotFoundError
+from llmctl.serve.openai import errors
 
 log = logging.getLogger("llmctl.serve")
 
-if TYPE_CHECKING:
-    from fastapi import FastAPI
-
-    from llmctl.serve.api.app import Server
+router = APIRouter()
 
 
 class LoadLoRARequest(BaseModel):
@@ -53,24 +52,19 @@ class UnloadLoRARequest(BaseModel):
     lora_int_id: int | None = None  # sent by some vLLM clients; names are what count
 
 
-def lora_cards(server: Server, tenant=None) -> list[dict]:
-    """``/v1/models`` entries of the loaded adapters ``tenant`` may use."""
-    config = server.config
-    return [{"id": name, "object": "model", "created": config.created, "owned_by": "llmctl",
-             "max_model_len": config.max_model_len, "parent": config.model_name}
-            for name in server.lora_names() if server.tenancy.may_use_model(tenant, name)]
-
-
-def _allowed(server: Server, request: Request) -> None:
-    if not server.config.lora_runtime_updates:
+def _allowed(request: Request) -> RequestHandler:
+    """The app's handler, once this request may change the adapters (403 otherwise)."""
+    handler: RequestHandler = request.app.state.handler
+    if not handler.config.settings.enable_lora_runtime_updates:
         raise errors.APIError(403, "loading and unloading LoRA adapters at run time is off; "
                               "start the server with --enable-lora-runtime-updates",
                               "permission_error", code="lora_updates_disabled")
-    server.tenancy.check_admin(getattr(request.state, "tenant", None))
+    handler.tenancy.check_admin(tenant_of(request))
+    return handler
 
 
-async def _parsed(server: Server, request: Request, model: type[BaseModel]):
-    body = await server._body(request)
+async def _parsed(request: Request, model: type[BaseModel]):
+    body = await read_body(request)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -80,34 +74,33 @@ async def _parsed(server: Server, request: Request, model: type[BaseModel]):
                                  where or None) from None
 
 
-def register_lora_routes(app: FastAPI, server: Server) -> None:
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        _allowed(server, request)
-        req = await _parsed(server, request, LoadLoRARequest)
-        if req.lora_name in server.served_names:
-            raise errors.bad_request(f"{req.lora_name!r} is the base model's name; give the "
-                                     "adapter another", "lora_name")
-        try:  # reads and checks the tensors: off the event loop
-            await asyncio.to_thread(server.engine.add_lora, req.lora_name, req.lora_path)
-        except LoRANameError as exc:
-            raise errors.bad_request(str(exc), "lora_name") from None
-        except LoRAError as exc:
-            log.warning("load_lora_adapter %r refused: %s", req.lora_name, exc)
-            raise errors.bad_request("lora_path: not a valid adapter (the server's log says "
-                                     "why)", "lora_path") from None
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request):
+    handler = _allowed(request)
+    req = await _parsed(request, LoadLoRARequest)
+    if req.lora_name in handler.frontend.models.served_names:
+        raise errors.bad_request(f"{req.lora_name!r} is the base model's name; give the "
+                                 "adapter another", "lora_name")
+    try:  # reads and checks the tensors: off the event loop
+        await asyncio.to_thread(handler.engine.add_lora, req.lora_name, req.lora_path)
+    except LoRANameError as exc:
+        raise errors.bad_request(str(exc), "lora_name") from None
+    except LoRAError as exc:
+        log.warning("load_lora_adapter %r refused: %s", req.lora_name, exc)
+        raise errors.bad_request("lora_path: not a valid adapter (the server's log says "
+                                 "why)", "lora_path") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request):
-        _allowed(server, request)
-        req = await _parsed(server, request, UnloadLoRARequest)
-        try:
-            server.engine.remove_lora(req.lora_name)
-        except LoRANotFoundError as exc:
-            raise errors.APIError(404, str(exc), "invalid_request_error", "lora_name",
-                                  "model_not_found") from None
-        except LoRAError as exc:
-            raise errors.bad_request(str(exc), "lora_name") from None
-        return PlainTextResponse(
-            f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request):
+    handler = _allowed(request)
+    req = await _parsed(request, UnloadLoRARequest)
+    try:
+        handler.engine.remove_lora(req.lora_name)
+    except LoRANotFoundError as exc:
+        raise errors.APIError(404, str(exc), "invalid_request_error", "lora_name",
+                              "model_not_found") from None
+    except LoRAError as exc:
+        raise errors.bad_request(str(exc), "lora_name") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

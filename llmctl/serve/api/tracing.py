@@ -1,8 +1,8 @@
 """OpenTelemetry traces of requests: ``llmctl serve --otlp-traces-endpoint URL``.
 
 Off by default, and then free: nothing imports the OpenTelemetry SDK, and the request
-path pays one ``is None`` test per request and per output (:class:`~llmctl.serve.api.app.
-Server`'s ``tracing``).
+path pays one ``is None`` test per request and per output (:class:`~llmctl.serve.api.
+handler.RequestHandler`'s ``tracing``).
 
 On, every HTTP request gets one SERVER span named ``llm_request`` (vLLM's name), a child
 of the client's W3C ``traceparent``/``tracestate`` when it sends them (so ``llmctl bench``
@@ -33,8 +33,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from llmctl.errors import MissingDependencyError, UsageError
-from llmctl.serve.api.errors import APIError
 from llmctl.serve.api.timeline import Phase, request_phases
+from llmctl.serve.openai.errors import APIError
 
 TRACER_NAME = "llmctl.serve"
 SPAN_NAME = "llm_request"

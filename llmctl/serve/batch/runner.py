@@ -6,9 +6,10 @@
 2. One engine, in this process, stepped here. Lines enter while fewer than ``window``
    sequences are in flight (default 4 x max_num_seqs: the scheduler always has work
    waiting, and memory stays bounded however long the file), each through the HTTP
-   API's own path (:class:`~llmctl.serve.api.app.Frontend`: validation, the model
-   name, the chat template, sampling parameters, then the engine's own checks), so a
-   line's body is what the server would answer, ids and ``created`` aside.
+   API's own path (:class:`~llmctl.serve.openai.frontend.Frontend`: validation, the
+   model name, the chat template, sampling parameters, the submission and the
+   collection of outputs, then the engine's own checks), so a line's body is what the
+   server would answer, ids and ``created`` aside.
 3. After each step, the lines that finished are appended to the output and synced. A
    line's failure (bad JSON, a 400 body, a prompt over the context, a request the
    engine failed) is that line's output, never the batch's end; an exception out of
@@ -25,32 +26,32 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llmctl.errors import LlmctlError, UsageError
-from llmctl.serve.api import errors
-from llmctl.serve.api.app import Frontend, ServerConfig, _Job, require_object
-from llmctl.serve.api.errors import APIError
-from llmctl.serve.api.protocol import ChatCompletionRequest, CompletionRequest
-from llmctl.serve.api.render import Choice
+from llmctl.errors import UsageError
 from llmctl.serve.batch import files as batch_file
+from llmctl.serve.openai import errors
+from llmctl.serve.openai.errors import APIError
+from llmctl.serve.openai.frontend import Frontend
+from llmctl.serve.openai.jobs import Job
+from llmctl.serve.openai.models import ServedModel, vocab_and_grammars
+from llmctl.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.serve.openai.responses import Assembly
+from llmctl.serve.openai.submit import submit_all
+from llmctl.serve.openai.validation import require_object
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    kind: str  # the response shape: "chat" | "completion"
     request: type
-    jobs: Callable[[Frontend, Any], tuple[list[_Job], Any]]  # engine requests + params
+    serving: Callable[[Frontend], Any]  # its OpenAI serving piece (frontend.chat, ...)
 
 
 ENDPOINTS = {
-    "/v1/chat/completions": Endpoint(
-        "chat", ChatCompletionRequest, lambda f, req: f.chat_jobs(req, f.encode_chat(req))),
-    "/v1/completions": Endpoint(
-        "completion", CompletionRequest,
-        lambda f, req: f.completion_jobs(req, f.encode_completion_prompts(req))),
+    "/v1/chat/completions": Endpoint(ChatCompletionRequest, lambda f: f.chat),
+    "/v1/completions": Endpoint(CompletionRequest, lambda f: f.completions),
 }
 URLS = tuple(ENDPOINTS)
 
@@ -79,13 +80,9 @@ class _Line:
     """One input line in the engine: its requests and the choices they fill."""
 
     custom_id: str
-    endpoint: Endpoint
-    req: Any
-    jobs: list[_Job]
+    assembly: Assembly  # the request, its jobs and the choices they fill
     num_seqs: int
     left: int  # engine requests not finished
-    choices: dict[int, Choice] = field(default_factory=dict)
-    started: set[int] = field(default_factory=set)
     closed: bool = False  # answered: its sequences no longer count in the window
 
 
@@ -96,7 +93,7 @@ class BatchRunner:
         self.engine = engine
         self.frontend = frontend
         self.window = max(1, window)
-        self._requests: dict[str, tuple[_Line, _Job]] = {}  # engine request id -> owner
+        self._requests: dict[str, tuple[_Line, Job]] = {}  # engine request id -> owner
         self._seqs = 0  # sequences in flight
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -116,34 +113,28 @@ class BatchRunner:
             if req.stream:
                 raise errors.bad_request("stream is not available in a batch: each line gets "
                                          "one response body", "stream")
-            jobs, params = endpoint.jobs(self.frontend, req)
+            serving = endpoint.serving(self.frontend)
+            jobs, params = serving.jobs(req, serving.encode(req))
             self._submit(jobs, params, req.priority)
         except APIError as exc:
             return batch_file.response_line(line.custom_id, exc.status, exc.body())
         except Exception as exc:  # noqa: BLE001 - a bug: this line's 500, as the server's
             return batch_file.response_line(line.custom_id, 500, _unexpected(exc).body())
-        entry = _Line(line.custom_id, endpoint, req, jobs, params.n * len(jobs), len(jobs))
+        entry = _Line(line.custom_id, self.frontend.assembly(serving.kind, req, jobs),
+                      params.n * len(jobs), len(jobs))
         for job in jobs:
             self._requests[job.request_id] = (entry, job)
         self._seqs += entry.num_seqs
         return None
 
-    def _submit(self, jobs: list[_Job], params, priority: int) -> None:
-        """Every prompt of the line or none (the server's ``_submit``, without the queue
+    def _submit(self, jobs: list[Job], params, priority: int) -> None:
+        """Every prompt of the line or none (as the server submits, without the queue
         and tenant checks: nothing here can be over a limit but the engine's own)."""
-        submitted = []
-        try:
-            for job in jobs:
-                self.engine.add_request(job.request_id, job.prompt_ids, params,
-                                        priority=priority, arrival_time=time.time(),
-                                        lora=job.lora)
-                submitted.append(job)
-        except BaseException as exc:  # cleaned up, then re-raised
-            for job in submitted:
-                self.engine.abort_request(job.request_id)
-            if isinstance(exc, LlmctlError):
-                raise errors.bad_request(exc.message) from None
-            raise
+        engine = self.engine
+        submit_all(jobs, lambda job: engine.add_request(
+            job.request_id, job.prompt_ids, params, priority=priority,
+            arrival_time=time.time(), lora=job.lora),
+            engine.abort_request, self.frontend.model.model_name)
 
     @property
     def full(self) -> bool:
@@ -169,11 +160,10 @@ class BatchRunner:
                 done.append(answer)
         return done
 
-    def _collect(self, line: _Line, job: _Job, out) -> dict | None:
+    def _collect(self, line: _Line, job: Job, out) -> dict | None:
         """Add an engine output to its line (as the server's non-streaming path does);
         the line's output once its last request finished."""
-        for index, upd in self.frontend.choice_updates(line.req, job, out, line.started):
-            line.choices.setdefault(index, Choice(index)).add(upd)
+        line.assembly.collect(job, out)
         if not out.finished:
             return None
         del self._requests[out.request_id]
@@ -184,7 +174,7 @@ class BatchRunner:
         return self._answer(line)
 
     def _answer(self, line: _Line) -> dict:
-        body = self.frontend.response(line.endpoint.kind, line.req, line.jobs, line.choices)
+        body = line.assembly.body()
         self.prompt_tokens += body["usage"]["prompt_tokens"]
         self.completion_tokens += body["usage"]["completion_tokens"]
         return batch_file.response_line(line.custom_id, 200, body)
@@ -199,7 +189,7 @@ class BatchRunner:
             return
         line.closed = True
         self._seqs -= line.num_seqs
-        for job in line.jobs:
+        for job in line.assembly.jobs:
             if self._requests.pop(job.request_id, None) is not None:
                 self.engine.abort_request(job.request_id)
 
@@ -328,7 +318,6 @@ def _open(model: str, engine_kwargs: dict[str, Any], served_model_name: str | No
           window: int | None, say: Callable[[str], None],
           auto_tool_parser: str | None = None) -> BatchRunner:
     from llmctl.serve.engine.sources import open_model
-    from llmctl.serve.launch.assemble import vocab_and_grammars
 
     opened = open_model(model, engine_kwargs)
     engine = opened.engine
@@ -336,10 +325,10 @@ def _open(model: str, engine_kwargs: dict[str, Any], served_model_name: str | No
     name, aliases = (served_model_name, ()) if served_model_name else (opened.name,
                                                                        opened.aliases)
     vocab_size, grammars = vocab_and_grammars(engine)
-    config = ServerConfig(model_name=name, max_model_len=engine.max_model_len,
-                          vocab_size=vocab_size, extra_model_names=aliases,
-                          auto_tool_parser=auto_tool_parser)
-    frontend = Frontend(engine.tokenizer, config, grammars, engine.lora_names)
+    model = ServedModel(model_name=name, max_model_len=engine.max_model_len,
+                        vocab_size=vocab_size, extra_model_names=aliases)
+    frontend = Frontend(engine.tokenizer, model, grammars, engine.lora_names,
+                        auto_tool_parser=auto_tool_parser)
     return BatchRunner(engine, frontend, window or 4 * engine.config.max_num_seqs)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmctl.serve.core.admission import check_deadline, expected_tokens
+from llmctl.serve.engine.client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine, *, max_queue: int | None = None, idle_wait: float = 0.05,
+    def __init__(self, engine: EngineClient, *, max_queue: int | None = None,
+                 idle_wait: float = 0.05,
                  request_timeout: float | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue

@@ -26,7 +26,10 @@ ENGINES = ("llmctl", "vllm", "trtllm")
 
 @dataclass
 class ServeSettings:
-    """What ``llmctl serve`` was asked for (the command line's options, typed)."""
+    """What ``llmctl serve`` was asked for (the command line's options, typed): the one
+    settings object from the CLI down to the HTTP layer (:class:`~llmctl.serve.launch.
+    assemble.ServeOptions` adds what is resolved from it before the load,
+    :class:`~llmctl.serve.api.handler.ServerConfig` holds it for the request handler)."""
 
     model: str
     engine: str = "llmctl"
@@ -168,7 +171,7 @@ def max_request_bytes(settings: ServeSettings) -> int | None:
 def auto_tool_parser(settings: ServeSettings) -> str | None:
     """The parser for tool_choice "auto", or None (vLLM's flags, and its rule: auto tool
     choice needs a parser; a parser alone leaves "auto" off)."""
-    from llmctl.serve.api.tools.parsers import AUTO_PARSERS
+    from llmctl.serve.openai.tools.parsers import AUTO_PARSERS
 
     name = settings.tool_call_parser
     if name is not None and name not in AUTO_PARSERS:
@@ -293,17 +296,7 @@ def serve(settings: ServeSettings, say: Callable[[str], None] = log.info) -> int
     # Checked before anything loads; a pydantic error names the field, which the CLI
     # reports as the option that set it (exit 2).
     EngineConfig(model=settings.model, **kwargs)
-    opts = ServeOptions(model=settings.model, host=settings.host, port=settings.port,
-                        served_model_name=settings.served_model_name, api_key=settings.api_key,
-                        auth_file=settings.auth_file,
-                        max_queue=settings.max_queue, request_timeout=settings.request_timeout,
-                        grace_period=settings.grace_period, log_level=settings.log_level,
-                        otlp_traces_endpoint=settings.otlp_traces_endpoint, engine_kwargs=kwargs,
-                        engine_process=settings.engine_process,
-                        supervision=supervision(settings),
+    opts = ServeOptions(settings, engine_kwargs=kwargs, supervision=supervision(settings),
                         auto_tool_parser=auto_tool_parser(settings),
-                        lora_runtime_updates=settings.enable_lora_runtime_updates,
-                        max_request_bytes=max_request_bytes(settings),
-                        metrics_public=settings.metrics_public,
-                        allow_special_tokens_in_content=settings.allow_special_tokens_in_content)
+                        max_request_bytes=max_request_bytes(settings))
     return run_server(opts)

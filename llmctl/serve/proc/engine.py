@@ -132,6 +132,10 @@ class _Spec:
 
 
 class ProcessEngine:
+    """Engine processes behind the engine's interface
+    (:class:`~llmctl.serve.engine.client.EngineClient`), so :class:`AsyncEngine` drives
+    them as it drives an :class:`LLMEngine` in this process."""
+
     def __init__(self, model: str, engine_kwargs: dict, supervision: Supervision = Supervision(),
                  router: RouterConfig | None = None, log_level: str = "info") -> None:
         self.supervision = supervision

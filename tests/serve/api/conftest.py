@@ -20,7 +20,7 @@ def free_port() -> int:
 @dataclass
 class Running:
     url: str
-    server: object  # llmctl.serve.api.app.Server
+    server: object  # llmctl.serve.api.handler.RequestHandler
     engine: object  # AsyncEngine
     uvicorn: object
 
@@ -39,16 +39,18 @@ def start_server(model: str, *, api_key=None, max_queue=256, request_timeout=Non
 
     from llmctl.serve.api.app import create_app
     from llmctl.serve.launch.assemble import ServeOptions, build_server
+    from llmctl.serve.launch.startup import ServeSettings
 
     kwargs = dict(kv_cache_memory="64MiB", max_num_seqs=32, max_num_batched_tokens=256)
     kwargs.update(engine_kwargs)
-    opts = ServeOptions(model=model, served_model_name=served_model_name, api_key=api_key,
-                        auth_file=None if auth_file is None else str(auth_file),
-                        max_queue=max_queue, request_timeout=request_timeout,
-                        engine_kwargs=kwargs, engine_process=engine_process,
-                        supervision=supervision, lora_runtime_updates=lora_runtime_updates,
-                        max_request_bytes=max_request_bytes, metrics_public=metrics_public,
-                        allow_special_tokens_in_content=allow_special_tokens_in_content)
+    settings = ServeSettings(
+        model=model, served_model_name=served_model_name, api_key=api_key,
+        auth_file=None if auth_file is None else str(auth_file), max_queue=max_queue,
+        request_timeout=request_timeout, engine_process=engine_process,
+        enable_lora_runtime_updates=lora_runtime_updates, metrics_public=metrics_public,
+        allow_special_tokens_in_content=allow_special_tokens_in_content)
+    opts = ServeOptions(settings, engine_kwargs=kwargs, supervision=supervision,
+                        max_request_bytes=max_request_bytes)
     server, engine = build_server(opts)
     engine.start()
     port = free_port()

@@ -124,8 +124,8 @@ def test_a_prompt_longer_than_the_context_can_hold_is_400_before_tokenizing(
     after seconds of tokenizing (the tokenizer is never called)."""
     server = guarded.server
     calls = []
-    real = server.tokenizer.__class__.__call__
-    monkeypatch.setattr(server.tokenizer.__class__, "__call__",
+    real = server.frontend.tokenizer.__class__.__call__
+    monkeypatch.setattr(server.frontend.tokenizer.__class__, "__call__",
                         lambda self, text, **kw: calls.append(len(text)) or real(self, text, **kw))
     start = time.monotonic()
     resp = httpx.post(guarded.url + path, json=body, timeout=30)
@@ -140,13 +140,13 @@ def test_the_character_bound_never_refuses_what_fits(served):
     """The bound is max_model_len x the longest vocabulary entry: a text at the bound
     made of that entry is exactly max_model_len tokens or fewer."""
     server = served.server
-    vocab = server.tokenizer.get_vocab()
+    vocab = server.frontend.tokenizer.get_vocab()
     longest = max(vocab, key=len)
-    bound = server.max_prompt_chars
+    bound = server.frontend.prompts.max_prompt_chars
     assert bound == 512 * len(longest)
     # the densest text in characters per token: every token the longest entry's text
-    text = server.tokenizer.convert_tokens_to_string([longest]) * 100
-    ids = server.tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = server.frontend.tokenizer.convert_tokens_to_string([longest]) * 100
+    ids = server.frontend.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert len(text) / len(ids) <= len(longest)
 
 
@@ -314,14 +314,14 @@ def _chat_ids(url: str, messages: list[dict]) -> list[int]:
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_a_normal_conversation_has_exactly_the_tokens_it_had(served, messages):
-    tok = served.server.tokenizer
+    tok = served.server.frontend.tokenizer
     before = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
                  add_special_tokens=False)["input_ids"]
     assert _chat_ids(served.url, messages) == before
 
 
 def test_injected_control_tokens_stay_text(served):
-    tok = served.server.tokenizer
+    tok = served.server.frontend.tokenizer
     start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": INJECTION}]
@@ -340,21 +340,15 @@ def test_injected_control_tokens_stay_text(served):
 
 
 def test_the_old_behaviour_behind_the_flag(served):
-    from llmctl.serve.api.app import Frontend, ServerConfig
-    from llmctl.serve.api.protocol import TokenizeChatRequest
+    from llmctl.serve.openai.frontend import Frontend
+    from llmctl.serve.openai.protocol import TokenizeChatRequest
 
-    tok = served.server.tokenizer
-    config = dataclasses_replace(served.server.config, allow_special_tokens_in_content=True)
+    tok = served.server.frontend.tokenizer
+    frontend = Frontend(tok, served.server.frontend.model, allow_special_tokens_in_content=True)
     req = TokenizeChatRequest(messages=[{"role": "user", "content": INJECTION}])
-    ids = Frontend(tok, config).encode_chat(req)
+    ids = frontend.prompts.chat(req)
     assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 4
-    assert isinstance(config, ServerConfig)
-
-
-def dataclasses_replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
+    assert not served.server.frontend.prompts.allow_special_tokens_in_content
 
 
 # --- 7. memory comes back after a burst of large rejected requests ----------------------

@@ -115,7 +115,7 @@ def test_openai_client_chat_and_sampled(served):
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
                                     logit_bias={str(FORCED): 100},
                                     extra_body={"ignore_eos": True})
-    assert out.choices[0].text == served.server.tokenizer.decode([FORCED] * 4)
+    assert out.choices[0].text == served.server.frontend.tokenizer.decode([FORCED] * 4)
 
 
 @pytest.mark.parametrize("bias,needle", [
@@ -142,12 +142,12 @@ def test_bad_logit_bias_is_400(served, bias, needle):
 
 
 def test_vocabulary_bound(served):
-    vocab = served.server.config.vocab_size
+    vocab = served.server.config.model.vocab_size
     body = {"prompt": "x", "max_tokens": 1, "temperature": 0}
     last = httpx.post(served.url + "/v1/completions",
                       json={**body, "logit_bias": {str(vocab - 1): 100}})
     assert last.status_code == 200
-    assert last.json()["choices"][0]["text"] == served.server.tokenizer.decode([vocab - 1])
+    assert last.json()["choices"][0]["text"] == served.server.frontend.tokenizer.decode([vocab - 1])
     past = httpx.post(served.url + "/v1/completions",
                       json={**body, "logit_bias": {str(vocab): 100}})
     assert past.status_code == 400 and f"token id {vocab} is outside" in past.text

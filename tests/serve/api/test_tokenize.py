@@ -27,7 +27,7 @@ def _post(served, path: str, body: dict, status: int = 200) -> dict:
 def test_text_ids_are_the_completion_prompt_ids(served, tokenizer):
     out = _post(served, "/tokenize", {"model": "tiny", "prompt": TEXT})
     want = tokenizer(TEXT, add_special_tokens=True)["input_ids"]
-    assert out == {"count": len(want), "max_model_len": served.server.config.max_model_len,
+    assert out == {"count": len(want), "max_model_len": served.server.config.model.max_model_len,
                    "tokens": want, "token_strs": None}
     usage = _post(served, "/v1/completions", {"prompt": TEXT, "max_tokens": 1})["usage"]
     assert usage["prompt_tokens"] == out["count"]

@@ -199,12 +199,12 @@ def test_a_request_that_times_out_has_error_status(traced, spans):
         return real()
 
     engine.step = step
-    running.server.config.request_timeout = 0.5
+    running.server.config.settings.request_timeout = 0.5
     try:
         resp = httpx.post(running.url + "/v1/completions", timeout=60,
                           json={"prompt": "x", "max_tokens": 50, "ignore_eos": True})
     finally:
-        running.server.config.request_timeout = None
+        running.server.config.settings.request_timeout = None
         go.set()
         del engine.step  # back to the class's method
     assert resp.status_code == 408

@@ -201,5 +201,6 @@ def test_without_the_flag_the_sdk_is_never_imported():
     from llmctl.serve.launch.assemble import ServeOptions
     from llmctl.serve.launch.startup import ServeSettings
 
-    assert ServeOptions(model="m").otlp_traces_endpoint is None  # off by default
-    assert ServeSettings(model="m").otlp_traces_endpoint is None
+    assert ServeSettings(model="m").otlp_traces_endpoint is None  # off by default
+    # the one settings object flows down: the launch options hold it, not a copy
+    assert ServeOptions(ServeSettings(model="m")).settings.otlp_traces_endpoint is None

@@ -35,9 +35,9 @@ def test_tool_call_flags_follow_vllm():
     from typing import get_args
 
     from llmctl.cli.serve import ToolCallParser
-    from llmctl.serve.api.tools.parsers import AUTO_PARSERS
     from llmctl.serve.handoff.engines import HandoffOptions, refuse_unsupported, vllm_command
     from llmctl.serve.launch.startup import auto_tool_parser
+    from llmctl.serve.openai.tools.parsers import AUTO_PARSERS
 
     # the CLI's choices are the parsers table
     assert set(get_args(get_args(get_args(ToolCallParser)[0])[0])) == set(AUTO_PARSERS)

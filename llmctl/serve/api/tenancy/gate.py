@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llmctl.serve.api import errors
 from llmctl.serve.api.tenancy.keys import UNKNOWN, Tenant, TenantTable
 from llmctl.serve.api.tenancy.ratelimit import KINDS, Gauge, RateLimiter, Refusal, Reservation
+from llmctl.serve.openai import errors
 
 log = logging.getLogger("llmctl.serve")
 

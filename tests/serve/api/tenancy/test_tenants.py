@@ -245,7 +245,7 @@ def test_max_tokens_over_the_keys_cap_is_400_and_an_unset_one_is_capped(tenants)
 
 
 def test_a_request_that_stops_early_gives_back_its_unused_output_tokens(tenants):
-    vocab = tenants.server.config.vocab_size
+    vocab = tenants.server.config.model.vocab_size
     # every token stops it: the first token generated ends the request
     body = {"prompt": "hello", "max_tokens": 40, "stop_token_ids": list(range(vocab))}
     first = _post(tenants, "tok", body)
@@ -348,7 +348,7 @@ def test_an_aborted_request_is_charged_what_it_consumed(tenants, stream):
     generated = _metric(text, "llmctl:tenant_tokens_total", tenant="abort",
                         kind="generation") - gen0
     prompt = _metric(text, "llmctl:tenant_tokens_total", tenant="abort", kind="prompt") - prompt0
-    assert generated < 400 and prompt == len(tenants.server.tokenizer("The file object")[
+    assert generated < 400 and prompt == len(tenants.server.frontend.tokenizer("The file object")[
         "input_ids"])
     after = remaining()
     assert after["output_tokens"] == start["output_tokens"] - generated
@@ -454,6 +454,7 @@ def test_llmctl_serve_installs_the_reload_only_with_an_auth_file(monkeypatch):
 
     from llmctl.serve.launch import assemble as launch
     from llmctl.serve.launch import uvicorn_server as server_module
+    from llmctl.serve.launch.startup import ServeSettings
 
     fake = SimpleNamespace(tenancy=SimpleNamespace(reload=lambda: True))
     engine = SimpleNamespace(start=lambda: None, stats=dict, shutdown=lambda: None)
@@ -462,8 +463,9 @@ def test_llmctl_serve_installs_the_reload_only_with_an_auth_file(monkeypatch):
     monkeypatch.setattr(launch, "create_app", lambda server, on_shutdown: "app")
     monkeypatch.setattr(server_module._GracefulServer, "run",
                         lambda self: installed.append(self._on_reload))
-    assert launch.run_server(launch.ServeOptions(model="m", auth_file="keys.yaml")) == 0
-    assert launch.run_server(launch.ServeOptions(model="m", api_key="k")) == 0
+    keyed = ServeSettings(model="m", auth_file="keys.yaml")
+    assert launch.run_server(launch.ServeOptions(keyed)) == 0
+    assert launch.run_server(launch.ServeOptions(ServeSettings(model="m", api_key="k"))) == 0
     assert installed == [fake.tenancy.reload, None]
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from llmctl.serve.api.tools.parsers import (
+from llmctl.serve.openai.tools.parsers import (
     AUTO_PARSERS,
     CallArgs,
     CallStart,
@@ -15,7 +15,7 @@ from llmctl.serve.api.tools.parsers import (
     RequiredCallsParser,
     Text,
 )
-from llmctl.serve.api.tools.request import ChoiceTools
+from llmctl.serve.openai.tools.request import ChoiceTools
 
 
 def _run(parser, text: str, step: int | None = None) -> list:

@@ -101,12 +101,12 @@ def test_none_is_plain_content(client):
 
 @contextmanager
 def _auto_parser(served, name: str):
-    config = served.server.config
-    before, config.auto_tool_parser = config.auto_tool_parser, name
+    sampling = served.server.frontend.sampling
+    before, sampling.auto_tool_parser = sampling.auto_tool_parser, name
     try:
         yield
     finally:
-        config.auto_tool_parser = before
+        sampling.auto_tool_parser = before
 
 
 @contextmanager
@@ -186,7 +186,7 @@ def test_tool_messages_render_through_the_template(client):
 def test_for_template_follows_transformers_conventions(tiny_llama):
     from transformers import AutoTokenizer
 
-    from llmctl.serve.api.protocol import ChatCompletionRequest
+    from llmctl.serve.openai.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest.model_validate({"messages": [
         {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -199,7 +199,7 @@ def test_for_template_follows_transformers_conventions(tiny_llama):
                 "{{ c.function.arguments | tojson }}{% endfor %}"
                 "{{ m.tool_call_id or '' }}{{ m.content }};{% endfor %}")
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
-    from llmctl.serve.api.tools.request import template_tools
+    from llmctl.serve.openai.tools.request import template_tools
 
     text = tokenizer.apply_chat_template([m.for_template() for m in req.messages],
                                          tools=template_tools(req), chat_template=template,

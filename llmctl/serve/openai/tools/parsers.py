@@ -23,7 +23,7 @@ Content is the text outside the calls, without leading and trailing whitespace
 back while streaming, as stop strings are.
 
 The formats that grammars force (``tool_choice: "required"`` or a named function,
-:mod:`llmctl.serve.api.tools.request`) have parsers here too: :class:`RequiredCallsParser` (a
+:mod:`llmctl.serve.openai.tools.request`) have parsers here too: :class:`RequiredCallsParser` (a
 JSON array of ``{"name", "parameters"}``) and :class:`NamedCallParser` (the arguments
 object alone); their arguments stream piece by piece.
 """

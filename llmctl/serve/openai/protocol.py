@@ -9,7 +9,7 @@ a message saying so, rather than silently ignored.
 ``logit_bias`` maps token ids (JSON object keys, so strings of integers) to a bias in
 ``[-100, 100]``, at most 300 of them (OpenAI's limits); the server checks the ids against
 the vocabulary. Chat requests may carry function ``tools`` and a ``tool_choice``
-(:mod:`llmctl.serve.api.tools.request` turns them into a template argument, a grammar or a
+(:mod:`llmctl.serve.openai.tools.request` turns them into a template argument, a grammar or a
 parser), and messages carry ``tool_calls`` (assistant) and ``tool_call_id`` (tool).
 
 ``echo`` (completions) returns the prompt before the completion and, with ``logprobs``,

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from llmctl.serve.api import errors
+from llmctl.serve.openai import errors
 
 DEFUSED = "\ue000"  # a private-use character: no template or tokenizer gives it a meaning
 

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmctl.serve.api.tools.parsers import (
+from llmctl.serve.openai.tools.parsers import (
     CallArgs,
     CallStart,
     Event,

@@ -1,0 +1,84 @@
+"""The OpenAI routes, health and metrics: thin wrappers that read the app's
+:class:`~llmctl.serve.api.handler.RequestHandler` (``app.state.handler``)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from llmctl.serve.api.handler import RequestHandler, tenant_of
+from llmctl.serve.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    tokenize_request_class,
+)
+
+router = APIRouter()
+
+
+def handler_of(request: Request) -> RequestHandler:
+    return request.app.state.handler
+
+
+@router.get("/health")
+async def health(request: Request):
+    if handler_of(request).engine.alive:
+        return {"status": "ok"}
+    return JSONResponse({"status": "unhealthy"}, status_code=503)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    handler = handler_of(request)
+    tenant, tenancy = tenant_of(request), handler.tenancy
+    data = handler.frontend.models.cards(
+        tenancy.allowed_models(tenant), lambda name: tenancy.may_use_model(tenant, name))
+    return {"object": "list", "data": data}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(handler_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    handler = handler_of(request)
+    serving = handler.frontend.completions
+    req = await handler.parse(request, CompletionRequest)
+    prompts = await handler.off_loop(serving.encode, req)
+    cap = handler.tenancy.max_tokens_cap(tenant_of(request), req.max_tokens, "max_tokens")
+    jobs, params = serving.jobs(req, prompts, cap)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await handler.run(serving.kind, req, jobs, params, request, include_usage)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    handler = handler_of(request)
+    return await handler.off_loop(handler.frontend.tokenization.tokenize,
+                                  await handler.parse(request, tokenize_request_class))
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    handler = handler_of(request)
+    return handler.frontend.tokenization.detokenize(
+        await handler.parse(request, DetokenizeRequest))
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request):
+    handler = handler_of(request)
+    serving = handler.frontend.chat
+    req = await handler.parse(request, ChatCompletionRequest)
+    tools = serving.tool_plan(req)
+    ids = await handler.off_loop(serving.encode, req)
+    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    cap = handler.tenancy.max_tokens_cap(tenant_of(request), req.token_limit, param)
+    jobs, params = serving.jobs(req, ids, cap, tools)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await handler.run(serving.kind, req, jobs, params, request, include_usage)

@@ -1,0 +1,46 @@
+"""The OpenAI serving pieces, composed once for a model: what the HTTP server
+(:mod:`llmctl.serve.api.handler`) and ``llmctl batch`` (:mod:`llmctl.serve.batch.runner`)
+both hold, so a batch line gets what the HTTP API would answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llmctl.serve.openai.chat import OpenAIChat
+from llmctl.serve.openai.completions import OpenAICompletions
+from llmctl.serve.openai.models import OpenAIModels, ServedModel
+from llmctl.serve.openai.prompts import Prompts
+from llmctl.serve.openai.responses import Assembly, Responses
+from llmctl.serve.openai.sampling import Sampling
+from llmctl.serve.openai.tokenization import OpenAITokenization
+from llmctl.serve.openai.validation import validated
+
+
+class Frontend:
+    """OpenAI bodies in, engine requests out, engine outputs back to OpenAI bodies, with
+    neither HTTP nor an engine in it."""
+
+    def __init__(self, tokenizer, model: ServedModel, grammar_factory=None,
+                 lora_names: Callable[[], tuple[str, ...]] = tuple, *,
+                 auto_tool_parser: str | None = None,
+                 allow_special_tokens_in_content: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.models = OpenAIModels(model, lora_names)  # lora_names: the engine's (they change)
+        self.prompts = Prompts(tokenizer, model, allow_special_tokens_in_content)
+        self.sampling = Sampling(model, grammar_factory, auto_tool_parser)
+        self.completions = OpenAICompletions(self.prompts, self.sampling, self.models)
+        self.chat = OpenAIChat(self.prompts, self.sampling, self.models)
+        self.tokenization = OpenAITokenization(self.prompts)
+        self.responses = Responses(tokenizer, self.models)
+
+    def validate(self, body: dict, model_cls):
+        """``body`` validated as ``model_cls`` (or as the class it picks, given the body),
+        its ``model`` one this frontend serves."""
+        parsed = validated(body, model_cls)
+        self.models.check(parsed.model)
+        return parsed
+
+    def assembly(self, kind: str, req, jobs) -> Assembly:
+        """Where a response's outputs are collected (:class:`Assembly`)."""
+        return Assembly(self.responses, kind, req, jobs)

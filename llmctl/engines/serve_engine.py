@@ -1,9 +1,10 @@
 """``llmctl serve ENGINE_DIR``: llmctl's serving engine over a built engine directory.
 
-:class:`EngineDirLLMEngine` is an :class:`~llmctl.serve.engine.llm_engine.LLMEngine` whose
-model is an engine directory: the scheduler, sampler, detokenizer, n-gram speculation
-and the HTTP API are the ones every model gets; the forward pass is the directory's
-runtime through :class:`~llmctl.engines.serve_runner.EngineRunner`. What differs:
+:class:`EngineDirTarget` is the :class:`~llmctl.serve.engine.target.Target` of an engine
+directory: :class:`~llmctl.serve.engine.llm_engine.LLMEngine` serves it with the
+scheduler, sampler, detokenizer, n-gram speculation and the HTTP API every model gets;
+the forward pass is the directory's runtime through
+:class:`~llmctl.engines.serve_runner.EngineRunner`. What differs:
 
 - no torch weights are loaded: the spec (``config.json``, ``generation_config.json``)
   and the tokenizer come from the engine directory, which carries them;
@@ -15,7 +16,8 @@ runtime through :class:`~llmctl.engines.serve_runner.EngineRunner`. What differs
   smallest sliding window of the model (the runtimes compute full attention, which is
   the windowed attention up to there);
 - prefix caching is off (a cached prefix would claim K/V the runtime never computed),
-  and a draft *model* is refused (it needs the paged runner); ``ngram`` works.
+  and a draft *model* is refused (it needs the paged runner); ``ngram`` works;
+- no LoRA adapters and no FLOP/byte metering (the runtime holds its own weights).
 
 Continuous batching: the scheduler admits and retires sequences at every step as for
 any model; the runtime then serialises inside one step. Decodes of all running
@@ -29,7 +31,6 @@ therefore delays that step's decodes by its own prefill time.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from llmctl.engines.engine_dir import Engine, open_engine
 from llmctl.errors import ConfigError, UsageError
 from llmctl.serve.engine.config import EngineConfig, make_engine_config
 from llmctl.serve.engine.llm_engine import LLMEngine
+from llmctl.serve.engine.target import check_max_len, tokenizer_eos_ids
 from llmctl.serve.model.decoder import ModelSpec
 from llmctl.serve.model.kv_cache import KVCachePlan, available_memory, plan_kv_cache
 
@@ -47,15 +49,6 @@ log = logging.getLogger("llmctl.serve")
 # EngineConfig keys that mean nothing for an engine directory (its precision, device
 # and weights are fixed at build time): accepted and ignored, with a warning if set.
 IGNORED_KEYS = ("dtype", "device", "quant_backend", "tokenizer", "lm_head", "gguf_weights")
-
-
-@dataclass
-class _EngineTarget:
-    """What ``LLMEngine.target`` holds for a paged model, minus the model and its pool."""
-
-    spec: ModelSpec
-    plan: KVCachePlan
-    runner: Any  # EngineRunner
 
 
 def _kv_itemsize(runtime) -> int:
@@ -97,11 +90,17 @@ def engine_dir_settings(path: str | Path, engine_kwargs: dict[str, Any],
     return kwargs
 
 
-class EngineDirLLMEngine(LLMEngine):
-    """An ``LLMEngine`` driving ``engine.runner()`` instead of a paged torch model: only
-    :meth:`_load` (what the model is) differs; every other method is inherited."""
+class EngineDirTarget:
+    """An engine directory as the engine's model: its spec and tokenizer, a KV plan for
+    accounting, and ``engine.runner()`` for the forward pass."""
+
+    serves_prompt_logprobs = True  # EngineRunner.execute_with_prompt
+    serves_loras = False  # the runtime holds its own weights
+    dtype = None  # not metered: the runtime's precision is its own
 
     def __init__(self, config: EngineConfig, engine: Engine) -> None:
+        import torch
+
         if config.enable_prefix_caching:
             raise ConfigError("engine directories cannot serve with prefix caching",
                               "pass enable_prefix_caching=False (engine_dir_settings does)")
@@ -109,15 +108,9 @@ class EngineDirLLMEngine(LLMEngine):
             raise ConfigError("engine directories support only ngram speculation",
                               "use speculative={'method': 'ngram'}")
         self.engine_dir = engine
-        super().__init__(config)
-
-    def _load(self, config: EngineConfig) -> None:
-        import torch
-
-        engine = self.engine_dir
         self.device = torch.device("cpu")  # sampling runs on the host; the runtime owns its device
-        self.model_path = engine.path
-        spec = ModelSpec.from_dir(engine.path)
+        self.path = engine.path
+        self.spec = spec = ModelSpec.from_dir(engine.path)
         if spec.vocab_size != engine.vocab_size:
             raise ConfigError(
                 f"{engine.path}: config.json says vocab_size {spec.vocab_size}, the runtime "
@@ -125,9 +118,9 @@ class EngineDirLLMEngine(LLMEngine):
         # the runtimes attend fully: with sliding windows, exact up to the smallest one
         limit = min(spec.max_position_embeddings, engine.max_len,
                     spec.window_free_len or engine.max_len)
-        self.max_model_len = self._check_max_len(config, limit)
+        self.max_model_len = check_max_len(config, limit)
         self.tokenizer = engine.tokenizer
-        plan = plan_kv_cache(
+        self.plan: KVCachePlan = plan_kv_cache(
             num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             itemsize=_kv_itemsize(engine.runtime), block_size=config.block_size,
             budget=config.kv_cache_memory, max_num_seqs=config.max_num_seqs,
@@ -135,14 +128,14 @@ class EngineDirLLMEngine(LLMEngine):
             available=available_memory("cpu"))
         log.info("KV blocks below are accounting only: the %s runtime keeps per-sequence "
                  "caches", engine.manifest.target)
-        self.target = _EngineTarget(spec, plan, engine.runner())
+        self.runner = engine.runner()
 
-    def _perf_cost(self) -> None:
+    def perf_cost(self) -> tuple | None:
         """Not metered: the runtime holds its own weights and caches."""
         return None
 
-    def _fallback_eos_ids(self) -> list[int]:
-        return list(self.engine_dir.eos_token_ids or ()) or super()._fallback_eos_ids()
+    def fallback_eos_ids(self) -> list[int]:
+        return list(self.engine_dir.eos_token_ids or ()) or tokenizer_eos_ids(self.tokenizer)
 
     def describe(self) -> str:
         """One line for the startup log: what actually runs."""
@@ -155,7 +148,7 @@ class EngineDirLLMEngine(LLMEngine):
 
 
 def open_serving_engine(path: str | Path, *, warn=log.warning, runtime_options=None,
-                        **engine_kwargs: Any) -> EngineDirLLMEngine:
+                        **engine_kwargs: Any) -> LLMEngine:
     """Check the manifest against this host, load the runtime, build the engine.
 
     ``engine_kwargs`` are ``LLMEngine`` settings (as for a checkpoint);
@@ -165,4 +158,4 @@ def open_serving_engine(path: str | Path, *, warn=log.warning, runtime_options=N
     config = make_engine_config(str(path), **kwargs)
     options = {"threads": config.num_threads, **(runtime_options or {})}
     engine = open_engine(path, **options)  # manifest, host compatibility, file integrity
-    return EngineDirLLMEngine(config, engine)
+    return LLMEngine(config, EngineDirTarget(config, engine))

@@ -7,10 +7,10 @@ sampled token, plus draft tokens) to the engine's runtime, which keeps each sequ
 cache in a per-sequence state instead of the paged KV pool. The pool's block accounting
 still bounds how many sequences run at once; its blocks are simply not read.
 
-Wiring (done by :class:`llmctl.engines.serve_engine.EngineDirLLMEngine`, which
-``llmctl serve ENGINE_DIR`` uses): an ``LLMEngine`` built from the engine directory's
+Wiring (done by :class:`llmctl.engines.serve_engine.EngineDirTarget`, which
+``llmctl serve ENGINE_DIR`` uses): an ``LLMEngine`` whose target is the engine directory's
 ``config.json``, ``generation_config.json`` and tokenizer (no torch weights are loaded,
-the KV pool is planned for accounting but never allocated) with ``engine.runner`` set
+the KV pool is planned for accounting but never allocated) with its ``runner`` set
 to ``open_engine(path).runner()``, and these settings:
 
 - ``enable_prefix_caching=False`` (forced, with a warning if asked for): cached prefix

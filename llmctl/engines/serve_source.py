@@ -29,7 +29,7 @@ class EngineDirSource:
         from llmctl.engines.serve_engine import open_serving_engine
 
         engine = open_serving_engine(model, **engine_kwargs)
-        log.info("%s", engine.describe())
+        log.info("%s", engine.target.describe())
         # the directory's name says what was built (e.g. smollm2-onnx-int4); the path as
         # typed is accepted too, as it is for a checkpoint
         name = Path(model).resolve().name

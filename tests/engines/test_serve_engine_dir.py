@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from llmctl.cli.app import build_app
 from tests.engines.conftest import incompatible_copy
 from tests.serve.api.conftest import start_server
+from tests.serve.engine.test_target import assert_is_target
 
 PROMPTS = [[5, 17, 33, 99, 100, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49] * 3,
            "hello world"]
@@ -178,7 +179,11 @@ def test_torch_compile_engine_with_ngram_speculation(torch_compiled, tiny_llama,
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert [done["r0"], done["r1"]] == [ids for ids, _ in want[:2]]
-    assert engine.stats()["spec_verify_steps"] > 0
+    assert engine.stats().spec_verify_steps > 0
+    # the engine directory is the engine's target: no torch model, metering or adapters
+    assert_is_target(engine.target)
+    assert engine.target.describe().startswith(f"serving engine directory {torch_compiled}")
+    assert engine.perf_dtype == "unknown" and engine.loras is None
 
 
 # --- the command line ----------------------------------------------------------------------

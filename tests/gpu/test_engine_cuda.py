@@ -55,7 +55,7 @@ def test_chunked_prefill_and_forced_preemption(tiny_llama):
     llm = _llm(tiny_llama, block_size=4, num_kv_blocks=30, max_model_len=112,
                max_num_batched_tokens=5)
     _check_against_hf(tiny_llama, llm, params=SamplingParams(temperature=0, max_tokens=30))
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
 
 
 def test_prefix_cache_hits_and_gives_the_same_tokens(tiny_llama):
@@ -98,7 +98,7 @@ def test_greedy_with_speculation_equals_plain_greedy(tiny_llama, tiny_near_draft
     _check_against_hf(tiny_llama, llm, [REPETITIVE] + PROMPTS[:4],
                       SamplingParams(temperature=0, max_tokens=30))
     stats = llm.engine.stats()
-    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
 
 
 def _int8(layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:

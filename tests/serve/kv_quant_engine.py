@@ -89,7 +89,7 @@ def check_prefix_hits_preemption_and_forks(path, reference, kv_cache_dtype: str)
     llm = LLM(str(path), kv_cache_dtype=kv_cache_dtype, block_size=4, num_kv_blocks=30,
               max_model_len=112, max_num_batched_tokens=5)
     check(llm, reference, path)
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     llm = LLM(str(path), kv_cache_dtype=kv_cache_dtype, kv_cache_memory="4MiB")
     check(llm, reference, path, PROMPTS[3:4])
     again = check(llm, reference, path, PROMPTS[3:4], max_tokens=20)

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from llmctl.serve.engine.stats import EngineStats
+
 PREFIX = "llmctl:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -19,7 +21,7 @@ _LOAD_FIELD = {"flops": "flops", "bytes": "bytes", "busy_seconds": "seconds"}
 class _EngineGauges:
     """Reads the engine's last stats snapshot at scrape time (no polling thread)."""
 
-    def __init__(self, snapshot: Callable[[], dict], model: str, peaks=None) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats], model: str, peaks=None) -> None:
         self._snapshot = snapshot
         self._model = model
         self._peaks = peaks  # llmctl.perf.peaks.Peaks, or None: hardware unknown
@@ -27,60 +29,60 @@ class _EngineGauges:
     def collect(self):
         stats = self._snapshot()
         table = (
-            ("num_requests_running", "Requests in the running batch.", "num_running"),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
-             "kv_cache_usage"),
+             stats.kv_cache_usage),
             ("prefix_cache_hit_rate", "Prefix cache hits / queries (tokens).",
-             "prefix_cache_hit_rate"),
+             stats.prefix_cache_hit_rate),
         )
-        for name, doc, key in table:
+        for name, doc, value in table:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            gauge.add_metric([self._model], float(stats.get(key) or 0.0))
+            gauge.add_metric([self._model], float(value))
             yield gauge
         counters = (
-            ("num_preemptions", "Sequences preempted (recompute).", "num_preemptions"),
+            ("num_preemptions", "Sequences preempted (recompute).", stats.num_preemptions),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             "prefix_cache_queried_tokens"),
+             stats.prefix_cache_queried_tokens),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-             "prefix_cache_hit_tokens"),
-            ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_draft_tokens"),
+             stats.prefix_cache_hit_tokens),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-             "spec_accepted_tokens"),
-            ("engine_steps", "Engine steps that ran the model.", "num_steps"),
+             stats.spec_accepted_tokens),
+            ("engine_steps", "Engine steps that ran the model.", stats.num_steps),
         )
         from prometheus_client.core import CounterMetricFamily
 
-        for name, doc, key in counters:
+        for name, doc, value in counters:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            counter.add_metric([self._model], float(stats.get(key) or 0.0))
+            counter.add_metric([self._model], float(value))
             yield counter
         phases = CounterMetricFamily(
             PREFIX + "engine_step_phase_seconds", "Engine thread wall time in each phase of "
             "a step (schedule, forward, sample, update, output).", labels=["model_name", "phase"])
-        for phase, seconds in (stats.get("step_phase_seconds") or {}).items():
+        for phase, seconds in stats.step_phase_seconds.items():
             phases.add_metric([self._model, phase], float(seconds))
         yield phases
         yield from self._supervisor(stats)
         yield from self._utilization(stats)
 
-    def _supervisor(self, stats: dict):
+    def _supervisor(self, stats: EngineStats):
         """Engine processes (llmctl.serve.proc): absent when the engine runs in-process."""
         from prometheus_client.core import CounterMetricFamily
 
-        if "engine_restarts" not in stats:
+        if stats.engine_restarts is None:
             return
         restarts = CounterMetricFamily(PREFIX + "engine_restarts", "Engine process restarts "
                                        "(a crash, a hung step, --max-rss).",
                                        labels=["model_name"])
-        restarts.add_metric([self._model], float(stats["engine_restarts"]))
+        restarts.add_metric([self._model], float(stats.engine_restarts))
         yield restarts
         up = GaugeMetricFamily(PREFIX + "engine_replicas_up", "Engine processes ready to take "
                                "requests.", labels=["model_name"])
-        up.add_metric([self._model], float(stats.get("engine_replicas_up", 0)))
+        up.add_metric([self._model], float(stats.engine_replicas_up or 0))
         yield up
 
-    def _utilization(self, stats: dict):
+    def _utilization(self, stats: EngineStats):
         """FLOPs, bytes and busy seconds by phase since start (counters: ``llmctl bench``
         takes their deltas over a run), and MFU/MBU over the meter's sliding window
         (gauges, labelled with where the peaks came from; absent when unknown)."""
@@ -89,7 +91,7 @@ class _EngineGauges:
         from llmctl.perf.meter import WINDOW_SECONDS
         from llmctl.perf.utilization import COUNTER_FIELDS, use
 
-        totals = stats.get("perf_totals")
+        totals = stats.perf_totals
         if not totals:
             return
         # one series per phase by name, not by label: a scraper summing label sets (as
@@ -103,14 +105,14 @@ class _EngineGauges:
                 yield counter
         if self._peaks is None:
             return
-        dtype = stats.get("perf_dtype", "unknown")
+        dtype = stats.perf_dtype
         labels = ["model_name", "phase", "peak_source"]
         mfu = GaugeMetricFamily(PREFIX + "mfu", f"Achieved FLOP/s over the {dtype} peak, "
                                 f"engine steps of the last {WINDOW_SECONDS:g} s.", labels=labels)
         mbu = GaugeMetricFamily(PREFIX + "mbu", "Achieved read bytes/s over the peak "
                                 f"bandwidth, engine steps of the last {WINDOW_SECONDS:g} s.",
                                 labels=labels)
-        for phase, load in (stats.get("perf_recent") or {}).items():
+        for phase, load in stats.perf_recent.items():
             u = use(phase, load, self._peaks, dtype)
             if u.mfu is not None:
                 mfu.add_metric([self._model, phase, self._peaks.source], u.mfu)
@@ -121,7 +123,7 @@ class _EngineGauges:
 
 
 class ServerMetrics:
-    def __init__(self, model: str, snapshot: Callable[[], dict], peaks=None) -> None:
+    def __init__(self, model: str, snapshot: Callable[[], EngineStats], peaks=None) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         labels = ["model_name"]

@@ -22,6 +22,7 @@ reports ``healthy`` (engine processes) is alive only while it says so.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmctl.serve.core.admission import check_deadline, expected_tokens
+from llmctl.serve.engine.stats import EngineStats
 from llmctl.serve.engine.client import EngineClient
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._added_work: list[tuple[tuple, float]] = []  # (admission key, tokens) since then
         self._added_queues: list[tuple] = []  # their queue keys (the queue limit's)
-        self._stats: dict = {}
+        self._stats = EngineStats()
         self._stats_time = 0.0
         self._fail_request: BaseException | None = None
         self._stop = threading.Event()
@@ -112,7 +114,7 @@ class AsyncEngine:
         return (self._thread.is_alive() and self.error is None and not self._stop.is_set()
                 and not self.draining and getattr(self.engine, "healthy", True))
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """The snapshot taken after a recent step (never touches the engine), with the
         requests submitted since counted as waiting: a snapshot from before a burst of
         submissions must not read as an idle engine."""
@@ -120,7 +122,7 @@ class AsyncEngine:
             stats, added = self._stats, len(self._added_queues)
         if not added:
             return stats
-        return {**stats, "num_waiting": stats.get("num_waiting", 0) + added}
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + added)
 
     @property
     def num_streams(self) -> int:
@@ -133,7 +135,7 @@ class AsyncEngine:
             self._snapshot_locked()
 
     def _snapshot_locked(self) -> None:
-        self._stats = dict(self.engine.stats())
+        self._stats = self.engine.stats()
         self._stats_time = time.monotonic()
         self._added_work = []
         self._added_queues = []
@@ -224,12 +226,12 @@ class AsyncEngine:
         if self.max_queue is not None:
             # this request's queue: its class's under "fair" (a flood of one class cannot
             # fill the queue against another), everything under "fcfs"
-            waiting = dict(self._stats.get("queued_requests") or ()).get(queue, 0) \
+            waiting = dict(self._stats.queued_requests).get(queue, 0) \
                 + self._added_queues.count(queue)
             if waiting >= self.max_queue:
                 raise QueueFullError(f"{waiting} requests are waiting in this request's queue "
                                      f"(--max-queue {self.max_queue})")
-        rate = self._stats.get("admission_rate")
+        rate = self._stats.admission_rate
         fraction = rate.output_fraction if rate is not None else 1.0
         max_tokens = params.max_tokens
         if max_tokens is None:  # the engine makes it "up to the context length"
@@ -237,7 +239,7 @@ class AsyncEngine:
         max_tokens *= params.n
         own = expected_tokens(len(prompt_token_ids), max_tokens, fraction)
         if deadline is not None:
-            queued = self._stats.get("queued_work") or ()
+            queued = self._stats.queued_work
             work = [*queued, *self._added_work]
             refusal = check_deadline(ahead=sum(w for k, w in work if k <= key),
                                      prompt_tokens=len(prompt_token_ids),

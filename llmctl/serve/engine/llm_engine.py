@@ -33,11 +33,18 @@ API (what the HTTP server drives)::
   no drafts either (verification reads the unbiased logits).
 - Prompt log-probs (``params.prompt_logprobs``): the runner also returns the rows of
   the prompt positions of that request, and its prompt skips the prefix cache until
-  they are all collected. Runners without ``execute_with_prompt`` (engine directories)
-  refuse such requests.
-- ``stats()`` returns a flat dict: num_running, num_waiting, kv_cache_usage,
-  prefix_cache_hit_rate, num_preemptions, token counters, speculative acceptance, and
-  deadline admission's inputs (admission_rate, queued_work: :mod:`llmctl.serve.core.admission`).
+  they are all collected. Targets that do not serve them
+  (``Target.serves_prompt_logprobs``) refuse such requests.
+- ``stats()`` returns an :class:`~llmctl.serve.engine.stats.EngineStats`: num_running,
+  num_waiting, kv_cache_usage, prefix_cache_hit_rate, num_preemptions, token counters,
+  speculative acceptance, and deadline admission's inputs (admission_rate, queued_work:
+  :mod:`llmctl.serve.core.admission`).
+
+What the model is comes from a :class:`~llmctl.serve.engine.target.Target` (a
+checkpoint by default, :mod:`llmctl.serve.engine.loader`; an engine directory brings its
+own); the tokens each sequence gets from its logits from :mod:`llmctl.serve.sample.
+token_choice`; the ``RequestOutput`` snapshots from :mod:`llmctl.serve.engine.
+output_processor`.
 
 Threads: ``add_request`` and ``abort_request`` may be called from any thread: they
 validate in the caller and queue the change under a lock; ``step()`` applies queued
@@ -45,145 +52,47 @@ changes first. ``step()``, ``has_unfinished_requests()`` and ``stats()`` must be
 from one thread at a time (the server's engine loop). No other locking, no threads of
 its own: the engine is a plain object.
 
-Failures: one request never hurts another.
-
-1. What can be checked is checked in ``add_request``, in the caller, which gets the
-   exception (the request never enters the engine). That includes making the first
-   sequence's constraint from its factory.
-2. Per-request work in ``step()`` (a sequence's detokenizer, constraint updates, the
-   forks of an ``n > 1`` request, prompt log-probs, building its output) runs under a
-   guard: an exception fails that request only.
-3. Batched work (the model pass, sampling with its constraint masks and seeded draws,
-   draft verification, draft proposals) that raises is run again one sequence at a time,
-   seeded generators put back first so each draws what it would have drawn in the batch;
-   a sequence that raises alone fails its request, the others keep their solo results
-   and the step goes on. Repeating the model pass is safe: it writes only the KV slots
-   of the tokens it computes, and sequences advance only after it. A proposal that
-   fails alone only costs its sequence the drafts (it decodes without them, exactly).
-4. A failed request ends at the end of the step: its unfinished sequences finish with
-   reason "error", its blocks are freed without entering the prefix cache, and its
-   final ``RequestOutput`` carries ``error`` (the exception, as text).
-5. An exception that escapes ``step()`` is the engine's own fault (scheduler or block
-   bookkeeping), not a request's: its state can no longer be trusted, and the caller
-   should stop stepping it (the server turns unhealthy and ends every stream).
+Failures: one request never hurts another (:mod:`llmctl.serve.engine.isolation` says
+how: checks in ``add_request``, per-request work under a guard, batched work run again
+one sequence at a time when it raises, failed requests ended at the end of the step).
+An exception that escapes ``step()`` is the engine's own fault: stop stepping it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
-from llmctl.errors import ConfigError, UsageError
+from llmctl.errors import UsageError
 from llmctl.perf.meter import StepMeter, step_load
-from llmctl.serve.core.admission import RateMeter, expected_tokens
-from llmctl.serve.core.block_manager import DROPPED, BlockManager
+from llmctl.serve.core.admission import RateMeter
+from llmctl.serve.core.block_manager import BlockManager
 from llmctl.serve.core.policy import make_policy
 from llmctl.serve.core.sampling_params import SamplingParams
 from llmctl.serve.core.scheduler import ScheduledSeq, Scheduler
 from llmctl.serve.core.sequence import Request, Sequence, SequenceStatus
 from llmctl.serve.engine.config import EngineConfig, make_engine_config
 from llmctl.serve.engine.detokenizer import IncrementalDetokenizer
-from llmctl.serve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmctl.serve.engine.isolation import FailureIsolation
+from llmctl.serve.engine.loader import CheckpointTarget, load_draft, load_loras
+from llmctl.serve.engine.output_processor import OutputProcessor
+from llmctl.serve.engine.outputs import RequestOutput
 from llmctl.serve.engine.request_checks import check_request
-from llmctl.serve.layers.kv_quant import kv_format
+from llmctl.serve.engine.stats import EngineCounters, EngineStats, kv_slots, queued_work
+from llmctl.serve.engine.target import Target
 from llmctl.serve.lora.adapter import LoRAError, LoRARegistry
-from llmctl.serve.model.decoder import LlamaModel, ModelSpec
-from llmctl.serve.model.kv_cache import (
-    KVCachePlan,
-    allocate_kv_cache,
-    allocate_kv_scales,
-    available_memory,
-    plan_kv_cache,
-)
-from llmctl.serve.model.runner import LogitRows, ModelRunner, PromptLogits
-from llmctl.serve.sample.rejection_sampler import greedy_verify, rejection_sample
-from llmctl.serve.sample.sampler import Sampler, generator_for, generator_snapshot
+from llmctl.serve.model.runner import LogitRows, PromptLogits
+from llmctl.serve.sample.sampler import Sampler
 from llmctl.serve.sample.spec_decode import DraftModelProposer, NgramProposer
-from llmctl.utils.dtypes import FLOAT_DTYPES, short_name, torch_dtype
+from llmctl.serve.sample.token_choice import append_tokens, draw, verify
+from llmctl.utils.dtypes import short_name
 
 log = logging.getLogger("llmctl.serve")
-
-
-class _Built:
-    """A model with its cache, block manager and runner (the target, or a draft model)."""
-
-    def __init__(self, resolved, config: EngineConfig, device: torch.device, max_len: int,
-                 num_blocks: int | None = None, with_lora: bool = False,
-                 tokenizer=None) -> None:
-        from llmctl.serve.model.weights import load_model
-
-        path = resolved.path
-        self.spec = ModelSpec.from_dir(path)
-        name = config.dtype if config.dtype != "auto" else self.spec.torch_dtype
-        dtype = torch_dtype(name) if name in FLOAT_DTYPES else torch.float32
-        reader = None
-        if _gguf_native(resolved, config):
-            from llmctl.serve.model.gguf_weights import GGUFWeights
-
-            reader = GGUFWeights(resolved.origin)
-        self.model: LlamaModel = load_model(path, dtype=dtype, device=device,
-                                            backend=config.quant_backend, max_len=max_len,
-                                            spec=self.spec, reader=reader,
-                                            lm_head=config.lm_head,
-                                            bf16_gemm=config.bf16_gemm)
-        fmt = kv_format(_kv_cache_dtype(config.kv_cache_dtype, path), dtype)
-        spec = self.spec
-        self.plan: KVCachePlan = plan_kv_cache(
-            num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            itemsize=torch.tensor([], dtype=fmt.storage).element_size(),
-            block_size=config.block_size, budget=config.kv_cache_memory,
-            max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-            num_blocks=num_blocks or config.num_kv_blocks,
-            available=available_memory(device.type), scale_bytes=fmt.scale_bytes,
-            dtype=fmt.describe())
-        self.kv_cache = allocate_kv_cache(self.plan, num_layers=spec.num_layers,
-                                          num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                                          dtype=fmt.storage, device=device)
-        # the scales of an 8-bit cache (kv_quant), None for a float cache; fp8's are
-        # static, from the checkpoint or calibrated on ``tokenizer``'s text (kv_scales)
-        self.kv_scales = None
-        self.kv_scales_source = None
-        if fmt.static_scales:
-            from llmctl.serve.model.kv_scales import fp8_kv_scales
-
-            self.kv_scales, self.kv_scales_source = fp8_kv_scales(
-                path, self.model, tokenizer, config.kv_scale_granularity, max_len)
-        elif fmt.quantized:
-            self.kv_scales = allocate_kv_scales(self.plan, num_layers=spec.num_layers,
-                                                num_kv_heads=spec.num_kv_heads, device=device)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, with_lora,
-                                  kv_scales=self.kv_scales)
-
-
-def _kv_cache_dtype(asked: str, path: Path) -> str:
-    """``auto`` is fp8 for a checkpoint whose ``kv_cache_scheme`` asks for it (its author
-    calibrated the scales; vLLM's ``auto`` does the same), else the model's dtype. An
-    explicit choice wins."""
-    from llmctl.models.resolve import kv_cache_scheme
-
-    scheme = kv_cache_scheme(path) if asked == "auto" else None
-    if scheme is not None and (scheme.get("type"), scheme.get("num_bits")) == ("float", 8):
-        log.info("KV cache: fp8, as the checkpoint's kv_cache_scheme asks (--kv-cache-dtype "
-                 "bfloat16 or float32 keeps a float cache)")
-        return "fp8"
-    return asked
-
-
-def _gguf_native(resolved, config: EngineConfig) -> bool:
-    """Whether a GGUF-derived model keeps its quantized tensors (see EngineConfig)."""
-    if resolved.origin is None or config.quant_backend != "kernel":
-        return False
-    if config.gguf_weights == "auto":
-        return resolved.source == "gguf"
-    return config.gguf_weights == "quantized"
 
 
 class _PromptAwareBlockManager(BlockManager):
@@ -204,17 +113,17 @@ STEP_PHASES = ("schedule", "forward", "sample", "update", "output")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, target: Target | None = None) -> None:
+        """``target``: the model to serve; None loads ``config.model`` as a checkpoint."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        self._load(config)
-        self.spec = self.target.spec
-        self.kv_plan = self.target.plan
+        self.target = target = target or CheckpointTarget(config)
+        self.device = target.device
+        self.tokenizer = target.tokenizer
+        self.max_model_len = target.max_model_len
+        self.spec = target.spec
+        self.kv_plan = target.plan
         log.info("%s", self.kv_plan.describe())
         # blocks out of every layer's sliding window are released as sequences grow
         self.block_manager = _PromptAwareBlockManager(
@@ -224,92 +133,39 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    policy=make_policy(config), max_loras=config.max_loras)
-        self.runner = self.target.runner
-        self.loras = self._lora_registry(config)
+        self.runner = target.runner
+        self.loras = load_loras(target, config)
         self.sampler = Sampler(config.seed)
-        self.eos_token_ids = frozenset(self.spec.eos_token_ids or self._fallback_eos_ids())
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids or target.fallback_eos_ids())
         self.proposer = self._make_proposer(self.max_model_len)
         self._draft_probs: dict[int, torch.Tensor | None] = {}  # the proposer's q per step
 
         self._lock = threading.Lock()
         self._inbox: deque[tuple[str, object]] = deque()
         self._known_ids: set[str] = set()
-        self.requests: dict[str, Request] = {}
-        self._failed: list[Request] = []  # failed in this step, ended at its end
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_prompt_tokens": 0,
-                         "num_requests_finished": 0, "num_steps": 0, "spec_draft_tokens": 0,
-                         "spec_accepted_tokens": 0, "spec_verify_steps": 0}
+        # failures (llmctl.serve.engine.isolation); its methods bound here for the hot path
+        self.isolation = FailureIsolation()
+        self._guard, self._fail = self.isolation.guard, self.isolation.fail
+        self._isolated = self.isolation.isolated
+        self.counters = EngineCounters()
+        # tokens/s of recent saturated steps, output fraction: deadline admission's inputs
+        self.rate_meter = RateMeter()
+        self.output_processor = OutputProcessor(self.counters, self.rate_meter, self._forget)
+        self.requests: dict[str, Request] = self.output_processor.requests
         # Wall seconds spent in each phase of step(), summed (STEP_PHASES): where a
         # step's time goes, offline and behind the server alike (/metrics).
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
         # FLOPs, bytes and seconds of every step by phase (llmctl.perf.meter): the MFU/MBU
         # counters and gauges of /metrics
         self.meter = StepMeter()
-        self._step_cost = self._perf_cost()
-        # tokens/s of recent saturated steps, output fraction: deadline admission's inputs
-        self.rate_meter = RateMeter()
+        self._step_cost = target.perf_cost()
+        dtype = target.dtype
+        self.perf_dtype = (short_name(dtype) if dtype is not None else None) or "unknown"
         # The model, tokenizer and libraries are tens of thousands of long-lived objects:
         # freezing them keeps the cyclic GC from rescanning them every time a step's
         # small objects trigger a collection (vLLM's engine does the same).
         gc.collect()
         gc.freeze()
-
-    # --- what a model is: the one part an engine directory replaces ------------------------
-    def _load(self, config: EngineConfig) -> None:
-        """Set ``model_path``, ``max_model_len``, ``tokenizer`` and ``target`` (spec, KV
-        plan, runner) from a checkpoint: torch weights on the paged runner."""
-        from llmctl.models.loading import load_tokenizer
-        from llmctl.models.resolve import resolve_model
-
-        resolved = resolve_model(config.model)
-        self.model_path = resolved.path
-        spec = ModelSpec.from_dir(self.model_path)
-        self.max_model_len = self._check_max_len(config, spec.max_position_embeddings)
-        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer).path
-                                        if config.tokenizer else self.model_path)
-        self.target = _Built(resolved, config, self.device, self.max_model_len, with_lora=True,
-                             tokenizer=self.tokenizer)
-
-    def _perf_cost(self) -> tuple | None:
-        """The cost model steps are metered with: FLOPs from the architecture in
-        config.json, bytes from the weights as loaded (:attr:`LlamaModel.
-        bytes_read_per_step`) and the KV cache's dtype. None for an architecture the cost
-        model does not describe (the server then exports no utilization)."""
-        import json
-
-        from llmctl.perf.costs import ArchSpec, ModelCost
-
-        try:
-            config = json.loads((Path(self.model_path) / "config.json").read_text())
-            spec = self.spec
-            # per K/V element read, an 8-bit cache's scales included
-            kv_bytes = self.kv_plan.bytes_per_block / (
-                spec.num_layers * 2 * self.kv_plan.block_size * spec.num_kv_heads
-                * spec.head_dim)
-            cost = ModelCost(ArchSpec.from_config(config), kv_bytes=kv_bytes)
-        except (OSError, ValueError, ConfigError) as exc:
-            log.info("no FLOP/byte accounting for this model: %s", exc)
-            return None
-        return cost, float(self.target.model.bytes_read_per_step)
-
-    def _lora_registry(self, config: EngineConfig) -> LoRARegistry | None:
-        """The adapters served (``config.loras`` loaded now); None when the runner cannot
-        apply any (an engine directory's runtime holds its own weights)."""
-        model = getattr(self.target, "model", None)
-        if not isinstance(model, LlamaModel):
-            if config.loras:
-                raise ConfigError("LoRA adapters run on the paged torch runner only; this "
-                                  "engine directory cannot serve them",
-                                  "serve the source checkpoint with --lora")
-            return None
-        # float32 adapters whatever the model's dtype (llmctl.serve.lora.batch)
-        registry = LoRARegistry(self.spec, max_rank=config.max_lora_rank,
-                                dtype=torch.float32, device=self.device)
-        for name, path in config.loras.items():
-            adapter = registry.load(name, path)
-            log.info("LoRA adapter %r: rank %d, scale %g, %.1f MiB (%s)", name, adapter.rank,
-                     adapter.scaling, adapter.nbytes / 2**20, path)
-        return registry
 
     # --- LoRA adapters (any thread) ---------------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:
@@ -331,22 +187,6 @@ class LLMEngine:
                             "runtime holds its own weights)", "serve the source checkpoint")
         return self.loras
 
-    @staticmethod
-    def _check_max_len(config: EngineConfig, limit: int) -> int:
-        max_len = min(config.max_model_len or limit, limit)
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_len:
-            raise ConfigError(
-                f"without chunked prefill a prompt of up to max_model_len={max_len} tokens "
-                f"must fit in one step of max_num_batched_tokens="
-                f"{config.max_num_batched_tokens}",
-                "enable chunked prefill, or lower max_model_len / raise max_num_batched_tokens")
-        return max_len
-
-    def _fallback_eos_ids(self) -> list[int]:
-        """EOS ids when the model's config names none."""
-        eos = self.tokenizer.eos_token_id
-        return [eos] if eos is not None else []
-
     @classmethod
     def from_args(cls, model: str, **kwargs) -> LLMEngine:
         return cls(make_engine_config(model, **kwargs))
@@ -358,15 +198,8 @@ class LLMEngine:
         if spec_cfg.method == "ngram":
             return NgramProposer(spec_cfg.num_speculative_tokens, spec_cfg.ngram_min,
                                  spec_cfg.ngram_max)
-        from llmctl.models.resolve import resolve_model
-
-        draft = _Built(resolve_model(spec_cfg.draft_model), self.config, self.device, max_len,
-                       num_blocks=self.kv_plan.num_blocks, tokenizer=self.tokenizer)
-        if draft.spec.vocab_size != self.spec.vocab_size:
-            raise ConfigError(
-                f"the draft model's vocabulary ({draft.spec.vocab_size}) differs from the "
-                f"target's ({self.spec.vocab_size})",
-                "use a draft model with the same tokenizer as the target")
+        draft = load_draft(self.config, self.device, max_len, self.kv_plan.num_blocks,
+                           self.tokenizer, self.spec.vocab_size)
         self.draft = draft
         return DraftModelProposer(draft.runner, BlockManager(draft.plan.num_blocks,
                                                              self.config.block_size, False),
@@ -387,7 +220,7 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         params = check_request(request_id, ids, params, vocab_size=self.spec.vocab_size,
                                max_model_len=self.max_model_len,
-                               prompt_logprobs=hasattr(self.runner, "execute_with_prompt"))
+                               prompt_logprobs=self.target.serves_prompt_logprobs)
         request = Request(request_id, ids, params, prompt=text, priority=priority,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
                           eos_token_ids=self.eos_token_ids, tenant=tenant,
@@ -434,58 +267,19 @@ class LLMEngine:
                     if not seq.finished:
                         self._finish(seq, SequenceStatus.FINISHED_ABORTED)
                 with self._guard(request):
-                    outputs.append(self._output(request, request.seqs))
-                    self._retire(request)
+                    outputs.append(self.output_processor.output(request, request.seqs))
+                    self.output_processor.retire(request)
 
-    # --- failures: one request never hurts another (see the module docstring) ---------------
-    @contextlib.contextmanager
-    def _guard(self, request: Request) -> Iterator[None]:
-        """Per-request work: an exception in the block fails ``request`` alone."""
-        try:
-            yield
-        except Exception as exc:  # noqa: BLE001 - whatever it was, it was this request's
-            self._fail(request, exc)
-
-    def _fail(self, request: Request, exc: BaseException) -> None:
-        if request.error is not None:
-            return
-        log.error("request %r failed: %s: %s", request.request_id, type(exc).__name__, exc,
-                  exc_info=exc)
-        request.error = f"{type(exc).__name__}: {exc}"
-        self._failed.append(request)
-
-    def _isolated(self, fn: Callable[[list], list], units: list, seqs: list[Sequence],
-                  on_fail: Callable[[Sequence, BaseException], None] | None = None) -> list:
-        """``fn(units)``: batched work with one result per unit (``seqs[i]`` owns
-        ``units[i]``). If it raises, each unit runs alone, with the seeded generators put
-        back first so a unit draws what the batch would have drawn for it; a unit that
-        raises alone gets ``on_fail`` (default: its request fails) and the result None."""
-        on_fail = on_fail or (lambda seq, exc: self._fail(seq.request, exc))
-        restore = generator_snapshot(seqs)
-        try:
-            return fn(units)
-        except Exception as exc:  # noqa: BLE001 - attributed below
-            if len(units) == 1:
-                on_fail(seqs[0], exc)
-                return [None]
-            log.warning("a batch of %d failed (%s: %s); running each alone to find the cause",
-                        len(units), type(exc).__name__, exc)
-        restore()
-        results = []
-        for unit, seq in zip(units, seqs):
-            try:
-                results.append(fn([unit])[0])
-            except Exception as exc:  # noqa: BLE001 - this unit's own failure
-                on_fail(seq, exc)
-                results.append(None)
-        return results
+    def _forget(self, request_id: str) -> None:
+        """A retired request's id may be used again."""
+        with self._lock:
+            self._known_ids.discard(request_id)
 
     def _end_failed(self) -> list[RequestOutput]:
         """End each request that failed in this step: its unfinished sequences finish with
         "error" (blocks freed, nothing enters the prefix cache) and it gets its final output."""
         outputs = []
-        failed, self._failed = self._failed, []
-        for request in failed:
+        for request in self.isolation.take_failed():
             if self.requests.get(request.request_id) is not request:
                 continue  # already retired (aborted in the same step)
             request.seqs[0].pending_fork = 0
@@ -494,8 +288,8 @@ class LLMEngine:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
                     if self.proposer is not None:
                         self.proposer.release(seq)
-            outputs.append(self._output(request, []))
-            self._retire(request)
+            outputs.append(self.output_processor.output(request, []))
+            self.output_processor.retire(request)
         return outputs
 
     # --- one step ---------------------------------------------------------------------------
@@ -530,13 +324,13 @@ class LLMEngine:
              ) -> list[RequestOutput]:
         """Compute the scheduled tokens, sample, and apply the results."""
         now = time.time()
-        self.counters["num_steps"] += 1
+        self.counters.num_steps += 1
         for item in scheduled:
             req = item.seq.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             if item.seq.num_computed_tokens < item.seq.num_prompt_tokens:
-                self.counters["prompt_tokens"] += item.num_new_tokens
+                self.counters.prompt_tokens += item.num_new_tokens
                 if item.seq.first_token_time is None:  # a prefill chunk, for traces
                     req.prefill_chunks += ((now, item.num_new_tokens),)
         phases, mark = self.phase_seconds, time.perf_counter()
@@ -567,16 +361,7 @@ class LLMEngine:
         now = time.perf_counter()
         phases["update"] += now - mark
         mark = now
-        outputs = []
-        for req_id, seqs in touched.items():
-            request = self.requests[req_id]
-            if request.error is not None:
-                continue
-            with self._guard(request):
-                out = self._output(request, seqs)
-                outputs.append(out)
-                if request.finished:
-                    self._retire(request)
+        outputs = self.output_processor.step_outputs(touched, self._guard)
         phases["output"] += time.perf_counter() - mark
         return outputs
 
@@ -675,78 +460,26 @@ class LLMEngine:
         results: list[tuple[Sequence, list[int], list | None]] = []
         if plain:
             seqs = [s for _, s in plain]
-            drawn = self._isolated(lambda units: self._draw(logits, units), plain, seqs)
+            drawn = self._isolated(lambda units: draw(self.sampler, logits, units), plain,
+                                   seqs)
             results.extend((seq, *out) for seq, out in zip(seqs, drawn) if out is not None)
         spec = [r for r in rows if r.count > 1]
         if spec:
             seqs = [r.item.seq for r in spec]
-            verified = self._isolated(lambda units: self._verify(units, logits), spec, seqs)
+            counters = self.counters
+            verified = self._isolated(
+                lambda units: verify(self.sampler, units, logits, self._draft_probs), spec, seqs)
             for r, seq, out in zip(spec, seqs, verified):
                 seq.spec_token_ids = []
                 if out is None:
                     continue
                 tokens, lps = out
                 accepted = len(tokens) - 1
-                self.counters["spec_draft_tokens"] += r.item.num_spec_tokens
-                self.counters["spec_accepted_tokens"] += accepted
-                self.counters["spec_verify_steps"] += 1
+                counters.spec_draft_tokens += r.item.num_spec_tokens
+                counters.spec_accepted_tokens += accepted
+                counters.spec_verify_steps += 1
                 seq.num_computed_tokens += accepted
                 results.append((seq, tokens, lps))
-        return results
-
-    def _draw(self, logits: torch.Tensor, units: list[tuple[int, Sequence]]
-              ) -> list[tuple[list[int], list | None]]:
-        """One token (and its logprobs when asked) per (logits row, sequence)."""
-        index = [row for row, _ in units]
-        seqs = [seq for _, seq in units]
-        sub = logits if index == list(range(logits.shape[0])) else logits[index]
-        tokens = self.sampler.sample(sub, seqs)
-        top_n = [s.params.logprobs for s in seqs]
-        lps = (Sampler.logprobs(sub, tokens, [n or 0 for n in top_n])
-               if any(n is not None for n in top_n) else None)
-        return [([tokens[i]], [lps[i]] if lps and top_n[i] is not None else None)
-                for i in range(len(seqs))]
-
-    def _verify(self, spec: list[LogitRows], logits: torch.Tensor
-                ) -> list[tuple[list[int], list | None]]:
-        """Accept or reject each sequence's draft tokens (one batched pass over the rows):
-        the tokens to append and their logprobs. Changes no sequence (the caller does)."""
-        sampled = [r for r in spec if not r.item.seq.params.greedy]
-        probs: dict[int, torch.Tensor] = {}
-        if sampled:
-            index = [r.start + j for r in sampled for j in range(r.count)]
-            params = [r.item.seq.params for r in sampled for _ in range(r.count)]
-            seqs = [r.item.seq for r in sampled for _ in range(r.count)]
-            p = self.sampler.processed_logits(logits[index], params, seqs).softmax(dim=-1)
-            offset = 0
-            for r in sampled:
-                probs[r.item.seq.seq_id] = p[offset:offset + r.count]
-                offset += r.count
-        greedy = [r for r in spec if r.item.seq.params.greedy]
-        argmax = {}
-        if greedy:
-            index = [r.start + j for r in greedy for j in range(r.count)]
-            flat = logits[index].argmax(dim=-1).tolist()
-            offset = 0
-            for r in greedy:
-                argmax[r.item.seq.seq_id] = flat[offset:offset + r.count]
-                offset += r.count
-        results = []
-        for r in spec:
-            seq = r.item.seq
-            draft = list(seq.spec_token_ids[:r.item.num_spec_tokens])
-            if seq.seq_id in argmax:
-                tokens = greedy_verify(draft, argmax[seq.seq_id])
-            else:
-                q = self._draft_probs.get(seq.seq_id)
-                tokens = rejection_sample(draft, probs[seq.seq_id],
-                                          None if q is None else q[:len(draft)],
-                                          generator_for(seq) or self.sampler.generator)
-            lps = None
-            if seq.params.logprobs is not None:
-                lps = Sampler.logprobs(logits[r.start:r.start + len(tokens)], tokens,
-                                       [seq.params.logprobs] * len(tokens))
-            results.append((tokens, lps))
         return results
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -772,32 +505,13 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None) -> None:
         """Add sampled tokens one by one, stopping at the first stop condition."""
-        params = seq.params
-        stop_ids = params.stop_token_ids
-        now = time.time()
         if seq.first_token_time is None:
-            seq.first_token_time = now
-        status = None
-        for i, token in enumerate(tokens):
-            seq.token_ids.append(token)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs[i])
-            self.counters["generation_tokens"] += 1
-            if token in seq.request.eos_token_ids or token in stop_ids:
-                seq._stop_reason = token if token in stop_ids else None
-                status = SequenceStatus.FINISHED_STOPPED
-            elif seq.detok.append(token):
-                seq._stop_reason = seq.detok.stop_reason
-                status = SequenceStatus.FINISHED_STOPPED
-            elif seq.constraint is not None and self._advance_constraint(seq, token):
-                status = SequenceStatus.FINISHED_STOPPED
-            elif seq.num_output_tokens >= params.max_tokens or \
-                    seq.num_tokens >= self.max_model_len:
-                status = SequenceStatus.FINISHED_LENGTH
-            if status is not None:
-                if i + 1 < len(tokens):  # accepted drafts past the stop are dropped
-                    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-                break
+            seq.first_token_time = time.time()
+        before = seq.num_tokens
+        try:
+            status = append_tokens(seq, tokens, logprobs, self.max_model_len)
+        finally:  # the tokens appended, a stop string's detokenizer failure or not
+            self.counters.generation_tokens += seq.num_tokens - before
         if self.proposer is not None and seq.status is SequenceStatus.RUNNING:
             self.proposer.accepted(seq)
         self.block_manager.trim(seq, seq.num_tokens)  # blocks of rejected drafts
@@ -805,71 +519,20 @@ class LLMEngine:
             self.block_manager.commit(seq)
             self._finish(seq, status)
 
-    @staticmethod
-    def _advance_constraint(seq: Sequence, token: int) -> bool:
-        """Feed an appended output token to the sequence's constraint (once per token,
-        whatever recomputation happens later); True when it can take no more."""
-        seq.constraint.accept(token)
-        return seq.constraint.is_finished()
-
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)
         seq.detok.finish()
         if self.proposer is not None:
             self.proposer.release(seq)
 
-    def _retire(self, request: Request) -> None:
-        request.finish_time = time.time()
-        if all(s.finish_reason in ("stop", "length") for s in request.seqs):
-            self.rate_meter.record_finish(sum(s.num_output_tokens for s in request.seqs),
-                                          request.params.max_tokens * request.params.n)
-        self.counters["num_requests_finished"] += 1
-        self.counters["cached_prompt_tokens"] += request.seqs[0].num_cached_tokens
-        self.requests.pop(request.request_id, None)
-        with self._lock:
-            self._known_ids.discard(request.request_id)
-
-    def _output(self, request: Request, changed: list[Sequence]) -> RequestOutput:
-        outputs = []
-        for seq in request.seqs:
-            out_ids = seq.output_token_ids
-            # a failed request's detokenizer may be what failed: its text is not read
-            text = seq.detok.visible_text if request.error is None else ""
-            outputs.append(CompletionOutput(
-                index=seq.index, token_ids=list(out_ids), text=text,
-                new_token_ids=[], text_delta="", finish_reason=seq.finish_reason,
-                stop_reason=seq._stop_reason,
-                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None))
-        for seq in changed:
-            out = outputs[request.seqs.index(seq)]
-            out.text_delta = seq.detok.delta()
-            out.new_token_ids = out.token_ids[seq.num_emitted:]
-            seq.num_emitted = len(out.token_ids)
-        prompt_lps = request.prompt_logprobs
-        return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids, outputs=outputs,
-            finished=request.finished, error=request.error,
-            prompt_logprobs=None if prompt_lps is None else list(prompt_lps),
-            metrics=RequestMetrics(
-                arrival_time=request.arrival_time,
-                first_scheduled_time=request.first_scheduled_time,
-                first_token_time=min((s.first_token_time for s in request.seqs
-                                      if s.first_token_time is not None), default=None),
-                finish_time=time.time() if request.finished else None,
-                num_cached_tokens=request.seqs[0].num_cached_tokens,
-                prefill_chunks=request.prefill_chunks,
-                preemption_times=request.preemption_times),
-            tenant=request.tenant, priority_class=request.priority_class)
-
     # --- introspection -------------------------------------------------------------------------
     def admission_key(self, priority: int, priority_class: str | None) -> tuple:
-        """Queued work whose key (``stats()["queued_work"]``: (key, tokens) pairs) is at
+        """Queued work whose key (``stats().queued_work``: (key, tokens) pairs) is at
         most this one goes before a new request of this priority and class. Any thread."""
         return self.scheduler.policy.admission_key(priority, priority_class)
 
     def queue_key(self, priority_class: str | None) -> tuple:
-        """The queue (``stats()["queued_requests"]``: (key, count) pairs) the server's
+        """The queue (``stats().queued_requests``: (key, count) pairs) the server's
         queue limit counts for a new request of this class. Any thread."""
         return self.scheduler.policy.queue_key(priority_class)
 
@@ -878,74 +541,38 @@ class LLMEngine:
         (the fair policy's aging bound), or None. Any thread."""
         return self.scheduler.policy.wait_bound(priority_class)
 
-    def _queued_work(self, fraction: float
-                     ) -> tuple[list[tuple[tuple, float]], list[tuple[tuple, int]]]:
-        """Tokens the waiting requests (and those added, not yet taken in) will still
-        compute, by :meth:`admission_key` (:func:`llmctl.serve.core.admission.expected_tokens`),
-        and how many they are, by :meth:`queue_key`."""
-        with self._lock:
-            added = [item for kind, item in self._inbox if kind == "add"]
-        seqs = [*self.scheduler.waiting, *(request.seqs[0] for request in added)]
-        policy = self.scheduler.policy
-        work: dict[tuple, float] = {}
-        count: dict[tuple, int] = {}
-        for seq in seqs:
-            req = seq.request
-            key = policy.admission_key(req.priority, req.priority_class)
-            output = (req.params.max_tokens - seq.num_output_tokens) * (1 + seq.pending_fork)
-            work[key] = work.get(key, 0.0) + expected_tokens(seq.num_uncomputed_tokens, output,
-                                                             fraction)
-            queue = policy.queue_key(req.priority_class)
-            count[queue] = count.get(queue, 0) + 1
-        return sorted(work.items()), sorted(count.items())
-
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
         sched = self.scheduler
-        allocated, used = self._kv_slots()
+        allocated, used = kv_slots(sched.running, bm.block_size)
         c = self.counters
-        drafts = c["spec_draft_tokens"]
+        drafts = c.spec_draft_tokens
         rate = self.rate_meter.estimate()
-        work, count = self._queued_work(rate.output_fraction if rate else 1.0)
-        return {
-            "num_running": len(sched.running),
-            # the scheduler's queue and the requests added but not yet taken in
-            "num_waiting": sum(n for _, n in count),
-            "kv_cache_usage": bm.usage,
-            "kv_cache_blocks": bm.num_blocks,
-            "kv_cache_tokens": bm.num_blocks * bm.block_size,
-            "kv_slots_allocated": allocated,
-            "kv_slots_used": used,
-            "prefix_cache_hit_rate": bm.stats.hit_rate,
-            "prefix_cache_queried_tokens": bm.stats.queried_tokens,
-            "prefix_cache_hit_tokens": bm.stats.hit_tokens,
-            "num_preemptions": sched.num_preemptions,
-            "spec_acceptance_rate": c["spec_accepted_tokens"] / drafts if drafts else 0.0,
-            "spec_mean_accepted_per_step": (c["spec_accepted_tokens"] / c["spec_verify_steps"]
-                                            if c["spec_verify_steps"] else 0.0),
-            **c,
-            "step_phase_seconds": dict(self.phase_seconds),
-            "perf_totals": {p: load for p, load in self.meter.totals.items()},
-            "perf_recent": self.meter.recent(),
-            # the dtype the matrix products run in -> the peak MFU is measured against
-            # (int4/int8 weights are widened to the activation dtype, so theirs run in it too)
-            "perf_dtype": short_name(getattr(getattr(self.target, "model", None), "dtype",
-                                             None)) or "unknown",
-            # deadline admission (llmctl.serve.core.admission): None until measured
-            "admission_rate": rate,
-            "queued_work": work,
-            "queued_requests": count,  # the queue limit's input (AsyncEngine)
-        }
-
-    def _kv_slots(self) -> tuple[int, int]:
-        """Slots in blocks held by running sequences, and how many of them hold a token."""
-        filled: dict[int, int] = {}
-        bs = self.block_manager.block_size
-        for seq in self.scheduler.running:
-            for i, block_id in enumerate(seq.block_table):
-                if block_id == DROPPED:
-                    continue
-                n = min(bs, max(0, seq.num_computed_tokens - i * bs))
-                if n > filled.get(block_id, -1):
-                    filled[block_id] = n
-        return len(filled) * bs, sum(filled.values())
+        with self._lock:  # the requests added, not yet taken in, are waiting too
+            added = [item for kind, item in self._inbox if kind == "add"]
+        work, count = queued_work([*sched.waiting, *(request.seqs[0] for request in added)],
+                                  sched.policy, rate.output_fraction if rate else 1.0)
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=sum(n for _, n in count),
+            kv_cache_usage=bm.usage,
+            kv_cache_blocks=bm.num_blocks,
+            kv_cache_tokens=bm.num_blocks * bm.block_size,
+            kv_slots_allocated=allocated,
+            kv_slots_used=used,
+            prefix_cache_hit_rate=bm.stats.hit_rate,
+            prefix_cache_queried_tokens=bm.stats.queried_tokens,
+            prefix_cache_hit_tokens=bm.stats.hit_tokens,
+            num_preemptions=sched.num_preemptions,
+            spec_acceptance_rate=c.spec_accepted_tokens / drafts if drafts else 0.0,
+            spec_mean_accepted_per_step=(c.spec_accepted_tokens / c.spec_verify_steps
+                                         if c.spec_verify_steps else 0.0),
+            **vars(c),
+            step_phase_seconds=dict(self.phase_seconds),
+            perf_totals=dict(self.meter.totals),
+            perf_recent=self.meter.recent(),
+            perf_dtype=self.perf_dtype,
+            admission_rate=rate,
+            queued_work=work,
+            queued_requests=count,
+        )

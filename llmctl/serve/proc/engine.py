@@ -43,6 +43,7 @@ from llmctl.errors import ConfigError, UsageError
 from llmctl.serve.engine.outputs import RequestOutput
 from llmctl.serve.engine.request_checks import check_request
 from llmctl.serve.engine.sources import source_for
+from llmctl.serve.engine.stats import EngineStats
 from llmctl.serve.proc.child import ChildSpec, ReadyInfo
 from llmctl.serve.proc.replica import Replica, State
 from llmctl.serve.proc.router import NoReplicaError, Router, RouterConfig
@@ -307,12 +308,11 @@ class ProcessEngine:
         policy = self.info.policy
         return None if policy is None else policy.wait_bound(priority_class)
 
-    def stats(self) -> dict:
-        out = merge_stats([r.stats for r in self.replicas if r.state is State.UP])
-        out["engine_restarts"] = self.restarts
-        out["engine_replicas_up"] = sum(r.state is State.UP and not r.gone
-                                        for r in self.replicas)
-        return out
+    def stats(self) -> EngineStats:
+        merged = merge_stats([r.stats for r in self.replicas if r.state is State.UP])
+        return dataclasses.replace(
+            merged, engine_restarts=self.restarts,
+            engine_replicas_up=sum(r.state is State.UP and not r.gone for r in self.replicas))
 
     # --- requests in (the API's event loop) ---------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], params, *, priority: int = 0,

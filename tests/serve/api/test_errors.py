@@ -143,9 +143,9 @@ def test_the_queue_limit_is_per_class_under_fair(tiny_llama, tmp_path):
         long = {"prompt": "x", "max_tokens": 400, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=60) as client:
             first = asyncio.create_task(client.post(url, json=long, headers=flood))
-            await _until(lambda: running.engine.stats().get("num_running") == 1)
+            await _until(lambda: running.engine.stats().num_running == 1)
             queued = asyncio.create_task(client.post(url, json=long, headers=flood))
-            await _until(lambda: dict(running.engine.stats().get("queued_requests") or ())
+            await _until(lambda: dict(running.engine.stats().queued_requests)
                          .get((2,)) == 1)  # batch: rank 2
             refused = await client.post(url, json={**long, "max_tokens": 1}, headers=flood)
             answered = await client.post(url, json={**long, "max_tokens": 1}, headers=urgent)
@@ -206,8 +206,8 @@ def _wait_idle(running, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stats = running.engine.stats()
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and \
-                stats["kv_cache_usage"] == 0:
+        if stats.num_running == 0 and stats.num_waiting == 0 and \
+                stats.kv_cache_usage == 0:
             return stats
         time.sleep(0.05)
     raise AssertionError(f"engine not idle: {running.engine.stats()}")

@@ -72,7 +72,7 @@ def test_200_concurrent_streams_then_disconnects(served):
     assert all(status == 200 for status, _, _ in results)
     assert all(done for _, _, done in results)
     stats = _wait_idle(served)
-    assert stats["num_running"] == 0
+    assert stats.num_running == 0
     after = httpx.get(served.url + "/metrics").text
     finished = (_metric(after, "llmctl:request_success_total")
                 - _metric(before, "llmctl:request_success_total"))

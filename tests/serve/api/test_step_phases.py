@@ -15,13 +15,13 @@ from tests.serve.api.test_load import _metric
 
 def test_phases_sum_to_at_most_the_wall_time_and_forward_dominates(tiny_llama):
     llm = LLM(str(tiny_llama), kv_cache_memory="32MiB")
-    assert llm.engine.stats()["step_phase_seconds"] == dict.fromkeys(STEP_PHASES, 0.0)
+    assert llm.engine.stats().step_phase_seconds == dict.fromkeys(STEP_PHASES, 0.0)
     start = time.perf_counter()
     outs = llm.generate([[5, 17, 33, 99]] * 4, SamplingParams(max_tokens=16, temperature=0,
                                                                ignore_eos=True))
     wall = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
-    phases = llm.engine.stats()["step_phase_seconds"]
+    phases = llm.engine.stats().step_phase_seconds
     assert list(phases) == list(STEP_PHASES)
     assert all(seconds > 0 for seconds in phases.values()), phases
     assert sum(phases.values()) <= wall

@@ -14,6 +14,7 @@ from llmctl.perf.peaks import Peaks
 from llmctl.serve.api.metrics import ServerMetrics
 from llmctl.serve.core.sampling_params import SamplingParams
 from llmctl.serve.engine.llm import LLM
+from llmctl.serve.engine.stats import EngineStats
 from tests.serve.api.test_load import _metric
 
 
@@ -27,7 +28,7 @@ def test_the_engine_counts_each_token_in_its_phase_with_the_cost_models_formulas
     cost = ModelCost(ArchSpec.from_config(json.loads((tiny_llama / "config.json").read_text())),
                      kv_bytes=engine.target.kv_cache.element_size())
     weights = engine.target.model.bytes_read_per_step
-    totals = engine.stats()["perf_totals"]
+    totals = engine.stats().perf_totals
     pre, dec = totals["prefill"], totals["decode"]
     assert pre.flops == pytest.approx(sum(cost.prefill_flops(len(p)) for p in prompts))
     assert pre.bytes == pytest.approx(weights + cost.kv_bytes_per_token * sum(map(len, prompts)))
@@ -47,12 +48,12 @@ def test_metrics_render_the_counters_and_gauges_with_the_peak_source(tiny_llama)
     stats = llm.engine.stats()
     peaks = Peaks({"fp32": 1e9}, 1e9, "test peaks")
     text = ServerMetrics("tiny", lambda: stats, peaks).render().decode()
-    totals = stats["perf_totals"]
+    totals = stats.perf_totals
     assert _metric(text, "llmctl:decode_flops_total") == pytest.approx(totals["decode"].flops)
     assert _metric(text, "llmctl:prefill_busy_seconds_total") == pytest.approx(
         totals["prefill"].seconds)
-    recent = stats["perf_recent"]["decode"]
-    assert stats["perf_dtype"] == "fp32"  # the tiny model loads in float32
+    recent = stats.perf_recent["decode"]
+    assert stats.perf_dtype == "fp32"  # the tiny model loads in float32
     line = next(x for x in text.splitlines() if x.startswith("llmctl:mbu{")
                 and 'phase="decode"' in x)
     assert 'peak_source="test peaks"' in line
@@ -111,9 +112,9 @@ def test_metrics_read_right_after_the_last_response_count_every_token(tiny_llama
         stats = asyncio.run(run())
     finally:
         front.shutdown()
-    totals = stats["perf_totals"]
+    totals = stats.perf_totals
     assert totals["prefill"].flops > 0 and totals["decode"].flops > 0
-    assert totals == engine.stats()["perf_totals"]
+    assert totals == engine.stats().perf_totals
 
 
 def test_a_snapshot_from_before_a_burst_never_reads_as_idle(tiny_llama):
@@ -143,9 +144,9 @@ def test_a_snapshot_from_before_a_burst_never_reads_as_idle(tiny_llama):
     engine.step = held_step
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
 
-    async def run() -> tuple[dict, dict]:
+    async def run() -> tuple[EngineStats, EngineStats]:
         for _ in range(100):  # an idle snapshot first
-            if front.stats().get("num_waiting") == 0:
+            if front.stats().num_waiting == 0:
                 break
             await asyncio.sleep(0.01)
         streams = [front.submit(f"r{i}", [5, 17, 33 + i], params) for i in range(3)]
@@ -163,5 +164,5 @@ def test_a_snapshot_from_before_a_burst_never_reads_as_idle(tiny_llama):
         before, after = asyncio.run(run())
     finally:
         front.shutdown()
-    assert before["num_running"] + before["num_waiting"] == 3
-    assert after["num_running"] + after["num_waiting"] == 3
+    assert before.num_running + before.num_waiting == 3
+    assert after.num_running + after.num_waiting == 3

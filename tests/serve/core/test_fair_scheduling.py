@@ -383,7 +383,7 @@ def test_preempting_a_batch_sequence_for_an_interactive_one_loses_no_token(engin
     engine.add_request("urgent", [30] * 20, params, tenant="B", priority_class="interactive")
     outs = engine.step()
     assert "urgent" in {o.request_id for o in outs}  # it got its first token at once
-    assert engine.stats()["num_preemptions"] == 1
+    assert engine.stats().num_preemptions == 1
     got = {}
     while engine.has_unfinished_requests():
         got.update({o.request_id: o.outputs[0].token_ids for o in engine.step()
@@ -399,9 +399,9 @@ def test_queued_work_counts_what_waits_and_what_was_just_added_by_class(engine_f
         engine.add_request(rid, [5] * 20, params, priority_class="standard")
     engine.add_request("b", [5] * 30, params, priority_class="batch")
     # not taken in yet: prompt + max_tokens each (no request finished: fraction 1)
-    assert engine.stats()["queued_work"] == [((1,), 60.0), ((2,), 40.0)]
+    assert engine.stats().queued_work == [((1,), 60.0), ((2,), 40.0)]
     engine.step()  # s0 runs (one slot): s1 and b wait
-    assert engine.stats()["queued_work"] == [((1,), 30.0), ((2,), 40.0)]
+    assert engine.stats().queued_work == [((1,), 30.0), ((2,), 40.0)]
     assert engine.admission_key(0, "interactive") == (0,)
 
 

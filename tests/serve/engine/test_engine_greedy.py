@@ -51,7 +51,7 @@ def test_short_and_long_contexts_in_one_decode_batch(tiny_llama):
 def test_chunked_prefill_with_a_tiny_token_budget(tiny_llama):
     llm = LLM(str(tiny_llama), max_num_batched_tokens=7, kv_cache_memory="8MiB")
     _check_against_hf(tiny_llama, llm)
-    assert llm.engine.stats()["num_steps"] > 24  # prompts really were cut into chunks
+    assert llm.engine.stats().num_steps > 24  # prompts really were cut into chunks
 
 
 def test_without_chunked_prefill(tiny_llama):
@@ -66,7 +66,7 @@ def test_forced_preemption_loses_and_duplicates_nothing(tiny_llama, prefix_cachi
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=30, max_model_len=112,
               enable_prefix_caching=prefix_caching, max_num_batched_tokens=budget)
     _check_against_hf(tiny_llama, llm, params=SamplingParams(temperature=0, max_tokens=30))
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
 
 
 def test_prefix_cache_hits_and_gives_the_same_tokens(tiny_llama):
@@ -78,7 +78,7 @@ def test_prefix_cache_hits_and_gives_the_same_tokens(tiny_llama):
     assert first[0].metrics.num_cached_tokens == 0
     cached = second[1].metrics.num_cached_tokens
     assert cached >= 16 and cached % 16 == 0
-    assert llm.engine.stats()["prefix_cache_hit_rate"] > 0
+    assert llm.engine.stats().prefix_cache_hit_rate > 0
 
 
 def test_n_completions_share_the_prompt_and_each_equal_greedy(tiny_llama):
@@ -208,7 +208,7 @@ def test_smollm2_greedy_chat_batch_equals_transformers(smollm2, prefix_caching):
     assert "Paris" in outs[0].outputs[0].text
     stats = llm.engine.stats()
     if prefix_caching:
-        assert stats["prefix_cache_hit_rate"] > 0
+        assert stats.prefix_cache_hit_rate > 0
     else:
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     assert_all_blocks_free(llm.engine)

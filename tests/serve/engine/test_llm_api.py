@@ -46,7 +46,7 @@ def test_sampled_n_with_prefix_cache_and_preemption_keeps_books(tiny_llama):
     outs = llm.generate(PROMPTS[:4], params)
     assert all(len(o.outputs) == 3 for o in outs)
     assert all(len(c.token_ids) == 30 for o in outs for c in o.outputs)
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     assert_all_blocks_free(llm.engine)
     again = LLM(str(tiny_llama), kv_cache_memory="8MiB").generate(PROMPTS[:4], params)
     # a seeded request gives the same tokens with or without preemption and caching

@@ -184,7 +184,7 @@ def test_failing_draft_proposal_costs_only_that_sequence_its_drafts(tiny_llama, 
     _assert_good(tiny_llama, final, {**good, BAD: (bad_ids, GREEDY)})
     # one failed batch, one failed solo run; never asked again
     assert proposed_for_bad[0] > 1 and proposed_for_bad[1:] == [1]
-    assert llm.engine.stats()["spec_draft_tokens"] > 0
+    assert llm.engine.stats().spec_draft_tokens > 0
     assert_all_blocks_free(llm.engine)
 
 

@@ -68,21 +68,24 @@ def test_under_preemption_and_with_n(tiny_llama):
               max_model_len=112, max_num_batched_tokens=5)
     outs = llm.generate([encode(tiny_llama, p) for p in PROMPTS],
                         _params(n=2, ignore_eos=True).model_copy(update={"max_tokens": 30}))
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     for out in outs:
         assert len(out.outputs) == 2
         _check(tiny_llama, out)
     assert_all_blocks_free(llm.engine)
 
 
-def test_runner_without_prompt_rows_refuses(tiny_llama):
+def test_target_without_prompt_rows_refuses(tiny_llama):
+    """A target that says it serves no prompt log-probs (Target.serves_prompt_logprobs)
+    refuses such requests in add_request; its runner is never asked for prompt rows."""
     llm = LLM(str(tiny_llama), kv_cache_memory="8MiB")
 
-    class PlainRunner:  # the EngineRunner contract: execute and copy_blocks only
+    class PlainRunner:  # execute and copy_blocks only
         def __init__(self, inner) -> None:
             self.execute, self.copy_blocks = inner.execute, inner.copy_blocks
 
     llm.engine.runner = PlainRunner(llm.engine.runner)
+    llm.engine.target.serves_prompt_logprobs = False
     with pytest.raises(UsageError, match="prompt log-probs"):
         llm.engine.add_request("r", [5, 6, 7], _params())
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].finished

@@ -39,7 +39,7 @@ def test_every_preemption_is_recorded_on_its_request(tiny_llama):
               enable_prefix_caching=False)
     outs = llm.generate([encode(tiny_llama, p) for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=30))
-    total = llm.engine.stats()["num_preemptions"]
+    total = llm.engine.stats().num_preemptions
     assert total > 0
     assert sum(o.metrics.num_preemptions for o in outs) == total
     for out in outs:

@@ -289,8 +289,8 @@ def test_fp8_holds_twice_the_blocks_of_bf16(tiny_llama):
     fp8 = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_dtype="fp8",
               kv_cache_memory="1MiB").engine
     # tiny_llama: 2 layers x K,V x 16 tokens x 2 heads x 16 values, one byte each
-    assert fp8.stats()["kv_cache_blocks"] == 2**20 // (2 * 2 * 16 * 2 * 16)
-    assert fp8.stats()["kv_cache_blocks"] == 2 * bf16.stats()["kv_cache_blocks"]
+    assert fp8.stats().kv_cache_blocks == 2**20 // (2 * 2 * 16 * 2 * 16)
+    assert fp8.stats().kv_cache_blocks == 2 * bf16.stats().kv_cache_blocks
     assert fp8.kv_plan.describe().startswith("KV cache (fp8, static scales")
     assert fp8.runner.kv_cache.dtype == torch.uint8 and fp8.runner.kv_scales.shape == (2, 2, 2)
 

@@ -150,7 +150,7 @@ def test_int8_holds_nearly_twice_the_blocks_of_bf16_scales_counted(tiny_llama):
     engine = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_dtype="int8",
                  kv_cache_memory="1MiB").engine
     # tiny_llama: 2 layers, 2 KV heads of 16: (16 + 4) bytes per token and head
-    assert engine.stats()["kv_cache_blocks"] == 2**20 // (2 * 2 * 16 * 2 * 20)
+    assert engine.stats().kv_cache_blocks == 2**20 // (2 * 2 * 16 * 2 * 20)
     assert engine.kv_plan.describe().startswith("KV cache (int8, a float32 scale")
     assert engine.runner.kv_scales.shape == (2, 2, engine.kv_plan.num_blocks, 16, 2)
 

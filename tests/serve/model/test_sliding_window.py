@@ -143,14 +143,14 @@ def test_chunked_prefill_with_windows(windowed, budget):
     gathered path with window masks (and its gather starting after dropped blocks)."""
     llm = LLM(str(windowed), kv_cache_memory="8MiB", max_num_batched_tokens=budget)
     _check(windowed, llm, PROMPTS[1:])
-    assert llm.engine.stats()["num_steps"] > MAX_TOKENS
+    assert llm.engine.stats().num_steps > MAX_TOKENS
 
 
 def test_preemption_by_recompute_with_windows(mistral):
     """A pool too small for the batch: sequences are preempted and recomputed."""
     llm = LLM(str(mistral), num_kv_blocks=20, max_model_len=320)
     _check(mistral, llm, PROMPTS * 6)
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
 
 
 def test_speculation_and_forks_with_windows(mistral):
@@ -159,7 +159,7 @@ def test_speculation_and_forks_with_windows(mistral):
     llm = LLM(str(mistral), kv_cache_memory="8MiB",
               speculative={"method": "ngram", "num_speculative_tokens": 3})
     _check(mistral, llm, PROMPTS[1:])
-    assert llm.engine.stats()["spec_accepted_tokens"] > 0
+    assert llm.engine.stats().spec_accepted_tokens > 0
     ids = encode(mistral, LONG_TEXT)
     out = LLM(str(mistral), kv_cache_memory="8MiB").generate(
         [ids], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2, ignore_eos=True))[0]

@@ -8,24 +8,26 @@ import pytest
 from llmctl.errors import UsageError
 from llmctl.perf.utilization import PhaseLoad
 from llmctl.serve.core.admission import ServiceRate
+from llmctl.serve.engine.stats import EngineStats
 from llmctl.serve.proc.engine import Supervision, split_cpus
 from llmctl.serve.proc.stats import merge_stats
 
 
 def _snap(running, waiting, blocks, usage, queried, hits, flops, seconds, rate, work):
-    return {"num_running": running, "num_waiting": waiting, "kv_cache_blocks": blocks,
-            "kv_cache_usage": usage, "prefix_cache_queried_tokens": queried,
-            "prefix_cache_hit_tokens": hits, "prefix_cache_hit_rate": hits / queried,
-            "num_steps": 10, "step_phase_seconds": {"forward": seconds},
-            "perf_totals": {"decode": PhaseLoad(flops, 2 * flops, seconds)},
-            "perf_recent": {"decode": PhaseLoad(flops, 2 * flops, seconds)},
-            "perf_dtype": "bf16", "admission_rate": rate, "queued_work": work}
+    return EngineStats(num_running=running, num_waiting=waiting, kv_cache_blocks=blocks,
+                       kv_cache_usage=usage, prefix_cache_queried_tokens=queried,
+                       prefix_cache_hit_tokens=hits, prefix_cache_hit_rate=hits / queried,
+                       num_steps=10, step_phase_seconds={"forward": seconds},
+                       perf_totals={"decode": PhaseLoad(flops, 2 * flops, seconds)},
+                       perf_recent={"decode": PhaseLoad(flops, 2 * flops, seconds)},
+                       perf_dtype="bf16", admission_rate=rate, queued_work=work)
 
 
 def test_one_replica_is_passed_through_unchanged():
     snap = _snap(1, 2, 100, 0.5, 10, 5, 1e9, 1.0, None, [])
     assert merge_stats([snap]) == snap
-    assert merge_stats([]) == {}
+    assert merge_stats([]) == EngineStats()
+    assert merge_stats([{}, snap, None]) == snap  # replicas that have not reported yet
 
 
 def test_two_replicas_add_counts_and_recompute_ratios():
@@ -33,15 +35,16 @@ def test_two_replicas_add_counts_and_recompute_ratios():
     b = _snap(1, 0, 300, 0.1, 300, 0, 2e9, 1.0, ServiceRate(100.0, 0.15, 0.3),
               [((0,), 5.0), ((2,), 7.0)])
     m = merge_stats([a, b])
-    assert (m["num_running"], m["num_waiting"], m["kv_cache_blocks"]) == (4, 1, 400)
-    assert m["kv_cache_usage"] == pytest.approx((0.5 * 100 + 0.1 * 300) / 400)  # 0.2, not 0.3
-    assert m["prefix_cache_hit_rate"] == pytest.approx(90 / 400)  # not mean(0.9, 0) = 0.45
-    assert m["num_steps"] == 20 and m["step_phase_seconds"] == {"forward": 3.0}
+    assert (m.num_running, m.num_waiting, m.kv_cache_blocks) == (4, 1, 400)
+    assert m.kv_cache_usage == pytest.approx((0.5 * 100 + 0.1 * 300) / 400)  # 0.2, not 0.3
+    assert m.prefix_cache_hit_rate == pytest.approx(90 / 400)  # not mean(0.9, 0) = 0.45
+    assert m.num_steps == 20 and m.step_phase_seconds == {"forward": 3.0}
     # since start: engine-seconds add; the recent window: the longest replica's busy time
-    assert m["perf_totals"]["decode"] == PhaseLoad(6e9, 12e9, 3.0)
-    assert m["perf_recent"]["decode"] == PhaseLoad(6e9, 12e9, 2.0)
-    assert m["admission_rate"] == ServiceRate(400.0, pytest.approx(0.1), pytest.approx(0.4))
-    assert m["queued_work"] == [((0,), 15.0), ((2,), 7.0)]
+    assert m.perf_totals["decode"] == PhaseLoad(6e9, 12e9, 3.0)
+    assert m.perf_recent["decode"] == PhaseLoad(6e9, 12e9, 2.0)
+    assert m.admission_rate == ServiceRate(400.0, pytest.approx(0.1), pytest.approx(0.4))
+    assert m.queued_work == [((0,), 15.0), ((2,), 7.0)]
+    assert m.perf_dtype == "bf16" and m.engine_restarts is None
 
 
 def test_cpus_split_in_contiguous_equal_shares():

@@ -114,7 +114,7 @@ def test_preemption_does_not_feed_the_constraint_twice(tiny_llama):
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                              logits_constraint=f) for f in factories]
     outs = llm.generate(PROMPTS, params)
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     for out, factory in zip(outs, factories):
         assert out.outputs[0].token_ids == script
         assert [c.accepted for c in factory.made] == [script]
@@ -142,7 +142,7 @@ def test_json_schema_sampled_n2_and_under_preemption(tiny_llama, grammars):
     params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40,
                             logits_constraint=grammars.compiled("json_schema", SCHEMA))
     outs = llm.generate(PROMPTS, params)
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     texts = [c.text for out in outs for c in out.outputs]
     assert len(texts) == 2 * len(PROMPTS)
     for text in texts:
@@ -159,7 +159,7 @@ def test_no_drafts_for_constrained_sequences(tiny_llama, grammars):
     outs = llm.generate(PROMPTS[:3], params)
     for out in outs:
         _check(out.outputs[0].text)
-    assert llm.engine.stats()["spec_draft_tokens"] == 0
+    assert llm.engine.stats().spec_draft_tokens == 0
 
 
 @pytest.mark.slow

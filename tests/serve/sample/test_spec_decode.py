@@ -81,9 +81,9 @@ def test_greedy_with_speculation_equals_plain_greedy(tiny_llama, tiny_near_draft
     for prompt_ids, out in zip(ids, outs):
         assert out.outputs[0].token_ids == hf_greedy(tiny_llama, prompt_ids, 30)
     stats = llm.engine.stats()
-    assert stats["spec_draft_tokens"] > 0
+    assert stats.spec_draft_tokens > 0
     # some drafts accepted, some rejected: both paths of the verification ran
-    assert stats["spec_accepted_tokens"] > 0 and stats["spec_acceptance_rate"] < 1
+    assert stats.spec_accepted_tokens > 0 and stats.spec_acceptance_rate < 1
     assert_all_blocks_free(llm.engine)
     if method == "draft":
         llm.engine.proposer.block_manager.check_invariants([])
@@ -106,7 +106,7 @@ def test_sampled_output_follows_the_target_with_a_draft_model(tiny_llama, tiny_d
     prompt = encode(tiny_llama, "The file")
     outs = llm.generate([prompt] * n, SamplingParams(temperature=temperature, max_tokens=3,
                                                      ignore_eos=True))
-    assert llm.engine.stats()["spec_accepted_tokens"] > 0
+    assert llm.engine.stats().spec_accepted_tokens > 0
     pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
     p1 = _next_token_probs(tiny_llama, prompt, temperature)
     top_first = p1.topk(6).indices.tolist()

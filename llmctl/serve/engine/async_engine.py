@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmctl.serve.core.admission import check_deadline, expected_tokens
-from llmctl.serve.engine.stats import EngineStats
 from llmctl.serve.engine.client import EngineClient
+from llmctl.serve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ def _check(choice: dict, want: tuple[list[int], str], tokenizer) -> None:
 def test_models_endpoint_names_the_engine_directory(served_onnx, onnx_fp32):
     data = httpx.get(served_onnx.url + "/v1/models").json()["data"]
     assert [m["id"] for m in data] == ["onnx-fp32", str(onnx_fp32)]
-    assert data[0]["max_model_len"] == served_onnx.server.config.max_model_len
+    assert data[0]["max_model_len"] == served_onnx.server.config.model.max_model_len
 
 
 def test_an_engine_directory_in_an_engine_process(onnx_fp32, reference):

@@ -151,15 +151,15 @@ def test_the_character_bound_never_refuses_what_fits(served):
 
 
 def test_large_inputs_are_tokenized_off_the_event_loop(served, monkeypatch):
-    server = served.server
+    prompts = served.server.frontend.prompts
     threads = []
-    real = server._tokenize
+    real = prompts.tokenize
 
     def spy(text, add_special_tokens=True):
         threads.append(threading.current_thread().name)
         return real(text, add_special_tokens)
 
-    monkeypatch.setattr(server, "_tokenize", spy)
+    monkeypatch.setattr(prompts, "tokenize", spy)
     small = httpx.post(served.url + "/tokenize", json={"prompt": "hello"})
     large = httpx.post(served.url + COMPLETIONS, timeout=60, json={
         "prompt": ["hello world " * 60] * 30, "max_tokens": 1})  # 21,600 characters
@@ -194,8 +194,13 @@ def _key(tenant: str) -> dict:
 
 
 def _routes(running) -> list[tuple[str, str]]:
+    def flat(routes):  # an included router (api/routes.py, api/loras.py) holds its routes
+        for route in routes:
+            inner = getattr(route, "original_router", None)
+            yield from flat(inner.routes) if inner is not None else (route,)
+
     app = running.uvicorn.config.app
-    return [(method, route.path) for route in app.routes
+    return [(method, route.path) for route in flat(app.routes)
             for method in sorted(getattr(route, "methods", None) or ())]
 
 
@@ -265,7 +270,7 @@ def test_lora_admin_routes_need_an_admin_tenant(keyed, tiny_llama):
 
 
 def test_a_tenant_uses_only_the_adapters_it_lists(keyed, monkeypatch):
-    monkeypatch.setattr(keyed.server, "lora_names", lambda: ("all4", "some8"))
+    monkeypatch.setattr(keyed.server.frontend.models, "lora_names", lambda: ("all4", "some8"))
     body = {"model": "all4", "prompt": "x", "max_tokens": 1}
     for tenant in ("narrow",):
         resp = httpx.post(keyed.url + COMPLETIONS, json=body, headers=_key(tenant))

@@ -142,7 +142,7 @@ class _Grammars:
 @pytest.mark.parametrize("where,stream", [("mask", True), ("accept", False), ("fork", True)])
 def test_failure_inside_one_request_ends_only_that_request(served, monkeypatch, where,
                                                            stream):
-    monkeypatch.setattr(served.server, "grammars", _Grammars(where))
+    monkeypatch.setattr(served.server.frontend.sampling, "grammars", _Grammars(where))
     body = {"prompt": "A", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
             "n": 2 if where == "fork" else 1, "response_format": {"type": "json_object"}}
 
@@ -201,7 +201,7 @@ def test_unexpected_errors_are_openai_json_never_plain_text(served, monkeypatch)
     def broken(req):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(served.server, "encode_completion_prompts", broken)
+    monkeypatch.setattr(served.server.frontend.completions, "encode", broken)
     resp = httpx.post(served.url + COMPLETIONS, json={"prompt": "x"}, timeout=60)
     assert resp.headers["content-type"].startswith("application/json")
     err = _error(resp, 500)

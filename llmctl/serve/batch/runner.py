@@ -32,6 +32,7 @@ from typing import Any
 
 from llmctl.errors import UsageError
 from llmctl.serve.batch import files as batch_file
+from llmctl.serve.engine.client import EngineClient
 from llmctl.serve.openai import errors
 from llmctl.serve.openai.errors import APIError
 from llmctl.serve.openai.frontend import Frontend
@@ -89,7 +90,7 @@ class _Line:
 class BatchRunner:
     """Feeds lines to one engine and turns its outputs into output lines."""
 
-    def __init__(self, engine, frontend: Frontend, window: int) -> None:
+    def __init__(self, engine: EngineClient, frontend: Frontend, window: int) -> None:
         self.engine = engine
         self.frontend = frontend
         self.window = max(1, window)

@@ -64,12 +64,14 @@ def memory_estimate(prep: Prepared, calib: CalibrationSpec | None, options: Pipe
     """Peak memory of the run; ``calib`` None: a data-free run (no activations)."""
     from llmctl.models.spec import ModelArch
     from llmctl.quant import block, memory
+    from llmctl.quant.methods import methods_for
 
+    methods = methods_for(prep.recipe)
     arch = ModelArch.from_config(prep.ckpt.config)
     shape = block.BlockShape.from_arch(arch)
     prefix = "model.layers.0."
     layer_params = sum(_numel(prep.ckpt.shape(n)) for n in prep.ckpt.names() if n.startswith(prefix))
-    uses_h = prep.recipe.method in ("gptq", "awq")
+    uses_h = methods.keeps_hessians
     inter = arch.intermediate_size
     dims = [shape.hidden, shape.heads * shape.head_dim, shape.hidden, inter] if uses_h else []
     rows = max((shape.heads + 2 * shape.kv_heads) * shape.head_dim, 2 * inter, shape.hidden)
@@ -79,7 +81,7 @@ def memory_estimate(prep: Prepared, calib: CalibrationSpec | None, options: Pipe
                            compute_bytes=compute_bytes,
                            chunk_tokens=options.chunk_tokens if calib else 0,
                            layer_params=layer_params, hessian_dims=dims, max_rows=rows,
-                           smoothing=prep.recipe.method == "awq" or prep.recipe.smoothquant is not None)
+                           smoothing=methods.smoother is not None)
 
 
 def _numel(shape) -> int:

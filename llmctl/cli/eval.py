@@ -12,6 +12,7 @@ not produce (a misconfigured CI job, not a quality regression).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -21,88 +22,117 @@ from llmctl.cli.options import JsonOpt, KvCacheDtypeOpt
 EXIT_GATE_FAILED = 1
 
 
+Opt = typer.Option
+Candidate = Annotated[str, typer.Argument(
+    show_default=False,
+    help="Model to evaluate: HF/compressed-tensors dir, .gguf, 'smollm2-135m', hub id, "
+         "an engine directory from `llmctl build-engine` (ONNX / torch-compile; "
+         "also engine:DIR), or openai:http://HOST:PORT (a server). Or 'compare' "
+         "followed by report files.")]
+More = Annotated[list[str] | None, typer.Argument(
+    show_default=False, help="With 'compare': the eval reports (JSON) to compare.")]
+Reference = Annotated[str | None, Opt("--reference", "-r",
+                                      help="Reference model (or a stored reference "
+                                           ".safetensors).")]
+Data = Annotated[str, Opt("--data", "-d", help="Text for perplexity/KLD: .txt/.jsonl/.parquet, "
+                                               "hf:NAME, builtin:pydoc-heldout, or 'none'.")]
+Field = Annotated[str, Opt("--field", help="Text field of .jsonl/.parquet/hf data.")]
+Ctx = Annotated[int, Opt("--ctx", help="Tokens per window.")]
+Stride = Annotated[int | None, Opt("--stride", help="Window step (< ctx overlaps; default ctx).")]
+Bos = Annotated[str, Opt("--bos", help="auto (as the tokenizer) | always | never.")]
+ScoreFrom = Annotated[int, Opt("--score-from",
+                               help="Score only tokens at index >= N in each window "
+                                    "(ctx/2 mimics llama-perplexity).")]
+MaxWindows = Annotated[int | None, Opt("--max-windows", help="Use at most N windows.")]
+TopK = Annotated[int, Opt("--top-k", help="Reference log-probs kept per token.")]
+Tasks = Annotated[list[str] | None, Opt(
+    "--tasks", help="builtin | python-mc,science-mc,everyday-mc | FILE.jsonl | "
+                    "lm_eval:NAME (repeatable, comma-separated).")]
+TaskDir = Annotated[Path | None, Opt("--task-dir",
+                                     help="lm-eval task YAML directory (include path).")]
+TaskLimit = Annotated[int | None, Opt("--task-limit", help="Items per task.")]
+Gate = Annotated[list[str] | None, Opt(
+    "--gate", help="e.g. 'ppl_ratio<=1.05', 'mean_kld<=0.05', "
+                   "'delta(task.science-mc.acc)>=-0.05' (paired vs the "
+                   "reference), 'wilson_low(task.science-mc.acc)>=0.6' "
+                   "(repeatable).")]
+GateFile = Annotated[Path | None, Opt("--gate-file", help="YAML with gates: [...]")]
+Baseline = Annotated[Path | None, Opt(
+    "--baseline", help="Eval report whose metrics (and per-item task results, "
+                       "for delta gates) are the 'reference' in gates.")]
+Junit = Annotated[Path | None, Opt("--junit", help="Write gate results as JUnit XML.")]
+ReportPath = Annotated[Path | None, Opt("--output", "-o",
+                                    help="Report JSON (Markdown written next to it).")]
+CacheDir = Annotated[Path | None, Opt("--cache-dir", help="Reference store directory.")]
+Dtype = Annotated[str, Opt("--dtype", help="float32 | bfloat16 | float16.")]
+Backend = Annotated[str, Opt(
+    "--backend", help="auto | transformers | llama-cpp (for .gguf) | serve "
+                      "(candidate and reference through llmctl's serving "
+                      "engine: its kernels and KV cache).")]
+ServerModel = Annotated[str | None, Opt("--server-model", help="Model name on the server.")]
+Tokenizer = Annotated[str | None, Opt("--tokenizer",
+                                      help="Tokenizer for a server without --reference.")]
+Threads = Annotated[int | None, Opt("--threads", min=1,
+                                    help="torch / llama.cpp / engine runtime threads.")]
+Seed = Annotated[int, Opt("--seed", help="Seed (lm-eval sampling; recorded).")]
+NoReferenceTasks = Annotated[bool, Opt("--no-reference-tasks",
+                                       help="Do not run tasks on the reference model.")]
+AllMetrics = Annotated[bool, Opt("--all", help="compare: every metric.")]
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("eval")
-    @guarded
-    def eval_(
-        candidate: str = typer.Argument(
-            ..., show_default=False,
-            help="Model to evaluate: HF/compressed-tensors dir, .gguf, 'smollm2-135m', hub id, "
-                 "an engine directory from `llmctl build-engine` (ONNX / torch-compile; "
-                 "also engine:DIR), or openai:http://HOST:PORT (a server). Or 'compare' "
-                 "followed by report files."),
-        more: list[str] | None = typer.Argument(
-            None, show_default=False, help="With 'compare': the eval reports (JSON) to compare."),
-        reference: str | None = typer.Option(
-            None, "--reference", "-r", help="Reference model (or a stored reference .safetensors)."),
-        data: str = typer.Option("builtin:pydoc-heldout", "--data", "-d",
-                                 help="Text for perplexity/KLD: .txt/.jsonl/.parquet, hf:NAME, "
-                                      "builtin:pydoc-heldout, or 'none'."),
-        field: str = typer.Option("text", "--field", help="Text field of .jsonl/.parquet/hf data."),
-        ctx: int = typer.Option(512, "--ctx", help="Tokens per window."),
-        stride: int | None = typer.Option(None, "--stride",
-                                             help="Window step (< ctx overlaps; default ctx)."),
-        bos: str = typer.Option("auto", "--bos", help="auto (as the tokenizer) | always | never."),
-        score_from: int = typer.Option(0, "--score-from",
-                                       help="Score only tokens at index >= N in each window "
-                                            "(ctx/2 mimics llama-perplexity)."),
-        max_windows: int | None = typer.Option(None, "--max-windows", help="Use at most N windows."),
-        top_k: int = typer.Option(64, "--top-k", help="Reference log-probs kept per token."),
-        tasks: list[str] | None = typer.Option(
-            None, "--tasks", help="builtin | python-mc,science-mc,everyday-mc | FILE.jsonl | "
-                                  "lm_eval:NAME (repeatable, comma-separated)."),
-        task_dir: Path | None = typer.Option(None, "--task-dir",
-                                                help="lm-eval task YAML directory (include path)."),
-        task_limit: int | None = typer.Option(None, "--task-limit", help="Items per task."),
-        gate: list[str] | None = typer.Option(
-            None, "--gate", help="e.g. 'ppl_ratio<=1.05', 'mean_kld<=0.05', "
-                                 "'delta(task.science-mc.acc)>=-0.05' (paired vs the "
-                                 "reference), 'wilson_low(task.science-mc.acc)>=0.6' "
-                                 "(repeatable)."),
-        gate_file: Path | None = typer.Option(None, "--gate-file", help="YAML with gates: [...]"),
-        baseline: Path | None = typer.Option(
-            None, "--baseline", help="Eval report whose metrics (and per-item task results, "
-                                     "for delta gates) are the 'reference' in gates."),
-        junit: Path | None = typer.Option(None, "--junit", help="Write gate results as JUnit XML."),
-        output: Path | None = typer.Option(None, "--output", "-o",
-                                              help="Report JSON (Markdown written next to it)."),
-        cache_dir: Path | None = typer.Option(None, "--cache-dir",
-                                                 help="Reference store directory."),
-        dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
-        backend: str = typer.Option(
-            "auto", "--backend", help="auto | transformers | llama-cpp (for .gguf) | serve "
-                                      "(candidate and reference through llmctl's serving "
-                                      "engine: its kernels and KV cache)."),
-        kv_cache_dtype: KvCacheDtypeOpt = "auto",
-        server_model: str | None = typer.Option(None, "--server-model",
-                                                   help="Model name on the server."),
-        tokenizer: str | None = typer.Option(None, "--tokenizer",
-                                                help="Tokenizer for a server without --reference."),
-        threads: int | None = typer.Option(None, "--threads", min=1,
-                                           help="torch / llama.cpp / engine runtime threads."),
-        seed: int = typer.Option(0, "--seed", help="Seed (lm-eval sampling; recorded)."),
-        no_reference_tasks: bool = typer.Option(
-            False, "--no-reference-tasks", help="Do not run tasks on the reference model."),
-        all_metrics: bool = typer.Option(False, "--all", help="compare: every metric."),
-        json_: JsonOpt = False,
-    ) -> None:
-        """Measure quality against a reference and gate on regressions.
+    app.command("eval")(guarded(eval_))
 
-        Exit codes: 0 gates passed, 1 a gate failed (or the run failed), 2 a malformed
-        command line or gate, or a gate on a metric this run does not produce.
-        """
-        from llmctl.cli.output import Output
 
-        out = Output(json_)
-        if candidate == "compare":
-            _compare(out, more or [], all_metrics)
-            return
-        if more:
-            from llmctl.errors import UsageError
+def eval_(
+    candidate: Candidate,
+    more: More = None,
+    reference: Reference = None,
+    data: Data = "builtin:pydoc-heldout",
+    field: Field = "text",
+    ctx: Ctx = 512,
+    stride: Stride = None,
+    bos: Bos = "auto",
+    score_from: ScoreFrom = 0,
+    max_windows: MaxWindows = None,
+    top_k: TopK = 64,
+    tasks: Tasks = None,
+    task_dir: TaskDir = None,
+    task_limit: TaskLimit = None,
+    gate: Gate = None,
+    gate_file: GateFile = None,
+    baseline: Baseline = None,
+    junit: Junit = None,
+    output: ReportPath = None,
+    cache_dir: CacheDir = None,
+    dtype: Dtype = "float32",
+    backend: Backend = "auto",
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    server_model: ServerModel = None,
+    tokenizer: Tokenizer = None,
+    threads: Threads = None,
+    seed: Seed = 0,
+    no_reference_tasks: NoReferenceTasks = False,
+    all_metrics: AllMetrics = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Measure quality against a reference and gate on regressions.
 
-            raise UsageError(f"unexpected arguments: {' '.join(more)}",
-                             "pass one CANDIDATE (or 'compare A.json B.json')")
-        _evaluate(out, locals())  # every option above, by name
+    Exit codes: 0 gates passed, 1 a gate failed (or the run failed), 2 a malformed
+    command line or gate, or a gate on a metric this run does not produce.
+    """
+    from llmctl.cli.output import Output
+
+    out = Output(json_)
+    if candidate == "compare":
+        _compare(out, more or [], all_metrics)
+        return
+    if more:
+        from llmctl.errors import UsageError
+
+        raise UsageError(f"unexpected arguments: {' '.join(more)}",
+                         "pass one CANDIDATE (or 'compare A.json B.json')")
+    _evaluate(out, locals())  # every option above, by name
 
 
 def _build_config(args: dict):

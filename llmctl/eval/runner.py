@@ -14,6 +14,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -310,99 +311,140 @@ def run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
 
 
 def _run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
-    from llmctl.report import run_metadata
-
     ui = ui or _Quiet()
     if config.threads:
         import torch
 
         torch.set_num_threads(config.threads)
-    timings: dict[str, float] = {}
-    metrics: dict[str, Any] = {}
-    reference_metrics: dict[str, Any] = {}
-    counts: dict[str, int] = {}
-    ref_tasks_out: dict[str, Any] = {}  # per-item outcomes, for paired delta gates
-    per_window: list[dict] = []
-    store = ref_tokenizer = reference = None
-    data_info = windows_info = None
-
-    if config.reference and config.data:
-        start = time.perf_counter()
-        store, ref_tokenizer, reference = prepare_reference(config, ui)
-        timings["reference_s"] = round(time.perf_counter() - start, 2)
-        reference_metrics.update(perplexity_summary(-store.target_logprobs().astype(np.float64)))
-        data_info, windows_info = store.meta["data"], store.meta["windowing"]
-    if config.reference and config.tasks and config.reference_tasks and not is_store(config.reference):
-        if reference is None:
-            reference = reference_candidate(config)
-        start = time.perf_counter()
-        for result in _reference_tasks(reference, config, ui):
-            reference_metrics.update(result.metrics())
-            ref_tasks_out[result.name] = result.report_entry()
-        timings["reference_tasks_s"] = round(time.perf_counter() - start, 2)
-    if reference is not None:
-        reference.close()  # free its weights before the candidate loads
-    tokenizer = ref_tokenizer
-    if tokenizer is None and config.tokenizer:
-        from llmctl.models.loading import load_tokenizer
-        from llmctl.models.resolve import resolve_model
-
-        tokenizer = load_tokenizer(resolve_model(config.tokenizer).path)
-    candidate = open_candidate(config.candidate, CandidateOptions(
-        dtype=config.dtype, threads=config.threads, backend=config.backend,
-        server_model=config.server_model, tokenizer=tokenizer,
-        kv_cache_dtype=config.kv_cache_dtype))
+    run = _EvalRun(config, ui)
+    run.run_reference()
+    candidate = run.load_candidate()
     try:
+        run.score_windows(candidate)
+        run.candidate_tasks(candidate)
+        described = candidate.describe()
+    finally:
+        candidate.close()
+    return run.report(described)
+
+
+@dataclass
+class _EvalRun:
+    """One eval's phases in order (reference, candidate windows, candidate tasks) and what
+    they gather into the report."""
+
+    config: EvalConfig
+    ui: Any
+    timings: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    reference_metrics: dict[str, Any] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    tasks: dict[str, Any] = field(default_factory=dict)
+    reference_tasks: dict[str, Any] = field(default_factory=dict)  # per item: delta gates
+    per_window: list[dict] = field(default_factory=list)
+    store: ReferenceStore | None = None
+    ref_tokenizer: Any = None
+    data_info: dict[str, Any] | None = None
+    windows_info: dict[str, Any] | None = None
+
+    def run_reference(self) -> None:
+        """The reference's store of windows and its tasks; its weights are freed before
+        the candidate loads."""
+        config, ui = self.config, self.ui
+        reference = None
+        if config.reference and config.data:
+            start = time.perf_counter()
+            self.store, self.ref_tokenizer, reference = prepare_reference(config, ui)
+            self.timings["reference_s"] = round(time.perf_counter() - start, 2)
+            self.reference_metrics.update(
+                perplexity_summary(-self.store.target_logprobs().astype(np.float64)))
+            self.data_info, self.windows_info = (self.store.meta["data"],
+                                                 self.store.meta["windowing"])
+        if config.reference and config.tasks and config.reference_tasks \
+                and not is_store(config.reference):
+            if reference is None:
+                reference = reference_candidate(config)
+            start = time.perf_counter()
+            for result in _reference_tasks(reference, config, ui):
+                self.reference_metrics.update(result.metrics())
+                self.reference_tasks[result.name] = result.report_entry()
+            self.timings["reference_tasks_s"] = round(time.perf_counter() - start, 2)
+        if reference is not None:
+            reference.close()  # free its weights before the candidate loads
+
+    def load_candidate(self) -> Candidate:
+        """The candidate, with the reference's tokenizer (or ``--tokenizer``'s) for a
+        server that has none of its own."""
+        config = self.config
+        tokenizer = self.ref_tokenizer
+        if tokenizer is None and config.tokenizer:
+            from llmctl.models.loading import load_tokenizer
+            from llmctl.models.resolve import resolve_model
+
+            tokenizer = load_tokenizer(resolve_model(config.tokenizer).path)
+        return open_candidate(config.candidate, CandidateOptions(
+            dtype=config.dtype, threads=config.threads, backend=config.backend,
+            server_model=config.server_model, tokenizer=tokenizer,
+            kv_cache_dtype=config.kv_cache_dtype))
+
+    def score_windows(self, candidate: Candidate) -> None:
+        """The candidate's windows: against the reference's store when there is one, else
+        its perplexity alone."""
+        config, ui, store = self.config, self.ui, self.store
         start = time.perf_counter()
         if store is not None:
-            _check_same_vocabulary(candidate, store, ref_tokenizer)
+            _check_same_vocabulary(candidate, store, self.ref_tokenizer)
             ui.status(f"candidate: {len(store.plan.inputs)} windows against the reference")
             with ui.progress("candidate windows") as update:
-                stats, per_window = compare_windows(candidate, store, update)
-            metrics.update(perplexity_summary(stats.nll))
-            metrics.update(comparison_summary(stats))
-            counts["same_top_p"] = len(stats.nll)
+                stats, self.per_window = compare_windows(candidate, store, update)
+            self.metrics.update(perplexity_summary(stats.nll))
+            self.metrics.update(comparison_summary(stats))
+            self.counts["same_top_p"] = len(stats.nll)
         elif config.data:
-            plan, data_info = _plan(candidate.tokenizer, config)
+            plan, self.data_info = _plan(candidate.tokenizer, config)
             highest = max(max(w) for w in plan.inputs)
             if highest >= candidate.vocab_size:
                 raise ConfigError(f"the tokenizer produced id {highest}, beyond the model's "
                                   f"{candidate.vocab_size} output tokens",
                                   "the checkpoint's tokenizer does not belong to its model")
-            windows_info = _windows_info(plan, config.windowing)
+            self.windows_info = _windows_info(plan, config.windowing)
             with ui.progress("candidate windows") as update:
-                nll, per_window = perplexity_windows(candidate, plan, update)
-            metrics.update(perplexity_summary(nll))
-        timings["candidate_s"] = round(time.perf_counter() - start, 2)
-        tasks_out = {}
-        if config.tasks:
-            start = time.perf_counter()
-            for result in run_tasks(candidate, config, ui, "tasks"):
-                metrics.update(result.metrics())
-                counts.update(result.counts())
-                tasks_out[result.name] = result.report_entry()
-            timings["tasks_s"] = round(time.perf_counter() - start, 2)
-        described = candidate.describe()
-    finally:
-        candidate.close()
+                nll, self.per_window = perplexity_windows(candidate, plan, update)
+            self.metrics.update(perplexity_summary(nll))
+        self.timings["candidate_s"] = round(time.perf_counter() - start, 2)
 
-    reference_info = None
-    if store is not None:
-        reference_info = {**store.meta["model"], "store": str(store.path),
-                          "store_reused": store.reused,
-                          "top_k": store.top_k, "vocab_size": store.meta.get("vocab_size")}
-    elif config.reference:
-        reference_info = {"reference": config.reference}
-    metadata = run_metadata(
-        command="eval", candidate=described, reference=reference_info, data=data_info,
-        windows=windows_info, top_k=store.top_k if store is not None else None,
-        seed=config.seed, dtype=config.dtype, threads=config.threads,
-        tasks=expand_task_names(config.tasks), task_limit=config.task_limit,
-        definitions=DEFINITIONS)
-    return {"schema": REPORT_SCHEMA, "metadata": metadata, "metrics": metrics,
-            "reference_metrics": reference_metrics, "counts": counts, "tasks": tasks_out,
-            "reference_tasks": ref_tasks_out,
-            "per_window": per_window, "timings_s": timings}
+    def candidate_tasks(self, candidate: Candidate) -> None:
+        if not self.config.tasks:
+            return
+        start = time.perf_counter()
+        for result in run_tasks(candidate, self.config, self.ui, "tasks"):
+            self.metrics.update(result.metrics())
+            self.counts.update(result.counts())
+            self.tasks[result.name] = result.report_entry()
+        self.timings["tasks_s"] = round(time.perf_counter() - start, 2)
+
+    def report(self, described: dict[str, Any]) -> dict[str, Any]:
+        from llmctl.report import run_metadata
+
+        config, store = self.config, self.store
+        reference_info = None
+        if store is not None:
+            reference_info = {**store.meta["model"], "store": str(store.path),
+                              "store_reused": store.reused,
+                              "top_k": store.top_k, "vocab_size": store.meta.get("vocab_size")}
+        elif config.reference:
+            reference_info = {"reference": config.reference}
+        metadata = run_metadata(
+            command="eval", candidate=described, reference=reference_info,
+            data=self.data_info, windows=self.windows_info,
+            top_k=store.top_k if store is not None else None,
+            seed=config.seed, dtype=config.dtype, threads=config.threads,
+            tasks=expand_task_names(config.tasks), task_limit=config.task_limit,
+            definitions=DEFINITIONS)
+        return {"schema": REPORT_SCHEMA, "metadata": metadata, "metrics": self.metrics,
+                "reference_metrics": self.reference_metrics, "counts": self.counts,
+                "tasks": self.tasks, "reference_tasks": self.reference_tasks,
+                "per_window": self.per_window, "timings_s": self.timings}
 
 
 DEFINITIONS = {

@@ -54,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmctl.serve.core.block_manager import BlockManager
-from llmctl.serve.core.policy import FCFSPolicy, SchedulingPolicy
+from llmctl.serve.core.policy import FCFSPolicy, PrefillCap, SchedulingPolicy
 from llmctl.serve.core.sequence import Sequence, SequenceStatus
 
 # seconds: the aging lookahead's cap (a step is well under a second on the models served
@@ -105,6 +105,8 @@ class Scheduler:
         self._last_schedule: float | None = None  # clock() at the last schedule()
         self._aging_now = 0.0  # when this step's ranking is evaluated (module docstring)
         self._gaps: deque[float] = deque(maxlen=LOOKAHEAD_STEPS)  # recent steps' lengths
+        self._cap: PrefillCap | None = None  # this step's prefill cap, and its tokens left
+        self._capped = 0
 
     # --- queues ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -145,31 +147,48 @@ class Scheduler:
 
     # --- the policy ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._advance_clock()
+        out = SchedulerOutput()
+        if self.waiting and self.running:
+            self._make_room(out)
+        cap = self._cap = self.policy.prefill_cap(self.waiting, self.running, self._aging_now)
+        self._capped = cap.tokens if cap is not None else 0
+        made_room = len(out.preempted)
+        budget = self._schedule_running(out)
+        # a running sequence that found no blocks preempted one: admit nobody this step
+        if len(out.preempted) == made_room:
+            self._admit(out, budget)
+        self._charge(out)
+        return out
+
+    def _advance_clock(self) -> None:
+        """Record this scheduling point and set the time the step's ranking is evaluated
+        at: now plus the longest recent gap (module docstring)."""
         now = self.clock()
         gap = None if self._last_schedule is None else now - self._last_schedule
         if gap is not None and 0.0 < gap <= MAX_LOOKAHEAD:  # a longer gap was idling
             self._gaps.append(gap)
         self._last_schedule = now
         self._aging_now = now + max(self._gaps, default=0.0)
-        out = SchedulerOutput()
+
+    def _allowed(self, seq: Sequence, num_new: int) -> int:
+        """``num_new`` prompt tokens of ``seq`` cut to this step's prefill cap (0: not
+        this step); what it takes is charged to the cap."""
+        cap = self._cap
+        if cap is None or not cap.applies(seq):
+            return num_new
+        capped = self._capped
+        take = (min(num_new, capped) if self.enable_chunked_prefill
+                else (num_new if num_new <= capped else 0))
+        self._capped = capped - take
+        return take
+
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        """Step 1 and 2 (module docstring): the running sequences' tokens, preempting the
+        lowest-ranked when blocks run out; returns the token budget left."""
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         chunked = self.enable_chunked_prefill
-        if self.waiting and self.running:
-            self._make_room(out)
-        cap = self.policy.prefill_cap(self.waiting, self.running, self._aging_now)
-        capped = cap.tokens if cap is not None else 0
-
-        def allowed(seq: Sequence, num_new: int) -> int:
-            """``num_new`` prompt tokens of ``seq`` cut to the cap (0: not this step)."""
-            nonlocal capped
-            if cap is None or not cap.applies(seq):
-                return num_new
-            take = min(num_new, capped) if chunked else (num_new if num_new <= capped else 0)
-            capped -= take
-            return take
-
-        pressure = False  # a running sequence found no blocks: admit nobody this step
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -183,7 +202,7 @@ class Scheduler:
                 else:
                     i += 1
                     continue
-            if uncomputed > 1 and (uncomputed := allowed(seq, uncomputed)) == 0:
+            if uncomputed > 1 and (uncomputed := self._allowed(seq, uncomputed)) == 0:
                 i += 1  # a prompt chunk the cap holds back; the sequence keeps its blocks
                 continue
             if spec < len(seq.spec_token_ids):
@@ -193,7 +212,6 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
-                pressure = True
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.PREEMPTED:
@@ -202,11 +220,14 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new, spec))
             budget -= num_new
             i += 1
+        return budget
 
-        if pressure:
-            self._charge(out)
-            return out
-
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Step 3 (module docstring): waiting sequences in the policy's order while budget,
+        slots, blocks, the prefill cap and ``max_loras`` allow."""
+        bm = self.block_manager
+        chunked = self.enable_chunked_prefill
+        cap = self._cap
         slots = self.max_num_seqs - len(self.running) - sum(s.pending_fork for s in self.running)
         order = self._order() if self.waiting and budget > 0 else []
         capped_running = 0 if cap is None else sum(cap.applies(s) for s in self.running)
@@ -230,7 +251,7 @@ class Scheduler:
                 if not chunked:
                     break
                 num_new = budget
-            if (num_new := allowed(seq, num_new)) == 0:
+            if (num_new := self._allowed(seq, num_new)) == 0:
                 continue
             new_blocks = bm.blocks_needed(len(cached) * bm.block_size + num_new) - len(cached)
             if self.running and bm.num_free_blocks - new_blocks < self.watermark_blocks:
@@ -251,8 +272,6 @@ class Scheduler:
             out.copies.extend(copies)
             out.scheduled.append(ScheduledSeq(seq, num_new, 0))
             budget -= num_new
-        self._charge(out)
-        return out
 
     def _order(self) -> list[Sequence]:
         """The waiting sequences in the policy's order, a promised one first."""

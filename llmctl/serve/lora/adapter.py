@@ -183,13 +183,23 @@ def load_adapter(name: str, path: str | Path, spec: ProjectionShapes, *, max_ran
     """Read, check and lay out a PEFT adapter for a model of ``spec`` (module docstring);
     ``dtype`` None: float32."""
     import torch
-    from safetensors import safe_open
-
-    from llmctl.models.architectures import rope_permute
 
     dtype = dtype or torch.float32
-
     where = Path(path).expanduser()
+    config, weights = _locate(name, path, where, max_rank)
+    shapes = _shapes(spec)
+    parts = _read_parts(name, weights, shapes)
+    _check_parts(name, parts, shapes, spec, config.rank)
+    layers = [_fuse_layer(parts, i, shapes, spec, config, dtype, device)
+              for i in range(spec.num_layers)]
+    return LoRAAdapter(name=name, path=str(path), rank=config.rank, scaling=config.scaling,
+                       layers=layers)
+
+
+def _locate(name: str, path: str | Path, where: Path,
+            max_rank: int) -> tuple[AdapterConfig, Path]:
+    """The adapter's config and weights file, refused before any tensor is read when the
+    directory, the rank or the safetensors file is wrong."""
     if not where.is_dir():
         raise LoRAError(f"LoRA adapter {name!r}: {path} is not a directory",
                         "pass the directory PEFT's save_pretrained wrote")
@@ -202,7 +212,15 @@ def load_adapter(name: str, path: str | Path, spec: ProjectionShapes, *, max_ran
     if not weights.is_file():
         raise LoRAError(f"{where} has no {WEIGHTS_FILE}",
                         "re-save the adapter with save_pretrained(safe_serialization=True)")
-    shapes = _shapes(spec)
+    return config, weights
+
+
+def _read_parts(name: str, weights: Path, shapes: dict[str, tuple[int, int]]
+                ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """``(layer, HF projection) -> {"A": ..., "B": ...}`` as the file holds them; a tensor
+    for a module the engine cannot adapt is refused."""
+    from safetensors import safe_open
+
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(weights), framework="pt") as handle:
@@ -221,10 +239,18 @@ def load_adapter(name: str, path: str | Path, spec: ProjectionShapes, *, max_ran
     if not parts:
         raise LoRAError(f"LoRA adapter {name!r}: {weights} holds no LoRA tensors",
                         "re-save the adapter with PEFT")
+    return parts
+
+
+def _check_parts(name: str, parts: dict[tuple[int, str], dict[str, torch.Tensor]],
+                 shapes: dict[str, tuple[int, int]], spec: ProjectionShapes,
+                 rank: int) -> None:
+    """Every projection has both ``A`` and ``B`` of this model's shapes, in one of its layers:
+    an adapter trained on another base model is refused in one line."""
     for (layer, proj), ab in parts.items():
         out, inp = shapes[proj]
         a, b = ab.get("A"), ab.get("B")
-        expected = {"A": (config.rank, inp), "B": (out, config.rank)}
+        expected = {"A": (rank, inp), "B": (out, rank)}
         if layer >= spec.num_layers or a is None or b is None \
                 or tuple(a.shape) != expected["A"] or tuple(b.shape) != expected["B"]:
             raise LoRAError(
@@ -233,32 +259,40 @@ def load_adapter(name: str, path: str | Path, spec: ProjectionShapes, *, max_ran
                 f"{None if b is None else tuple(b.shape)}; expected {expected['A']}, "
                 f"{expected['B']} of {spec.num_layers} layers",
                 "serve the adapter with the base model it was trained on")
+
+
+def _fuse_layer(parts: dict[tuple[int, str], dict[str, torch.Tensor]], i: int,
+                shapes: dict[str, tuple[int, int]], spec: ProjectionShapes,
+                config: AdapterConfig, dtype: torch.dtype, device: torch.device | str
+                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer ``i`` in the engine's layout: per fused linear the stacked ``A`` and the
+    block-diagonal, scaled, RoPE-permuted ``B^T`` (module docstring)."""
+    import torch
+
+    from llmctl.models.architectures import rope_permute
+
     rotated = {"q_proj": spec.num_heads, "k_proj": spec.num_kv_heads}
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-    for i in range(spec.num_layers):
-        fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for target, projs in FUSED.items():
-            present = [p for p in projs if (i, p) in parts]
-            if not present:
-                continue
-            r = config.rank
-            a = torch.cat([parts[(i, p)]["A"].float() for p in present])
-            b = torch.zeros(sum(shapes[p][0] for p in projs), r * len(present))
-            row, col = 0, 0
-            for p in projs:
-                rows = shapes[p][0]
-                if p in present:
-                    part = parts[(i, p)]["B"].float() * config.scaling
-                    if p in rotated:
-                        part = rope_permute(part, rotated[p])
-                    b[row:row + rows, col:col + r] = part
-                    col += r
-                row += rows
-            fused[target] = (a.to(device=device, dtype=dtype).contiguous(),
-                             b.T.to(device=device, dtype=dtype).contiguous())
-        layers.append(fused)
-    return LoRAAdapter(name=name, path=str(path), rank=config.rank, scaling=config.scaling,
-                       layers=layers)
+    fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for target, projs in FUSED.items():
+        present = [p for p in projs if (i, p) in parts]
+        if not present:
+            continue
+        r = config.rank
+        a = torch.cat([parts[(i, p)]["A"].float() for p in present])
+        b = torch.zeros(sum(shapes[p][0] for p in projs), r * len(present))
+        row, col = 0, 0
+        for p in projs:
+            rows = shapes[p][0]
+            if p in present:
+                part = parts[(i, p)]["B"].float() * config.scaling
+                if p in rotated:
+                    part = rope_permute(part, rotated[p])
+                b[row:row + rows, col:col + r] = part
+                col += r
+            row += rows
+        fused[target] = (a.to(device=device, dtype=dtype).contiguous(),
+                         b.T.to(device=device, dtype=dtype).contiguous())
+    return fused
 
 
 class LoRARegistry:

@@ -117,6 +117,65 @@ def _by_adapter(items: list[ScheduledSeq]) -> list[ScheduledSeq]:
     return sorted(items, key=lambda i: getattr(_adapter(i), "lora_id", 0))
 
 
+class _StepInputs:
+    """One step's flat model inputs, built sequence by sequence in the order of its
+    attention groups: tokens, positions and cache slots, the hidden rows whose logits are
+    sampled and those that score prompt tokens, and each adapter's run of rows."""
+
+    __slots__ = ("adapters", "block_size", "groups", "logit_index", "lora_runs", "order",
+                 "positions", "prompt_index", "prompt_parts", "rows", "slots", "tokens",
+                 "with_prompt")
+
+    def __init__(self, block_size: int, *, with_prompt: bool, adapters: bool) -> None:
+        self.block_size = block_size
+        self.with_prompt = with_prompt
+        self.adapters = adapters  # some sequence runs with a LoRA adapter
+        # a group's sequences in row order: each adapter's together when adapters run
+        self.order = _by_adapter if adapters else list
+        self.tokens: list[int] = []
+        self.slots: list[int] = []
+        self.positions: list[int] = []
+        self.groups: list[AttnGroup] = []
+        self.rows: list[LogitRows] = []
+        self.logit_index: list[int] = []
+        self.prompt_index: list[int] = []
+        self.prompt_parts: list[tuple[ScheduledSeq, int, int]] = []  # (item, first token, rows)
+        self.lora_runs: list[tuple[object, int, int]] = []  # (adapter, first row, end row)
+
+    def add_all(self, items: list[ScheduledSeq]) -> int:
+        """Add a group's sequences; returns its first token's row."""
+        start = len(self.tokens)
+        for item in items:
+            self.add(item)
+        return start
+
+    def add(self, item: ScheduledSeq) -> None:
+        seq = item.seq
+        tokens = self.tokens
+        c, n, k = seq.num_computed_tokens, item.num_new_tokens, item.num_spec_tokens
+        if self.with_prompt and seq.request.needs_prompt_logits:
+            # positions c .. end - 1 score prompt tokens c + 1 .. end; the prompt's
+            # last position scores the first output token (a sampling row)
+            end = min(c + n - k, seq.num_prompt_tokens - 1)
+            if end > c:
+                base = len(tokens)
+                self.prompt_index.extend(range(base, base + end - c))
+                self.prompt_parts.append((item, c + 1, end - c))
+        first_row = len(tokens)
+        tokens.extend(seq.token_ids[c:c + n - k])
+        if k:
+            tokens.extend(seq.spec_token_ids[:k])
+        if self.adapters:
+            self.lora_runs.append((_adapter(item), first_row, len(tokens)))
+        self.positions.extend(range(c, c + n))
+        self.slots.extend(slot_ids(seq.block_table, c, c + n, self.block_size))
+        if c + n - k == seq.num_tokens:
+            logit_index = self.logit_index
+            self.rows.append(LogitRows(item, len(logit_index), 1 + k))
+            end = len(tokens)
+            logit_index.extend(range(end - 1 - k, end))
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
                  with_lora: bool = False, kv_scales: torch.Tensor | None = None) -> None:
@@ -158,99 +217,70 @@ class ModelRunner:
     def execute_with_prompt(self, scheduled: list[ScheduledSeq], with_prompt: bool = True
                             ) -> tuple[torch.Tensor, list[LogitRows], list[PromptLogits]]:
         """:meth:`execute` plus the prompt rows of requests that want prompt log-probs."""
-        bs = self.block_size
         fresh: dict[int, list[ScheduledSeq]] = {}
         by_len: dict[int, list[ScheduledSeq]] = {}
         for s in scheduled:
             (by_len if s.seq.num_computed_tokens else fresh).setdefault(
                 s.num_new_tokens, []).append(s)
-
-        tokens: list[int] = []
-        slots: list[int] = []
-        positions: list[int] = []
-        groups: list[AttnGroup] = []
-        rows: list[LogitRows] = []
-        logit_index: list[int] = []
-        prompt_index: list[int] = []
-        prompt_parts: list[tuple[ScheduledSeq, int, int]] = []  # (item, first token, rows)
-        lora_runs: list[tuple[object, int, int]] = []  # (adapter, first row, end row)
         adapters = self.with_lora and any(_adapter(s) is not None for s in scheduled)
-        order = _by_adapter if adapters else list
-
-        def add(item: ScheduledSeq) -> None:
-            seq = item.seq
-            c, n, k = seq.num_computed_tokens, item.num_new_tokens, item.num_spec_tokens
-            if with_prompt and seq.request.needs_prompt_logits:
-                # positions c .. end - 1 score prompt tokens c + 1 .. end; the prompt's
-                # last position scores the first output token (a sampling row)
-                end = min(c + n - k, seq.num_prompt_tokens - 1)
-                if end > c:
-                    base = len(tokens)
-                    prompt_index.extend(range(base, base + end - c))
-                    prompt_parts.append((item, c + 1, end - c))
-            first_row = len(tokens)
-            tokens.extend(seq.token_ids[c:c + n - k])
-            if k:
-                tokens.extend(seq.spec_token_ids[:k])
-            if adapters:
-                lora_runs.append((_adapter(item), first_row, len(tokens)))
-            positions.extend(range(c, c + n))
-            slots.extend(slot_ids(seq.block_table, c, c + n, bs))
-            if c + n - k == seq.num_tokens:
-                rows.append(LogitRows(item, len(logit_index), 1 + k))
-                end = len(tokens)
-                logit_index.extend(range(end - 1 - k, end))
-
+        step = _StepInputs(self.block_size, with_prompt=with_prompt, adapters=adapters)
         for q_len, items in fresh.items():
-            items = order(items)
-            start = len(tokens)
-            for item in items:
-                add(item)
-            groups.append(AttnGroup(start=start, end=len(tokens), num_seqs=len(items),
-                                    q_len=q_len, fresh=True))
+            items = step.order(items)
+            start = step.add_all(items)
+            step.groups.append(AttnGroup(start=start, end=len(step.tokens),
+                                         num_seqs=len(items), q_len=q_len, fresh=True))
         for q_len, items in sorted(by_len.items()):
-            items = order(items)
-            if self.kernel is not None and q_len <= KERNEL_MAX_Q_LEN:
-                # no padding to bucket against: one group however the contexts spread
-                start = len(tokens)
-                for item in items:
-                    add(item)
-                groups.append(build_kernel_group(
-                    start, q_len, [i.seq.num_computed_tokens + q_len for i in items],
-                    [i.seq.block_table for i in items], device=self.device))
-                continue
-            for bucket in context_buckets(items):
-                bucket = order(bucket)
-                start = len(tokens)
-                for item in bucket:
-                    add(item)
-                first_block = 0
-                if self.kv_window is not None:  # the earliest key any query of it reads
-                    first_block = max(0, min(i.seq.num_computed_tokens for i in bucket)
-                                      - self.kv_window + 1) // bs
-                groups.append(build_paged_group(
-                    start, q_len, [i.seq.num_computed_tokens + q_len for i in bucket],
-                    [i.seq.block_table for i in bucket], block_size=bs,
-                    num_blocks=self.kv_cache.shape[2], group_heads=self.group_heads,
-                    device=self.device, dtype=self.attn_dtype, windows=self.windows,
-                    first_block=first_block))
+            self._add_paged(step, q_len, step.order(items))
+        hidden = self._forward(step)
+        prompt = self._prompt_logits(step, hidden)
+        if not step.logit_index:
+            return torch.empty((0, self.model.spec.vocab_size)), step.rows, prompt
+        selected = hidden[torch.tensor(step.logit_index, dtype=torch.long, device=self.device)]
+        return self.model.logits(selected), step.rows, prompt
 
+    def _add_paged(self, step: _StepInputs, q_len: int, items: list[ScheduledSeq]) -> None:
+        """Sequences with cached context and ``q_len`` new tokens each: one native-kernel
+        group when the queries are short, else gather + SDPA groups by context bucket."""
+        if self.kernel is not None and q_len <= KERNEL_MAX_Q_LEN:
+            # no padding to bucket against: one group however the contexts spread
+            start = step.add_all(items)
+            step.groups.append(build_kernel_group(
+                start, q_len, [i.seq.num_computed_tokens + q_len for i in items],
+                [i.seq.block_table for i in items], device=self.device))
+            return
+        bs = self.block_size
+        for bucket in context_buckets(items):
+            bucket = step.order(bucket)
+            start = step.add_all(bucket)
+            first_block = 0
+            if self.kv_window is not None:  # the earliest key any query of it reads
+                first_block = max(0, min(i.seq.num_computed_tokens for i in bucket)
+                                  - self.kv_window + 1) // bs
+            step.groups.append(build_paged_group(
+                start, q_len, [i.seq.num_computed_tokens + q_len for i in bucket],
+                [i.seq.block_table for i in bucket], block_size=bs,
+                num_blocks=self.kv_cache.shape[2], group_heads=self.group_heads,
+                device=self.device, dtype=self.attn_dtype, windows=self.windows,
+                first_block=first_block))
+
+    def _forward(self, step: _StepInputs) -> torch.Tensor:
+        """The model's last hidden states for every token of the step."""
         dev = self.device
-        meta = AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                            groups=groups, kernel=self.kernel, prefill=self.prefill)
-        lora = LoRABatch.from_runs(lora_runs, dev) if adapters else None
-        hidden = self.model.forward(torch.tensor(tokens, dtype=torch.long, device=dev),
-                                    torch.tensor(positions, dtype=torch.long, device=dev),
-                                    meta, self.kv_cache, kv_scales=self.kv_scales, lora=lora)
+        meta = AttnMetadata(slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
+                            groups=step.groups, kernel=self.kernel, prefill=self.prefill)
+        lora = LoRABatch.from_runs(step.lora_runs, dev) if step.adapters else None
+        return self.model.forward(torch.tensor(step.tokens, dtype=torch.long, device=dev),
+                                  torch.tensor(step.positions, dtype=torch.long, device=dev),
+                                  meta, self.kv_cache, kv_scales=self.kv_scales, lora=lora)
+
+    def _prompt_logits(self, step: _StepInputs, hidden: torch.Tensor) -> list[PromptLogits]:
+        """The logits of the prompt rows, one slice per request that asked (one head call)."""
         prompt: list[PromptLogits] = []
-        if prompt_index:
+        if step.prompt_index:
             all_rows = self.model.logits(
-                hidden[torch.tensor(prompt_index, dtype=torch.long, device=dev)])
+                hidden[torch.tensor(step.prompt_index, dtype=torch.long, device=self.device)])
             offset = 0
-            for item, first, count in prompt_parts:
+            for item, first, count in step.prompt_parts:
                 prompt.append(PromptLogits(item, first, all_rows[offset:offset + count]))
                 offset += count
-        if not logit_index:
-            return torch.empty((0, self.model.spec.vocab_size)), rows, prompt
-        selected = hidden[torch.tensor(logit_index, dtype=torch.long, device=dev)]
-        return self.model.logits(selected), rows, prompt
+        return prompt

@@ -10,7 +10,9 @@ any reader with ``name in reader``, ``reader(name)`` and ``reader.layer_weight(n
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -98,26 +100,50 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
     :class:`llmctl.serve.engine.config.EngineConfig` (:func:`bf16_gemm_plan`).
     """
     spec = spec or ModelSpec.from_dir(path)
-    gemm = bf16_gemm_plan(bf16_gemm, spec, dtype, device)
     read = reader if reader is not None else CheckpointReader(path, spec.quantization_config)
+    build = _ModelBuilder(read, spec, dtype=dtype, device=device, backend=backend,
+                          gemm=bf16_gemm_plan(bf16_gemm, spec, dtype, device))
+    layers = [build.layer(i) for i in range(spec.num_layers)]
+    embed, head = build.embed_and_head(lm_head)
+    return LlamaModel(spec, embed=embed, layers=layers, norm=build.tensor("model.norm.weight"),
+                      lm_head=head, dtype=dtype, device=device, max_len=max_len)
 
-    def tensor(name: str) -> torch.Tensor:
-        return read(name).to(device=device, dtype=dtype)
 
-    def optional(name: str) -> torch.Tensor | None:
-        return read(name) if name in read else None
+@dataclass
+class _ModelBuilder:
+    """The engine's modules from a reader's tensors: one decoder layer at a time, then the
+    embedding and the output head, on ``device`` in ``dtype``."""
 
-    def linear(weight, bias):
-        return make_linear(weight, bias, dtype=dtype, device=device, backend=backend,
-                           gemm=gemm)
+    read: Any  # a CheckpointReader, or any reader of its interface (module docstring)
+    spec: ModelSpec
+    dtype: torch.dtype
+    device: torch.device
+    backend: str
+    gemm: str  # the bf16 dense layers' form (bf16_gemm_plan)
+    # the projections whose rows take the engine's RoPE layout, and their heads
+    rotated: dict[str, int] = field(init=False)
 
-    rotated = {"q_proj": spec.num_heads, "k_proj": spec.num_kv_heads}
+    def __post_init__(self) -> None:
+        self.rotated = {"q_proj": self.spec.num_heads, "k_proj": self.spec.num_kv_heads}
 
-    def fused(names: list[str], with_bias: bool):
-        weights = [read.layer_weight(n) for n in names]
-        biases = [optional(f"{n}.bias") for n in names] if with_bias else [None] * len(names)
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.read(name).to(device=self.device, dtype=self.dtype)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.read(name) if name in self.read else None
+
+    def linear(self, weight, bias):
+        return make_linear(weight, bias, dtype=self.dtype, device=self.device,
+                           backend=self.backend, gemm=self.gemm)
+
+    def fused(self, names: list[str], with_bias: bool):
+        """One linear for the projections ``names`` (q/k rows in the RoPE layout), joined
+        when their formats allow, else a :class:`ConcatLinear` of one each."""
+        weights = [self.read.layer_weight(n) for n in names]
+        biases = ([self.optional(f"{n}.bias") for n in names] if with_bias
+                  else [None] * len(names))
         for i, name in enumerate(names):
-            heads = rotated.get(name.rsplit(".", 1)[-1])
+            heads = self.rotated.get(name.rsplit(".", 1)[-1])
             if heads:
                 weights[i] = _interleave(weights[i], heads)
                 if biases[i] is not None:
@@ -129,51 +155,56 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
                       else AffineCodes.cat(weights) if AffineCodes in kinds
                       else concat_quant(weights))
             if joined is not None:
-                return linear(joined, bias)
-        return ConcatLinear([linear(w, b) for w, b in zip(weights, biases)])
+                return self.linear(joined, bias)
+        return ConcatLinear([self.linear(w, b) for w, b in zip(weights, biases)])
 
-    def qk_norm(attn: str) -> torch.Tensor:
+    def qk_norm(self, attn: str) -> torch.Tensor:
         """qwen3's per-head q and k RMSNorm weights as one ``[heads + kv_heads, d]`` table."""
-        q = interleave_rows(read(f"{attn}.q_norm.weight"), 1)
-        k = interleave_rows(read(f"{attn}.k_norm.weight"), 1)
-        table = torch.cat([q.expand(spec.num_heads, -1), k.expand(spec.num_kv_heads, -1)])
-        return table.to(device=device, dtype=dtype).contiguous()
+        q = interleave_rows(self.read(f"{attn}.q_norm.weight"), 1)
+        k = interleave_rows(self.read(f"{attn}.k_norm.weight"), 1)
+        table = torch.cat([q.expand(self.spec.num_heads, -1),
+                           k.expand(self.spec.num_kv_heads, -1)])
+        return table.to(device=self.device, dtype=self.dtype).contiguous()
 
-    layers = []
-    for i in range(spec.num_layers):
+    def layer(self, i: int) -> Layer:
+        spec, fused = self.spec, self.fused
         p = f"model.layers.{i}"
         attn, mlp = f"{p}.self_attn", f"{p}.mlp"
-        layers.append(Layer(
-            input_norm=tensor(f"{p}.input_layernorm.weight"),
+        return Layer(
+            input_norm=self.tensor(f"{p}.input_layernorm.weight"),
             qkv=fused([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], spec.qkv_bias),
-            qk_norm=qk_norm(attn) if spec.qk_norm else None,
+            qk_norm=self.qk_norm(attn) if spec.qk_norm else None,
             o=fused([f"{attn}.o_proj"], spec.o_bias),
-            post_norm=tensor(f"{p}.post_attention_layernorm.weight"),
+            post_norm=self.tensor(f"{p}.post_attention_layernorm.weight"),
             gate_up=fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"], spec.mlp_bias),
             down=fused([f"{mlp}.down_proj"], spec.mlp_bias),
-        ))
-    tied = spec.tie_word_embeddings or ("lm_head.weight" not in read
-                                        and "lm_head.weight_packed" not in read)
-    head_source = "model.embed_tokens" if tied else "lm_head"
-    head_weight = read.layer_weight(head_source)
-    if tied and isinstance(head_weight, AffineCodes):
-        embed = head_weight.dequantize(dtype).to(device)
-    elif tied and isinstance(head_weight, torch.Tensor):
-        embed = head_weight.to(device=device, dtype=dtype)  # the same table: read once
-    else:
-        embed = tensor("model.embed_tokens.weight")
-    already_int8 = isinstance(head_weight, AffineCodes) and head_weight.bits == 8
-    if lm_head == "int8" and device.type == "cpu" and not already_int8:
-        if isinstance(head_weight, AffineCodes):
-            head_weight = head_weight.dequantize()
-        if isinstance(head_weight, torch.Tensor):
-            head_weight = quantize_int8(head_weight, 32)
-    head = _head_linear(head_weight, device)
-    if head is None:
-        # tied: a packed layout is a copy (the embedding lookup needs the plain table)
-        head = dense_linear(embed, None, gemm=gemm) if tied else linear(head_weight, None)
-    return LlamaModel(spec, embed=embed, layers=layers, norm=tensor("model.norm.weight"),
-                      lm_head=head, dtype=dtype, device=device, max_len=max_len)
+        )
+
+    def embed_and_head(self, lm_head: str):
+        """The embedding table and the output projection; a tied head's table is read once
+        (``lm_head``: see :func:`load_model`)."""
+        read, device, dtype = self.read, self.device, self.dtype
+        tied = self.spec.tie_word_embeddings or ("lm_head.weight" not in read
+                                                 and "lm_head.weight_packed" not in read)
+        head_weight = read.layer_weight("model.embed_tokens" if tied else "lm_head")
+        if tied and isinstance(head_weight, AffineCodes):
+            embed = head_weight.dequantize(dtype).to(device)
+        elif tied and isinstance(head_weight, torch.Tensor):
+            embed = head_weight.to(device=device, dtype=dtype)  # the same table: read once
+        else:
+            embed = self.tensor("model.embed_tokens.weight")
+        already_int8 = isinstance(head_weight, AffineCodes) and head_weight.bits == 8
+        if lm_head == "int8" and device.type == "cpu" and not already_int8:
+            if isinstance(head_weight, AffineCodes):
+                head_weight = head_weight.dequantize()
+            if isinstance(head_weight, torch.Tensor):
+                head_weight = quantize_int8(head_weight, 32)
+        head = _head_linear(head_weight, device)
+        if head is None:
+            # tied: a packed layout is a copy (the embedding lookup needs the plain table)
+            head = (dense_linear(embed, None, gemm=self.gemm) if tied
+                    else self.linear(head_weight, None))
+        return embed, head
 
 
 def dense_parameters(spec: ModelSpec) -> int:

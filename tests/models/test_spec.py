@@ -89,6 +89,31 @@ def test_fields_match_transformers(model_type, tie):
         assert arch.layer_windows == hf_windows(config, arch.family.windows)
 
 
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_mlp_activation_and_norm_offset_match_transformers(model_type):
+    # the activation transformers' MLP looks up (Gemma 2/3 by hidden_activation), as
+    # saved, stated, or left to the class default; the (1 + w) norms of Gemma
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from llmctl.models.layers import ACTIVATIONS
+
+    config = hf_config(model_type)
+    key = FAMILIES[model_type].act_key
+    arch = ModelArch.from_config(as_saved(config))
+    assert arch.hidden_act == getattr(config, key) and arch.hidden_act in ACTIVATIONS
+    # (a stated value other than the default; Gemma's config reads a legacy "gelu" as
+    # gelu_pytorch_tanh, which its row would need an alias for)
+    other = "silu" if arch.hidden_act != "silu" else "gelu"
+    stated = ModelArch.from_config(as_saved(hf_config(model_type, **{key: other})))
+    assert stated.hidden_act == getattr(hf_config(model_type, **{key: other}), key) == other
+    module = inspect.getmodule(getattr(__import__("transformers"),
+                                       MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]))
+    norm = next(v for k, v in vars(module).items() if k.endswith("RMSNorm"))
+    assert ("1.0 + self.weight" in inspect.getsource(norm)) == bool(arch.family.norm_offset)
+
+
 def test_family_defaults_fill_what_a_diffed_config_leaves_out():
     # Gemma's class defaults: head_dim 256 (not hidden / heads) and tied embeddings
     saved = as_saved(hf_config("gemma", tie_word_embeddings=True))

@@ -36,3 +36,38 @@ def test_block_by_block_forward_matches_transformers(tiny_llama):
     with torch.no_grad():
         expected = model(ids).logits
     assert torch.allclose(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_rotary_tables_from_any_config_form(tiny_llama):
+    # transformers' config object (what the pipeline passes), config.json, or ModelArch
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from llmctl.models.spec import ModelArch
+
+    ckpt = Checkpoint(tiny_llama)
+    hf = AutoConfig.from_pretrained(tiny_llama)
+    want = LlamaRotaryEmbedding(config=hf)(torch.empty(1, dtype=torch.bfloat16),
+                                           torch.arange(16)[None])
+    for config in (hf, ckpt.text_config, ModelArch.from_config(ckpt.text_config)):
+        cos, sin = block.rotary_tables(config, 16, torch.bfloat16)
+        assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+
+
+def test_the_shape_carries_the_family_norm_and_activation(tiny_llama):
+    from llmctl.models.layers import RMSNorm
+
+    shape = block.BlockShape.from_config(Checkpoint(tiny_llama).text_config)
+    assert shape.norm == RMSNorm(shape.eps) and shape.hidden_act == "silu"
+    h = torch.randn(2, 3, 8)
+    w = {"mlp.gate_proj.weight": torch.randn(6, 8), "mlp.up_proj.weight": torch.randn(6, 8)}
+    linear = block.float_linear(w)
+    gate, up = linear("mlp.gate_proj", h), linear("mlp.up_proj", h)
+    assert torch.equal(block.mlp_act(h, linear), torch.nn.functional.silu(gate) * up)
+    geglu = block.BlockShape(**{**shape.__dict__, "hidden_act": "gelu_pytorch_tanh"})
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    assert torch.equal(block.mlp_act(h, linear, geglu), want)
+    gemma = block.BlockShape(**{**shape.__dict__, "norm_offset": 1.0})
+    x, nw = torch.randn(2, 3, shape.hidden), torch.randn(shape.hidden)
+    assert torch.equal(block.attn_input(x, {"input_layernorm": nw}, gemma),
+                       block.rms_norm(x, nw, shape.eps, 1.0))

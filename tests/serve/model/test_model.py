@@ -71,3 +71,26 @@ def test_bfloat16_weights_and_cache_stay_close(tiny_llama):
     # third of the positions, so how many of them flip depends on the CPU's rounding.
     _compare(tiny_llama, atol=0.3, dtype="bfloat16")
     _compare(tiny_llama, atol=0.25, kv_cache_dtype="bfloat16")
+
+
+def test_the_torch_path_is_the_shared_building_blocks():
+    # the engine's plain-torch norm and activation are llmctl.models.layers' functions
+    # themselves (no wrapper call per op); its native kernels stay its own fast path
+    from llmctl.models.layers import add_rms_norm
+    from llmctl.serve.model.decoder import TorchNormAct
+
+    assert TorchNormAct.add_rms_norm is add_rms_norm
+    gate_up = torch.randn(3, 16)
+    assert torch.equal(TorchNormAct.silu_mul(gate_up),
+                       torch.nn.functional.silu(gate_up[:, :8]) * gate_up[:, 8:])
+
+
+def test_an_activation_other_than_silu_is_refused():
+    from llmctl.errors import UnsupportedArchitectureError
+    from llmctl.serve.model.decoder import ModelSpec
+
+    config = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16,
+              "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert ModelSpec.from_config(config).hidden_act == "silu"
+    with pytest.raises(UnsupportedArchitectureError, match="gelu"):
+        ModelSpec.from_config(config | {"hidden_act": "gelu"})

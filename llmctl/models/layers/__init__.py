@@ -10,6 +10,7 @@ quantizer's block forward (:mod:`llmctl.quant.block`) and the static decoder
 - :mod:`.attention`: q/k norm, grouped-query expansion, masks, score scale and
   soft-capping.
 - :mod:`.mlp`: the gated MLP's activation by name (SwiGLU, GeGLU).
+- :mod:`.registry`: the lookup by name that refuses an unknown variant with the known ones.
 
 A family that computes something new adds a function or an entry here and a field in
 its row of :data:`llmctl.models.spec.FAMILIES`; the forwards read both. Plain torch

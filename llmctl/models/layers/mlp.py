@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from llmctl.errors import UnsupportedArchitectureError
+from llmctl.models.layers.registry import lookup
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -28,12 +28,7 @@ ACTIVATIONS: dict[str, Activation] = {
 
 def activation(name: str) -> Activation:
     """The activation named ``name``; an unknown name raises with the known ones."""
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise UnsupportedArchitectureError(
-            f"MLP activation {name!r} is not supported",
-            f"llmctl implements: {', '.join(ACTIVATIONS)}") from None
+    return lookup(ACTIVATIONS, name, "MLP activation")
 
 
 def gated(act: Activation, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmctl.errors import UnsupportedArchitectureError
+from llmctl.models.layers.registry import lookup
 from llmctl.models.spec import ModelArch
 
 
@@ -114,14 +114,7 @@ def rotary_dim(head_dim: int, partial_rotary_factor: float = 1.0) -> int:
 def inv_freq(params: dict, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
     """``(inv_freq [dim/2], attention_factor)`` of ``params`` (see :func:`rope_settings
     <llmctl.models.spec.rope_settings>`) over ``dim`` rotated dimensions."""
-    kind = params["rope_type"]
-    try:
-        fn = ROPE_TYPES[kind]
-    except KeyError:
-        raise UnsupportedArchitectureError(
-            f"RoPE type {kind!r} is not supported",
-            f"llmctl implements: {', '.join(ROPE_TYPES)}") from None
-    return fn(params, dim, max_pos)
+    return lookup(ROPE_TYPES, params["rope_type"], "RoPE type")(params, dim, max_pos)
 
 
 def _angles(params: dict, dim: int, max_pos: int, max_len: int, device=None

@@ -118,7 +118,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.target = target = target or CheckpointTarget(config)
+        self.target = target = CheckpointTarget(config) if target is None else target
         self.device = target.device
         self.tokenizer = target.tokenizer
         self.max_model_len = target.max_model_len

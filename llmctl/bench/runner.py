@@ -184,91 +184,130 @@ async def run(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
                           max_keepalive_connections=plan.max_concurrency)
     timeout = httpx.Timeout(plan.request_timeout, connect=10.0)
     sem = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
-    total = None if plan.duration else len(plan.samples)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        warmup = asyncio.ensure_future(_warmup(client, plan, backend, settings, sem))
-        halted = asyncio.ensure_future(halt.event.wait())
-        await asyncio.wait({warmup, halted}, return_when=asyncio.FIRST_COMPLETED)
-        halted.cancel()
-        if not warmup.done():  # Ctrl-C during the warm-up: nothing was measured yet
-            warmup.cancel()
-            await asyncio.gather(warmup, return_exceptions=True)
-        warmup_failed = warmup.result() if not warmup.cancelled() else plan.warmup
+        warmup_failed = await _warm_up(client, plan, backend, settings, sem, halt)
         before = await server_metrics.scrape(client, settings.base_url)  # after the warm-up
-        records: list[RequestRecord] = []
-        refusals = 0
-        in_flight = 0
-        origin = time.perf_counter()
-
-        def watch(event: Callable[[float], None]) -> None:
-            if watcher is None:
-                return
-            now = time.perf_counter() - origin
-            event(now)
-            if (reason := watcher.stop_reason(now)) is not None:
-                halt.stop(reason)
-
-        async def one(index: int, sample: SampleRequest, offset: float) -> RequestRecord:
-            nonlocal refusals, in_flight
-            try:
-                record = await send_request(client, backend, settings, sample, index, origin)
-            finally:
-                in_flight -= 1
-                if sem is not None:
-                    sem.release()
-            watch(lambda now, n=in_flight: watcher.finished(now, record, n))
-            record.scheduled = offset
-            refusals = refusals + 1 if record.error_kind == "connect" else 0
-            if refusals >= DOWN_AFTER_REFUSALS:
-                halt.down(f"{refusals} connections refused in a row ({record.error})")
-            elif alive is not None and not alive():
-                halt.down("the server process exited")
-            records.append(record)
-            if progress:
-                progress(len(records), total or len(records))
-            return record
-
+        sender = _Sender(client, plan, backend, settings, sem, halt, alive=alive,
+                         progress=progress, watcher=watcher)
         sampler = None
         if before is not None and plan.metrics_interval:
             sampler = asyncio.ensure_future(_sample_metrics(
-                client, settings.base_url, plan.metrics_interval,
-                lambda values: watch(lambda now: watcher.scraped(now, values))))
+                client, settings.base_url, plan.metrics_interval, sender.scraped))
+        await sender.send_all()
+        duration = time.perf_counter() - sender.origin
+        samples = []
+        if sampler is not None:
+            sampler.cancel()
+            samples = await sampler
+        after = await server_metrics.scrape(client, settings.base_url) if before else None
+    records = sender.records
+    not_sent = _record_unsent(records, sender.launched, sender.pending, plan, halt)
+    records.sort(key=lambda r: r.index)
+    return RunResult(records, duration, halt.interrupted, halt.target_down, not_sent,
+                     warmup_failed, before, after, samples, halt.stopped)
+
+
+async def _warm_up(client, plan: RunPlan, backend: Backend, settings: RequestSettings,
+                   sem: asyncio.Semaphore | None, halt: Halt) -> int:
+    """:func:`_warmup` until Ctrl-C: the failed warm-up requests (all of them when it
+    was interrupted; nothing was measured yet)."""
+    warmup = asyncio.ensure_future(_warmup(client, plan, backend, settings, sem))
+    halted = asyncio.ensure_future(halt.event.wait())
+    await asyncio.wait({warmup, halted}, return_when=asyncio.FIRST_COMPLETED)
+    halted.cancel()
+    if not warmup.done():  # Ctrl-C during the warm-up: nothing was measured yet
+        warmup.cancel()
+        await asyncio.gather(warmup, return_exceptions=True)
+    return warmup.result() if not warmup.cancelled() else plan.warmup
+
+
+class _Sender:
+    """The measured part of a run: sends the schedule's requests on time under the
+    concurrency cap, records each, tells the watcher, and stops when the halt says."""
+
+    def __init__(self, client, plan: RunPlan, backend: Backend, settings: RequestSettings,
+                 sem: asyncio.Semaphore | None, halt: Halt, *,
+                 alive: Callable[[], bool] | None, progress: Callable[[int, int], None] | None,
+                 watcher: Watcher | None) -> None:
+        self.client, self.plan, self.backend, self.settings = client, plan, backend, settings
+        self.sem, self.halt, self.alive = sem, halt, alive
+        self.progress, self.watcher = progress, watcher
+        self.total = None if plan.duration else len(plan.samples)
+        self.records: list[RequestRecord] = []
+        self.refusals = 0  # connections refused in a row
+        self.in_flight = 0
+        self.launched: list[tuple[int, SampleRequest]] = []
+        self.pending: list[tuple[int, SampleRequest]] = []  # never sent
+        self.origin = time.perf_counter()  # the schedule's time 0
+
+    def watch(self, event: Callable[[float], None]) -> None:
+        if self.watcher is None:
+            return
+        now = time.perf_counter() - self.origin
+        event(now)
+        if (reason := self.watcher.stop_reason(now)) is not None:
+            self.halt.stop(reason)
+
+    def scraped(self, values: dict) -> None:
+        self.watch(lambda now: self.watcher.scraped(now, values))
+
+    async def send_all(self) -> None:
+        """Every request of the schedule, each at its offset; returns when all sent have
+        finished (or, on Ctrl-C, been cancelled)."""
+        plan, halt, sem, origin = self.plan, self.halt, self.sem, self.origin
         tasks: list[asyncio.Task] = []
-        launched: list[tuple[int, SampleRequest]] = []
-        pending: list[tuple[int, SampleRequest]] = []
         for index, sample, offset in schedule(plan):
             if plan.duration is not None and offset > plan.duration:
                 break
             if halt.event.is_set():
                 if plan.duration is not None or halt.cancels:
                     break
-                pending.append((index, sample))  # the target is down: record, don't send
+                self.pending.append((index, sample))  # the target is down: record, don't send
                 continue
             await _wait(halt, origin + offset - time.perf_counter())
-            if alive is not None and not alive():
+            if self.alive is not None and not self.alive():
                 halt.down("the server process exited")
             if not await _acquire(sem, halt):
-                pending.append((index, sample))
+                self.pending.append((index, sample))
                 continue
             if plan.duration is not None and time.perf_counter() - origin > plan.duration:
                 if sem is not None:
                     sem.release()
                 break
-            launched.append((index, sample))
-            in_flight += 1
-            tasks.append(asyncio.ensure_future(one(index, sample, offset)))
-            watch(lambda now, n=in_flight: watcher.sent(now, n))
+            self.launched.append((index, sample))
+            self.in_flight += 1
+            tasks.append(asyncio.ensure_future(self.one(index, sample, offset)))
+            self.watch(lambda now, n=self.in_flight: self.watcher.sent(now, n))
         if halt.cancels:
             for task in tasks:
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        duration = time.perf_counter() - origin
-        samples = []
-        if sampler is not None:
-            sampler.cancel()
-            samples = await sampler
-        after = await server_metrics.scrape(client, settings.base_url) if before else None
 
+    async def one(self, index: int, sample: SampleRequest, offset: float) -> RequestRecord:
+        try:
+            record = await send_request(self.client, self.backend, self.settings, sample,
+                                        index, self.origin)
+        finally:
+            self.in_flight -= 1
+            if self.sem is not None:
+                self.sem.release()
+        self.watch(lambda now, n=self.in_flight: self.watcher.finished(now, record, n))
+        record.scheduled = offset
+        self.refusals = self.refusals + 1 if record.error_kind == "connect" else 0
+        if self.refusals >= DOWN_AFTER_REFUSALS:
+            self.halt.down(f"{self.refusals} connections refused in a row ({record.error})")
+        elif self.alive is not None and not self.alive():
+            self.halt.down("the server process exited")
+        self.records.append(record)
+        if self.progress:
+            self.progress(len(self.records), self.total or len(self.records))
+        return record
+
+
+def _record_unsent(records: list[RequestRecord], launched: list[tuple[int, SampleRequest]],
+                   pending: list[tuple[int, SampleRequest]], plan: RunPlan, halt: Halt) -> int:
+    """Failed records for the requests cancelled before they ran and, when the target
+    went down, for those never sent; returns how many were never sent."""
     seen = {r.index for r in records}
     for index, sample in launched:  # cancelled before its coroutine ever ran
         if index not in seen:
@@ -286,9 +325,7 @@ async def run(plan: RunPlan, backend: Backend, settings: RequestSettings, *,
                 error=f"not sent: the target went down ({halt.target_down})",
                 error_kind="not_sent"))
             not_sent += 1
-    records.sort(key=lambda r: r.index)
-    return RunResult(records, duration, halt.interrupted, halt.target_down, not_sent,
-                     warmup_failed, before, after, samples, halt.stopped)
+    return not_sent
 
 
 async def _warmup(client, plan: RunPlan, backend: Backend, settings: RequestSettings,

@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.models.layers import (
+    RMSNorm,
     activation,
     attend,
-    fused_rms_norm,
     gated,
+    qk_norm,
     repeat_kv,
     rope_cos_sin,
 )
@@ -49,7 +50,7 @@ class StaticDecoder(nn.Module):
         self.num_layers = spec.num_layers
         self.nh, self.nkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.hidden = spec.hidden_size
-        self.eps = spec.rms_norm_eps
+        self.rms = RMSNorm(spec.rms_norm_eps)  # torch's fused op: one node in the graph
         self.scale = spec.head_dim ** -0.5
         self.qk_norm = spec.qk_norm
         self.act = activation(spec.hidden_act)
@@ -102,13 +103,13 @@ class StaticDecoder(nn.Module):
         x = F.embedding(input_ids, self.embed)
         k_out, v_out = [], []
         for i in range(self.num_layers):
-            h = fused_rms_norm(x, self._w(i, "input_layernorm"), self.eps)
+            h = self.rms.fused(x, self._w(i, "input_layernorm"))
             q = self._linear(h, i, "q_proj").view(b, t, nh, d).transpose(1, 2)
             k = self._linear(h, i, "k_proj").view(b, t, nkv, d).transpose(1, 2)
             v = self._linear(h, i, "v_proj").view(b, t, nkv, d).transpose(1, 2)
             if self.qk_norm:
-                q = fused_rms_norm(q, self._w(i, "q_norm"), self.eps)
-                k = fused_rms_norm(k, self._w(i, "k_norm"), self.eps)
+                q, k = qk_norm(q, k, self._w(i, "q_norm"), self._w(i, "k_norm"), self.rms,
+                               fused=True)
             q = _rope(q, cos, sin)
             k = _rope(k, cos, sin)
             k_out.append(k)
@@ -117,10 +118,10 @@ class StaticDecoder(nn.Module):
             values = repeat_kv(torch.cat([v_cache[i], v], dim=2), group)
             attn = attend(q, keys, values, mask, scale=self.scale)
             x = x + self._linear(attn.transpose(1, 2).reshape(b, t, nh * d), i, "o_proj")
-            h = fused_rms_norm(x, self._w(i, "post_attention_layernorm"), self.eps)
+            h = self.rms.fused(x, self._w(i, "post_attention_layernorm"))
             x = x + self._linear(gated(self.act, self._linear(h, i, "gate_proj"),
                                        self._linear(h, i, "up_proj")), i, "down_proj")
-        x = fused_rms_norm(x, self.norm, self.eps)
+        x = self.rms.fused(x, self.norm)
         logits = F.linear(x, self.embed if self.tied else self.lm_head).float()
         return logits, torch.stack(k_out), torch.stack(v_out)
 

@@ -359,7 +359,7 @@ class LayerQuantizer:
         stats = TapStats(self.shape.hidden, self._needs([lm], has_moment=False), self.device)
         nw = norm.to(self.device, self.cdt)
         for c in self.stream.chunks(X.shape[0]):
-            stats.add(block.rms_norm(X[c], nw, self.shape.eps))
+            stats.add(self.shape.norm(X[c], nw))
         t0 = time.perf_counter()
         res = self._quantize_weight(-1, ["lm_head"], [W.shape[0]], W, lm.weight, stats)
         act_fn, in_scale, in_zero = act_quantizer(lm.act, stats)

@@ -90,7 +90,7 @@ class LayerStream:
                 h = block.mlp_input(x2, fw, self.shape)
             elif tap == "mlp_act":
                 x2 = X[c] if advance else X[c] + linear("self_attn.o_proj", A[c])
-                h = block.mlp_act(block.mlp_input(x2, fw, self.shape), linear)
+                h = block.mlp_act(block.mlp_input(x2, fw, self.shape), linear, self.shape)
                 if advance:  # (the smoothing pass still reads A here and needs no Act)
                     Act[c] = h
             else:  # "out": the layer output
@@ -120,7 +120,7 @@ class LayerStream:
             h = block.mlp_input(X[:n] + float_linear("self_attn.o_proj", A[:n]), fw, self.shape)
 
             def run(linear) -> torch.Tensor:
-                return float_linear("mlp.down_proj", block.mlp_act(h, linear))
+                return float_linear("mlp.down_proj", block.mlp_act(h, linear, self.shape))
 
         reference = run(float_linear).float()
 

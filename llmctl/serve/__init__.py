@@ -10,9 +10,12 @@ Laid out by concept, one sub-package each, importing only those listed before it
     core      requests and sequences, sampling parameters, blocks, policies, the scheduler
     model     the forward on the paged cache, its weights, KV cache sizing, the runner
     sample    logits -> tokens, speculative decoding, grammars
-    engine    the engine front (offline, in-process, async), outputs, model sources
+    engine    the engine front (offline, in-process, async) and its Target protocol,
+              outputs, stats, model sources, the EngineClient protocol
     proc      engine processes, replicas and their routing
-    api       the OpenAI-compatible HTTP layer (tenancy/ and tools/ inside)
+    openai    the OpenAI API without HTTP: bodies, prompts, sampling, completions, chat,
+              tool calls, response assembly (the server and ``llmctl batch`` share it)
+    api       HTTP only: the FastAPI app, routers, streaming, limits, tenancy/, tracing
     handoff   hand a model to vLLM or TensorRT-LLM instead
     launch    ``llmctl serve`` settings -> a running server
     batch     ``llmctl batch``: Batch API files on the engine, without HTTP

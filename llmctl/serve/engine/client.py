@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from llmctl.serve.engine.outputs import RequestOutput
+from llmctl.serve.engine.stats import EngineStats
 
 
 @runtime_checkable
@@ -35,7 +36,7 @@ class EngineClient(Protocol):
     def step(self) -> list[RequestOutput]:
         """One scheduling step; raises only on the engine's own fault."""
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         """A snapshot of the engine's state (llmctl.serve.engine.stats)."""
 
     # --- admission: how requests are ordered and bounded --------------------------------

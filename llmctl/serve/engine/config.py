@@ -52,7 +52,7 @@ class EngineConfig(BaseModel):
     # "auto": the checkpoint's torch_dtype when it is a float type, else float32
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     # "auto" = the model dtype, or fp8 for a checkpoint with an FP8 kv_cache_scheme (as
-    # vLLM's auto; llm_engine._kv_cache_dtype); bfloat16 halves the cache's memory and bandwidth; int8
+    # vLLM's auto; engine.loader.kv_cache_dtype); bfloat16 halves the cache's memory and bandwidth; int8
     # stores codes with a scale per token and KV head (llmctl.serve.layers.kv_quant): ~1.9x the
     # blocks of bfloat16 in the same memory; fp8 (E4M3) codes with static scales per
     # layer and KV head (the checkpoint's kv_cache_scheme, or calibrated): 2x.

@@ -20,6 +20,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+from llmctl.serve.engine.stats import EngineStats
 from llmctl.serve.proc.child import ChildSpec, ReadyInfo, main
 
 # modules the forkserver imports once, so that each engine process starts with them
@@ -60,7 +61,7 @@ class Replica:
         self.process = None
         self.conn: Connection | None = None
         self.info: ReadyInfo | None = None
-        self.stats: dict = {}
+        self.stats: EngineStats | None = None  # the last snapshot it sent
         self.started_at = 0.0  # monotonic: launched
         self.ready_at = 0.0  # monotonic: ready message received
         self.last_heard = 0.0  # monotonic: last message (each step sends one)
@@ -83,7 +84,7 @@ class Replica:
         self.conn = parent_end
         self.state = State.STARTING
         self.started_at = self.last_heard = time.monotonic()
-        self.stats, self.death, self.info = {}, None, None
+        self.stats, self.death, self.info = None, None, None
         self.gone = False
 
     def mark_ready(self, info: ReadyInfo) -> float:

@@ -13,5 +13,5 @@ from llmctl.serve.engine.stats import EngineStats
 
 def merge_stats(snapshots: list[EngineStats | None]) -> EngineStats:
     """The server's snapshot (one replica's is returned as is; a replica that has sent
-    none yet, ``None`` or ``{}``, is left out)."""
-    return EngineStats.merge([s for s in snapshots if s])
+    none yet, ``None``, is left out)."""
+    return EngineStats.merge([s for s in snapshots if s is not None])

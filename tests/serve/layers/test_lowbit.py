@@ -221,7 +221,7 @@ def test_gguf_served_quantized_matches_its_float_import(tiny_llama, tiny_llama_t
     assert isinstance(model.lm_head, LowBitLinear) == fast
     ref = LLM(str(path), kv_cache_memory="4MiB", gguf_weights="float")
     assert not isinstance(ref.engine.target.model.layers[0].qkv, LowBitLinear)
-    ids = encode(ref.engine.model_path, PROMPTS[3])
+    ids = encode(ref.engine.target.path, PROMPTS[3])
     got, want = engine_logits(native, ids, 9), engine_logits(ref, ids, 9)
     # same weights; the quantized path rounds activations to bfloat16 (~3 significant
     # digits per matmul, the bound of the compressed-tensors int4/int8 test)

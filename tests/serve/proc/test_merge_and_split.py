@@ -27,7 +27,7 @@ def test_one_replica_is_passed_through_unchanged():
     snap = _snap(1, 2, 100, 0.5, 10, 5, 1e9, 1.0, None, [])
     assert merge_stats([snap]) == snap
     assert merge_stats([]) == EngineStats()
-    assert merge_stats([{}, snap, None]) == snap  # replicas that have not reported yet
+    assert merge_stats([None, snap, None]) == snap  # replicas that have not reported yet
 
 
 def test_two_replicas_add_counts_and_recompute_ratios():

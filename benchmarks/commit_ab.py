@@ -67,7 +67,7 @@ def worktree(commit: str, where: Path) -> tuple[str, Path]:
                    check=True, capture_output=True)
     found = subprocess.run([sys.executable, "-c", "import llmctl; print(llmctl.__file__)"],
                            env={**os.environ, "PYTHONPATH": str(path)}, text=True,
-                           capture_output=True, check=True).stdout.strip()
+                           capture_output=True, check=True, cwd=where).stdout.strip()
     if not found.startswith(str(path)):
         raise SystemExit(f"PYTHONPATH={path} imports llmctl from {found}, not the worktree")
     return sha, path
@@ -76,7 +76,8 @@ def worktree(commit: str, where: Path) -> tuple[str, Path]:
 def uniform_run(tree: Path, model: str, dtype: str, work_file: Path, threads: int) -> dict:
     env = common.thread_env(threads, {**os.environ, "PYTHONPATH": str(tree)})
     out = subprocess.run([sys.executable, "-c", UNIFORM, model, dtype, str(work_file),
-                          str(ub.NEW_TOKENS)], env=env, text=True, capture_output=True)
+                          str(ub.NEW_TOKENS)], env=env, text=True, capture_output=True,
+                         cwd=work_file.parent)
     if out.returncode != 0:
         raise SystemExit(f"uniform batch at {tree} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -101,6 +102,9 @@ def main() -> int:
     lim = svv.Limits("bfloat16", 1024, 64, 2048, 2, tuple(common.cpus()))
     threads = len(lim.cpus)
     scratch = Path(tempfile.mkdtemp(prefix="llmctl-commit-ab-"))
+    # every process runs from here: ``python -c``/``-m`` put the working directory first
+    # on sys.path, and this checkout's llmctl must not shadow the worktrees'
+    os.chdir(scratch)
     sides = dict((("A", worktree(args.a, scratch)), ("B", worktree(args.b, scratch))))
     work = ub.prompts(load_tokenizer(Path(model)), args.seed)
     work_file = scratch / "uniform-prompts.json"

@@ -162,7 +162,7 @@ def main() -> int:
             ratios.append(ratio)
             per_round.append({"round": rnd, "workload": workload, "b_over_a": ratio})
         summary[workload] = {"balanced": round(math.prod(ratios) ** (1 / len(ratios)), 3),
-                             "median": common.median(ratios), "min": min(ratios),
+                             "median": round(common.median(ratios), 4), "min": min(ratios),
                              "max": max(ratios)}
     same = sum(x == y for x, y in zip(tokens[("float32", "A")], tokens[("float32", "B")]))
     summary["float32_identical_sequences"] = f"{same}/{ub.PROMPTS}"

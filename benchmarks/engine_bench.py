@@ -183,8 +183,8 @@ def worker_engine_throughput(cfg: dict) -> dict:
 
     def sample_waste(eng):
         stats = eng.stats()
-        if stats["kv_slots_allocated"]:
-            waste_samples.append((stats["kv_slots_allocated"], stats["kv_slots_used"]))
+        if stats.kv_slots_allocated:
+            waste_samples.append((stats.kv_slots_allocated, stats.kv_slots_used))
 
     res = run_to_end(llm, prompts, params, sample_waste)
     got = sum(len(o.outputs[0].token_ids) for o in res["outputs"])
@@ -199,10 +199,10 @@ def worker_engine_throughput(cfg: dict) -> dict:
         "total_throughput": (got + sum(len(p) for p in prompts)) / res["wall_s"],
         "kv_waste": 1 - used / alloc if alloc else None,
         "kv_waste_max_step": max((1 - u / a for a, u in waste_samples), default=None),
-        "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"],
-        "kv_cache_tokens": stats["kv_cache_tokens"],
+        "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps,
+        "kv_cache_tokens": stats.kv_cache_tokens,
         "prefix_caching": cfg["prefix_caching"],
-        "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate"),
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
         "ttft_median_s": sorted(o.metrics.first_token_time - o.metrics.arrival_time
                                 for o in res["outputs"])[len(prompts) // 2],
     }
@@ -403,7 +403,7 @@ def worker_prefix(cfg: dict) -> dict:
         key = "on" if caching else "off"
         result[f"ttft_{key}_s"] = ttfts
         result[f"mean_ttft_{key}_ms"] = 1000 * sum(ttfts) / len(ttfts)
-        result[f"hit_rate_{key}"] = llm.engine.stats()["prefix_cache_hit_rate"]
+        result[f"hit_rate_{key}"] = llm.engine.stats().prefix_cache_hit_rate
         del llm
     result["ttft_ratio"] = result["mean_ttft_off_ms"] / result["mean_ttft_on_ms"]
     return result
@@ -525,8 +525,8 @@ def worker_spec(cfg: dict) -> dict:
         texts[name] = res.token_ids
         out[name] = {"wall_s": wall, "tokens": len(res.token_ids),
                      "tok_s": len(res.token_ids) / wall,
-                     "acceptance_rate": stats["spec_acceptance_rate"],
-                     "mean_accepted_per_step": stats["spec_mean_accepted_per_step"]}
+                     "acceptance_rate": stats.spec_acceptance_rate,
+                     "mean_accepted_per_step": stats.spec_mean_accepted_per_step}
         del llm
     out["identical_outputs"] = all(t == texts["plain"] for t in texts.values())
     for name in ("ngram-k4", "ngram-k8"):

@@ -114,7 +114,7 @@ def worker_llmctl(spec: dict) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     cfg = llm.engine.config
     return {"wall_s": wall, "output_tokens": tokens, "output_throughput": tokens / wall,
-            "num_preemptions": llm.engine.stats()["num_preemptions"],
+            "num_preemptions": llm.engine.stats().num_preemptions,
             "applied": {"max_num_seqs": cfg.max_num_seqs,
                         "max_num_batched_tokens": cfg.max_num_batched_tokens,
                         "max_model_len": spec["max_model_len"], "dtype": cfg.dtype,

@@ -69,7 +69,7 @@ engine.add_request("warm", [11, 12, 13, 14, 15, 16, 17, 18], SamplingParams(max_
 while engine.has_unfinished_requests():
     engine.step()
 before = dict(engine.phase_seconds)
-steps_before = engine.counters["num_steps"]
+steps_before = engine.counters.num_steps
 for i in range(cfg["num_prompts"]):
     engine.add_request(f"r{i}", [rng.randrange(100, vocab - 100) for _ in range(cfg["input_len"])],
                        params)
@@ -85,7 +85,7 @@ while engine.has_unfinished_requests():
 wall = time.perf_counter() - start
 phases = {k: engine.phase_seconds[k] - before[k] for k in before}
 print(json.dumps({"wall_s": wall, "steps": steps, "phase_seconds": phases,
-                  "num_steps": engine.counters["num_steps"] - steps_before,
+                  "num_steps": engine.counters.num_steps - steps_before,
                   "generated": cfg["num_prompts"] * cfg["output_len"]}))
 """
 

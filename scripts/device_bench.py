@@ -91,11 +91,11 @@ def engine_run(llm, batch: int, prompt_ids: list[list[int]], new: int, cost, pea
     from llmctl.serve.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    before = llm.engine.stats()["perf_totals"]["decode"]
+    before = llm.engine.stats().perf_totals["decode"]
     t0 = time.perf_counter()
     outs = llm.generate(prompt_ids[:batch], params)
     wall = time.perf_counter() - t0
-    after = llm.engine.stats()["perf_totals"]["decode"]
+    after = llm.engine.stats().perf_totals["decode"]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     seconds = after.seconds - before.seconds
     flops, bytes_ = decode_load(cost, batch, len(prompt_ids[0]), new - 1)

@@ -310,22 +310,14 @@ class AsyncEngine:
 
     # --- LoRA adapters: straight to the engine (thread-safe there) ----------------------
     def lora_names(self) -> tuple[str, ...]:
-        names = getattr(self.engine, "lora_names", None)
-        return names() if names is not None else ()
+        return self.engine.lora_names()
 
     def add_lora(self, name: str, path: str) -> None:
         """Blocks while the adapter's tensors are read: call it off the event loop."""
-        self._lora_engine().add_lora(name, path)
+        self.engine.add_lora(name, path)
 
     def remove_lora(self, name: str) -> None:
-        self._lora_engine().remove_lora(name)
-
-    def _lora_engine(self):
-        if not hasattr(self.engine, "add_lora"):
-            from llmctl.serve.lora.adapter import LoRAError
-
-            raise LoRAError("this engine cannot serve LoRA adapters")
-        return self.engine
+        self.engine.remove_lora(name)
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -91,7 +91,7 @@ void add_rms_norm_bf16(uint16_t* x, const uint16_t* residual, const uint16_t* we
 void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
                    int num_threads);
 
-// A matrix as llmctl/serve/model/decoder.py's DecodeLayers describes it (ctypes Structure).
+// A matrix as llmctl/serve/layers/decode_layers.py's DecodeLayers describes it (ctypes Structure).
 struct Matrix {
   int64_t kind;  // 0: gemm_bf16, 1: lowbit_gemv_vnni, 2: gemm_bf16w_avx2, 3: lowbit_gemv_avx2
   const void* w;

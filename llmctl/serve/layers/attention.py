@@ -27,6 +27,12 @@ layer's window are dropped from the block tables (-1, read as block 0 and masked
 :mod:`llmctl.serve.core.block_manager`); a gathered group whose sequences all have dropped
 leading blocks starts its gather after them (``first_block``).
 
+Logit soft-capping (Gemma 2, ``softcap``): each scaled score ``s`` becomes ``softcap *
+tanh(s / softcap)`` before the mask and the softmax (transformers' eager attention). SDPA
+has no such hook: the torch paths of a soft-capped layer run :func:`softcapped_attention`
+(float32 scores, softmax and products); the native kernels cap inside their score loops.
+Without a cap every path is the one it was.
+
 Grouped-query attention without repeating K/V: the ``g = heads / kv_heads`` query heads
 of one KV head are folded into the query length, ``q [B, kv_heads, g * q_len, d]``
 against ``k [B, kv_heads, S, d]`` (HF's ``repeat_kv`` gives query head ``h`` the KV head
@@ -129,20 +135,47 @@ def build_paged_group(start: int, q_len: int, context_lens: list[int],
                                    for w in set(windows)})
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Eager attention with soft-capped scores, in float32, cast back to ``q``'s dtype:
+    ``q [B, H, L, d]``, ``k, v [B, Hkv, S, d]`` (query head ``h`` reads KV head ``h //
+    (H / Hkv)``), ``mask`` broadcast to ``[B, H, L, S]``: bool (True: visible) or
+    additive (0 or -inf). transformers' Gemma 2: ``w = q k^T * scaling; w = tanh(w / cap)
+    * cap; w += mask; softmax(w, float32) v``."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    w = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    w = torch.tanh(w / softcap) * softcap
+    w = w.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else w + mask
+    return torch.matmul(torch.softmax(w, dim=-1), v.float()).to(q.dtype)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      softcap: float | None) -> torch.Tensor:
+    """Causal attention of ``q [B, H, L, d]`` on ``k, v [B, Hkv, L, d]``."""
+    if softcap:
+        length = q.shape[2]
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        return softcapped_attention(q, k, v, causal, scale, softcap)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 # Query slice of a fresh group with a sliding window: the mask of a slice is
 # slice x (slice + W - 1), a few MB at W = 4096 (an L x L mask would be 256 MB at 8K).
 WINDOW_QUERY_SLICE = 512
 
 
 def windowed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                              scale: float) -> torch.Tensor:
+                              scale: float, softcap: float | None = None) -> torch.Tensor:
     """``q [B, H, L, d]``, ``k, v [B, Hkv, L, d]``: query ``i`` attends to keys
-    ``i - window + 1 .. i``; slices of queries against only the keys they reach."""
+    ``i - window + 1 .. i``; slices of queries against only the keys they reach.
+    ``softcap``: soft-capped scores (:func:`softcapped_attention`)."""
     length = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if length <= window:  # the window never bites
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=gqa)
+        return _causal_attention(q, k, v, scale, softcap)
     outs = []
     for s in range(0, length, WINDOW_QUERY_SLICE):
         e = min(length, s + WINDOW_QUERY_SLICE)
@@ -150,6 +183,10 @@ def windowed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         offset = torch.arange(s, e, device=q.device)[:, None] \
             - torch.arange(k0, e, device=q.device)[None, :]  # query - key
         mask = (offset >= 0) & (offset < window)
+        if softcap:
+            outs.append(softcapped_attention(q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e], mask,
+                                             scale, softcap))
+            continue
         outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e],
                                                    attn_mask=mask, scale=scale,
                                                    enable_gqa=gqa))
@@ -158,12 +195,14 @@ def windowed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttnMetadata, scale: float, window: int | None = None,
-                    scales: torch.Tensor | None = None) -> torch.Tensor:
+                    scales: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """``q [T, H, d]``, new ``k, v [T, Hkv, d]``, the layer's cache ``[2, blocks,
     block_size, Hkv, d]`` (this step's K/V already written) -> ``[T, H * d]``; ``window``:
     the layer's sliding window (None: full causal attention); ``scales``: an int8 cache's
     ``[2, blocks, block_size, Hkv]`` or an fp8 cache's ``[2, Hkv]`` (the native kernel
-    reads the codes as they are, a gathered group dequantizes the blocks it gathered)."""
+    reads the codes as they are, a gathered group dequantizes the blocks it gathered);
+    ``softcap``: the layer's logit soft-cap (None or 0: none)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     g = num_heads // kv_heads
@@ -173,7 +212,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         b, lq = grp.num_seqs, grp.q_len
         if grp.fresh and meta.prefill is not None:
             o = meta.prefill(qs, k[grp.start:grp.end], v[grp.start:grp.end], b, lq, scale,
-                             window or 0)
+                             window or 0, softcap or 0.0)
             if o is not None:
                 outs.append(o)
                 continue
@@ -182,15 +221,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             kf = k[grp.start:grp.end].view(b, lq, kv_heads, head_dim).transpose(1, 2)
             vf = v[grp.start:grp.end].view(b, lq, kv_heads, head_dim).transpose(1, 2)
             if window:
-                o = windowed_causal_attention(qf, kf, vf, window, scale)
+                o = windowed_causal_attention(qf, kf, vf, window, scale, softcap)
             else:
-                o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale,
-                                                   enable_gqa=g > 1)
+                o = _causal_attention(qf, kf, vf, scale, softcap)
             outs.append(o.transpose(1, 2).reshape(b * lq, num_heads * head_dim))
             continue
         if grp.context_lens is not None:
             outs.append(meta.kernel(qs, kv_cache, grp.block_tables, grp.context_lens, lq, scale,
-                                    window or 0, scales))
+                                    window or 0, scales, softcap or 0.0))
             continue
         s = grp.block_tables.shape[1] * kv_cache.shape[2]
         rows = kv_cache.view(-1, kv_cache.shape[2] * kv_heads * head_dim)
@@ -202,7 +240,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         qg = qs.view(b, lq, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, kv_heads, g * lq, head_dim)
         mask = grp.window_masks[window] if window else grp.mask
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+        if softcap:
+            o = softcapped_attention(qg, kg, vg, mask, scale, softcap)
+        else:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
         o = o.view(b, kv_heads, g, lq, head_dim).permute(0, 3, 1, 2, 4)
         outs.append(o.reshape(b * lq, num_heads * head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -72,7 +72,8 @@ class Step(ctypes.Structure):
                 ("block_size", _I64), ("scale", _F32), ("eps", _F32), ("x", _PTR), ("h", _PTR),
                 ("qkv", _PTR), ("attn", _PTR), ("attn_f", _PTR), ("proj", _PTR),
                 ("gate_up", _PTR), ("act", _PTR), ("num_threads", _INT), ("window", _I64),
-                ("lora", _PTR), ("lora_n", _I64), ("layer", _I64), ("sums", _PTR)]
+                ("lora", _PTR), ("lora_n", _I64), ("layer", _I64), ("sums", _PTR),
+                ("softcap", _F32)]
 
 
 def matrix(layer) -> tuple[Matrix, int] | None:

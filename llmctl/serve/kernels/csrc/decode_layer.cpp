@@ -63,7 +63,8 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* 
                           const int64_t* bt, int64_t max_blocks, const int64_t* ctx,
                           int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                          float scale, float* out, int num_threads, int64_t window);
+                          float scale, float* out, int num_threads, int64_t window,
+                          float softcap);
 void rope_kv_bf16_i8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
                      int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
                      const float* freqs, const int64_t* positions, const int64_t* slots,
@@ -74,7 +75,8 @@ void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v
                              int64_t max_blocks, const int64_t* ctx, int64_t num_seqs,
                              int64_t q_len, int64_t q_stride, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, float* out, int num_threads, int64_t window);
+                             float scale, float* out, int num_threads, int64_t window,
+                          float softcap);
 void rope_kv_bf16_f8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
                      int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
                      const float* freqs, const int64_t* positions, const int64_t* slots,
@@ -85,7 +87,8 @@ void paged_attention_bf16_f8(const uint16_t* q, const uint8_t* k, const uint8_t*
                              int64_t max_blocks, const int64_t* ctx, int64_t num_seqs,
                              int64_t q_len, int64_t q_stride, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, float* out, int num_threads, int64_t window);
+                             float scale, float* out, int num_threads, int64_t window,
+                          float softcap);
 void add_rms_norm_bf16(uint16_t* x, const uint16_t* residual, const uint16_t* weight,
                        uint16_t* out, int64_t rows, int64_t cols, float eps, int num_threads);
 void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
@@ -125,6 +128,7 @@ struct Step {  // what every layer of one step shares
   int64_t lora_n;
   int64_t layer;  // this layer's index, for the adapters' tables (set before each call)
   float* sums;  // scratch [m, widest n] float32: a kind 2 product's sums before its bias
+  float softcap;  // attention logit soft-capping, 0: none
 };
 
 // out = W x (+ bias) for the step's rows, then the adapters' terms of fused linear `target`
@@ -185,7 +189,8 @@ void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
                     st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
     paged_attention_bf16_f8(st.qkv, kc, vc, k_scale, v_scale, st.block_tables, st.max_blocks,
                             st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
-                            st.block_size, st.scale, st.attn_f, st.num_threads, st.window);
+                            st.block_size, st.scale, st.attn_f, st.num_threads, st.window,
+                            st.softcap);
   } else if (kv_kind == 1) {
     int8_t* kc = static_cast<int8_t*>(k_cache);
     int8_t* vc = static_cast<int8_t*>(v_cache);
@@ -193,7 +198,8 @@ void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
                     st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
     paged_attention_bf16_i8(st.qkv, kc, vc, k_scale, v_scale, st.block_tables, st.max_blocks,
                             st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
-                            st.block_size, st.scale, st.attn_f, st.num_threads, st.window);
+                            st.block_size, st.scale, st.attn_f, st.num_threads, st.window,
+                            st.softcap);
   } else {
     uint16_t* kc = static_cast<uint16_t*>(k_cache);
     uint16_t* vc = static_cast<uint16_t*>(v_cache);
@@ -201,7 +207,7 @@ void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
                  st.positions, st.slots, kc, vc, st.num_threads);
     paged_attention_bf16(st.qkv, kc, vc, st.block_tables, st.max_blocks, st.context_lens,
                          st.m, 1, width, st.q_heads, st.kv_heads, d, st.block_size, st.scale,
-                         st.attn_f, st.num_threads, st.window);
+                         st.attn_f, st.num_threads, st.window, st.softcap);
   }
   for (int64_t i = 0; i < st.m * q_size; ++i) st.attn[i] = float_to_bf16(st.attn_f[i]);
   apply(*o, st.attn, st.proj, st, 1);

@@ -31,6 +31,12 @@
 // s_k * (q . c_k), and a value row enters the second product with its probability
 // times s_v (the probabilities are rounded to bf16 there anyway).
 //
+// Soft-capping (Gemma 2, softcap > 0): each scaled score s becomes cap * tanh(s / cap)
+// before the mask and the softmax, as transformers' eager attention computes it
+// (w = q k^T * scaling; w = w / cap; w = tanh(w); w = w * cap). Every body caps the
+// scores of a tile right after computing them, in float32 with std::tanh; softcap 0
+// leaves each body's arithmetic as it was.
+//
 // fp8 cache: E4M3 codes (fp8.h) with static scales, one per (layer, K or V, KV head),
 // x = e4m3(c) * s. The same arithmetic as int8 with the code widened from E4M3 (exact
 // in float32 and in bf16) and the scale of the item's KV head for every position.
@@ -61,6 +67,14 @@ inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]);
 
 inline float load(const e4m3* p, int64_t i) { return llmctl_fp8::e4m3_to_float(p[i].bits); }
 
+// cap * tanh(s / cap): Gemma 2's logit soft-capping, in transformers' order of operations
+inline float capped(float s, float cap) { return std::tanh(s / cap) * cap; }
+
+// the n scores at s capped (cap > 0), in place
+inline void cap_scores(float* s, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) s[i] = capped(s[i], cap);
+}
+
 // n values as float32 times scale (1 for a float cache: exact)
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n, float scale) {
@@ -88,6 +102,7 @@ struct Call {
   float* out;
   int num_threads;
   int64_t window;  // sliding window, 0: none
+  float softcap;   // logit soft-capping, 0: none
 
   int64_t group() const { return num_heads / num_kv_heads; }  // query heads per KV head
   int64_t rows() const { return group() * q_len; }              // rows of one work item
@@ -194,6 +209,7 @@ void attend(const Call<Q, KV>& c) {
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t x = 0; x < d; ++x) dot += qr[x] * kf[x];
+          if (c.softcap > 0.f) dot = capped(dot, c.softcap);
           float* ar = st.acc.data() + r * d;
           if (dot > st.m[r]) {
             // new running max: rescale what was accumulated under the old one
@@ -299,6 +315,8 @@ void attend_avx512(const Call<Q, KV>& c) {
             scores[r * 16 + t] = _mm512_reduce_add_ps(s);
           }
         }
+        if (c.softcap > 0.f)
+          for (int64_t r = 0; r < st.rows; ++r) cap_scores(scores.data() + r * 16, nk, c.softcap);
         for (int64_t r = 0; r < st.rows; ++r) {
           if (st.limit[r] < start || st.first[r] >= start + nk) {
             // no visible key in this tile: no weight for any of its values
@@ -478,6 +496,8 @@ void attend_avx2(const Call<Q, KV>& c) {
             _mm256_storeu_ps(scores.data() + r * 16 + 8 * g8, reduce_add8x8(acc));
           }
         }
+        if (c.softcap > 0.f)
+          for (int64_t r = 0; r < st.rows; ++r) cap_scores(scores.data() + r * 16, nk, c.softcap);
         for (int64_t r = 0; r < st.rows; ++r) {
           seen[r] = !(st.limit[r] < start || st.first[r] >= start + nk);
           if (!seen[r]) continue;  // no visible key in this tile: no weight for its values
@@ -592,6 +612,8 @@ void attend_neon(const Call<Q, KV>& c) {
             vst1q_f32(sr + 4, reduce_add4x4(acc + 4));
           }
         }
+        if (c.softcap > 0.f)
+          for (int64_t r = 0; r < st.rows; ++r) cap_scores(scores.data() + r * 16, nk, c.softcap);
         for (int64_t r = 0; r < st.rows; ++r) {
           seen[r] = !(st.limit[r] < start || st.first[r] >= start + nk);
           if (!seen[r]) continue;  // no visible key in this tile: no weight for its values
@@ -776,8 +798,14 @@ void attend_bf16(const Call<uint16_t, KV>& c) {
               static_cast<__mmask16>(((1u << valid) - 1u) & ~((1u << skip) - 1u));
           __m512 factor = _mm512_set1_ps(c.scale);
           if (scaled) factor = _mm512_mul_ps(factor, _mm512_loadu_ps(ks.data() + start));
-          _mm512_storeu_ps(sr, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
-                                                  _mm512_mul_ps(reduce16(part), factor)));
+          __m512 sv = _mm512_mul_ps(reduce16(part), factor);
+          if (c.softcap > 0.f) {  // capped before the mask: a masked lane stays -inf
+            alignas(64) float lanes[16];
+            _mm512_store_ps(lanes, sv);
+            cap_scores(lanes, 16, c.softcap);
+            sv = _mm512_load_ps(lanes);
+          }
+          _mm512_storeu_ps(sr, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sv));
         }
       }
 
@@ -905,25 +933,27 @@ extern "C" {
 const char* paged_attention_simd() { return "neon"; }
 #endif
 
-// The layouts are Call's; window 0: full causal attention.
+// The layouts are Call's; window 0: full causal attention; softcap 0: no soft-capping.
 void paged_attention_f32(const float* q, const float* k, const float* v, const int64_t* bt,
                          int64_t max_blocks, const int64_t* ctx, int64_t num_seqs, int64_t q_len,
                          int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, float* out,
-                         int num_threads, int64_t window) {
+                         int num_threads, int64_t window, float softcap) {
   dispatch(Call<float, float>{q, k, v, nullptr, nullptr, bt, max_blocks, ctx, num_seqs, q_len,
                               q_stride, num_heads, num_kv_heads, head_dim, block_size, scale,
-                              out, num_threads, window});
+                              out, num_threads, window, softcap});
 }
 
 void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                           const int64_t* bt, int64_t max_blocks, const int64_t* ctx,
                           int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                          float scale, float* out, int num_threads, int64_t window) {
+                          float scale, float* out, int num_threads, int64_t window,
+                          float softcap) {
   dispatch_bf16(Call<uint16_t, uint16_t>{q, k, v, nullptr, nullptr, bt, max_blocks, ctx,
                                          num_seqs, q_len, q_stride, num_heads, num_kv_heads,
-                                         head_dim, block_size, scale, out, num_threads, window});
+                                         head_dim, block_size, scale, out, num_threads, window,
+                                         softcap});
 }
 
 // int8 caches: the codes' scales ks, vs [blocks, block_size, num_kv_heads] after k and v
@@ -932,10 +962,10 @@ void paged_attention_f32_i8(const float* q, const int8_t* k, const int8_t* v, co
                             const int64_t* ctx, int64_t num_seqs, int64_t q_len,
                             int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, float* out,
-                            int num_threads, int64_t window) {
+                            int num_threads, int64_t window, float softcap) {
   dispatch(Call<float, int8_t>{q, k, v, ks, vs, bt, max_blocks, ctx, num_seqs, q_len, q_stride,
                                num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                               num_threads, window});
+                               num_threads, window, softcap});
 }
 
 void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v,
@@ -943,10 +973,11 @@ void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v
                              int64_t max_blocks, const int64_t* ctx, int64_t num_seqs,
                              int64_t q_len, int64_t q_stride, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, float* out, int num_threads, int64_t window) {
+                             float scale, float* out, int num_threads, int64_t window,
+                             float softcap) {
   dispatch_bf16(Call<uint16_t, int8_t>{q, k, v, ks, vs, bt, max_blocks, ctx, num_seqs, q_len,
                                        q_stride, num_heads, num_kv_heads, head_dim, block_size,
-                                       scale, out, num_threads, window});
+                                       scale, out, num_threads, window, softcap});
 }
 
 // fp8 (E4M3) caches: k, v hold the codes; ks, vs [num_kv_heads] the static scales
@@ -955,11 +986,11 @@ void paged_attention_f32_f8(const float* q, const uint8_t* k, const uint8_t* v, 
                             const int64_t* ctx, int64_t num_seqs, int64_t q_len,
                             int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, float* out,
-                            int num_threads, int64_t window) {
+                            int num_threads, int64_t window, float softcap) {
   dispatch(Call<float, e4m3>{q, reinterpret_cast<const e4m3*>(k),
                              reinterpret_cast<const e4m3*>(v), ks, vs, bt, max_blocks, ctx,
                              num_seqs, q_len, q_stride, num_heads, num_kv_heads, head_dim,
-                             block_size, scale, out, num_threads, window});
+                             block_size, scale, out, num_threads, window, softcap});
 }
 
 void paged_attention_bf16_f8(const uint16_t* q, const uint8_t* k, const uint8_t* v,
@@ -967,11 +998,13 @@ void paged_attention_bf16_f8(const uint16_t* q, const uint8_t* k, const uint8_t*
                              int64_t max_blocks, const int64_t* ctx, int64_t num_seqs,
                              int64_t q_len, int64_t q_stride, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, float* out, int num_threads, int64_t window) {
+                             float scale, float* out, int num_threads, int64_t window,
+                             float softcap) {
   dispatch_bf16(Call<uint16_t, e4m3>{q, reinterpret_cast<const e4m3*>(k),
                                      reinterpret_cast<const e4m3*>(v), ks, vs, bt, max_blocks,
                                      ctx, num_seqs, q_len, q_stride, num_heads, num_kv_heads,
-                                     head_dim, block_size, scale, out, num_threads, window});
+                                     head_dim, block_size, scale, out, num_threads, window,
+                                     softcap});
 }
 
 }  // extern "C"

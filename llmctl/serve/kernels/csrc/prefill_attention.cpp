@@ -16,7 +16,9 @@
 //   with the softmax between them on the row's scores (max, exp, sum in float32; the
 //   probabilities rounded to bfloat16 pairs for the second product, as FlashAttention
 //   and llmctl's paged kernel do). Query position i sees keys j <= i, and with a sliding
-//   window W > 0 only j >= i - W + 1 (transformers' kv_idx > q_idx - W).
+//   window W > 0 only j >= i - W + 1 (transformers' kv_idx > q_idx - W). With logit
+//   soft-capping (Gemma 2, softcap > 0) each scaled score s becomes cap * tanh(s / cap)
+//   before the mask and the softmax (transformers' eager attention), float32 std::tanh.
 //
 // Work items: (sequence, KV head, block of 128 query positions), scheduled dynamically
 // over the threads, the blocks with the most keys first (48 items for 16 sequences of 128
@@ -54,6 +56,7 @@ struct Call {
   uint16_t* out;
   int64_t out_stride;
   int64_t window;  // 0: none
+  float softcap;   // 0: none
 };
 
 constexpr int64_t kQueryBlock = 128;  // query positions per work item
@@ -110,6 +113,9 @@ void item(const Call& c, int64_t seq, int64_t kvh, int64_t i0, int64_t i1,
         for (int64_t u = 0; u < nt; ++u)
           _mm512_storeu_ps(scores.data() + (tile + u) * 16, _mm512_mul_ps(s[u], scale));
       }
+      if (c.softcap > 0.f)  // before the mask below, so masked keys stay -inf
+        for (int64_t j = tf * 16; j < tiles * 16; ++j)
+          scores[j] = std::tanh(scores[j] / c.softcap) * c.softcap;
       // keys past i (the last tile) and before the window (tile tf): -inf
       const int64_t last = tiles - 1, valid = i - kb - last * 16 + 1;
       auto live = [&](int64_t tile) {
@@ -186,23 +192,24 @@ int prefill_attention_available(void) { return kSimd ? 1 : 0; }
 
 // q [num_seqs * len, q_stride], k/v [num_seqs * len, kv_stride] (heads side by side,
 // head_dim each), out [num_seqs * len, out_stride] bf16, window 0 (causal) or a sliding
-// window. head_dim 64 or 128; returns 0
+// window, softcap 0 (none) or the logit soft-cap. head_dim 64 or 128; returns 0
 // when it ran, -1 when this shape is not supported (the caller takes its other path).
 int prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
                            const uint16_t* v, int64_t kv_stride, int64_t num_seqs, int64_t len,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-                           uint16_t* out, int64_t out_stride, int num_threads, int64_t window) {
+                           uint16_t* out, int64_t out_stride, int num_threads, int64_t window,
+                           float softcap) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (kv_heads <= 0 || heads % kv_heads != 0 || len <= 0 || window < 0) return -1;
   const Call c{q, q_stride, k, v, kv_stride, num_seqs, len, heads, kv_heads, scale, out,
-               out_stride, window};
+               out_stride, window, softcap};
   if (head_dim == 64) { run<4>(c, num_threads); return 0; }
   if (head_dim == 128) { run<8>(c, num_threads); return 0; }
   return -1;
 #else
   (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)num_seqs, (void)len;
   (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)out, (void)out_stride;
-  (void)num_threads, (void)window;
+  (void)num_threads, (void)window, (void)softcap;
   return -1;
 #endif
 }

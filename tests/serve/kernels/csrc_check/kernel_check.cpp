@@ -8,7 +8,8 @@
 //   reached through shuffled block tables, decode (q_len 1) and a 3-token step with
 //   causal masking, GQA, head_dim 64 and 128 (the vector bodies) and 16 (the portable
 //   loop), contexts that end inside and on block edges and span several 16-key tiles,
-//   with and without a sliding window. The reference takes the same bf16 queries and
+//   with and without a sliding window, with and without logit soft-capping (each scaled
+//   score s -> cap * tanh(s / cap) before the softmax). The reference takes the same bf16 queries and
 //   the same dequantized K/V (code times scale): float32 sums of at most a few hundred
 //   terms, so relative error 1e-4 is generous. AVX512-BF16's body for bf16 queries
 //   rounds the probabilities to bf16 for its P.V product (2^-9 relative each, |v| <= 1):
@@ -30,12 +31,12 @@
 
 extern "C" {
 // (..., q_len, q_stride, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-// num_threads, window), after the queries, the cache (and its scales) and the tables
+// num_threads, window, softcap), after the queries, the cache (and its scales) and the tables
 #define PA_TAIL                                                                          \
   const int64_t *bt, int64_t max_blocks, const int64_t *ctx, int64_t num_seqs,           \
       int64_t q_len, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,          \
       int64_t head_dim, int64_t block_size, float scale, float *out, int num_threads,   \
-      int64_t window
+      int64_t window, float softcap
 void paged_attention_f32(const float* q, const float* k, const float* v, PA_TAIL);
 void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, PA_TAIL);
 void paged_attention_f32_i8(const float* q, const int8_t* k, const int8_t* v, const float* ks,
@@ -150,7 +151,7 @@ struct CacheData {
 };
 
 bool attention_case(const Variant& kind, int64_t heads, int64_t kv_heads, int64_t d,
-                    int64_t block, int64_t q_len, int64_t window) {
+                    int64_t block, int64_t q_len, int64_t window, float softcap) {
   const std::vector<int64_t> contexts = {q_len, q_len + 5, q_len + 15, q_len + 16, q_len + 40,
                                          q_len + 70};
   const int64_t seqs = static_cast<int64_t>(contexts.size());
@@ -182,7 +183,7 @@ bool attention_case(const Variant& kind, int64_t heads, int64_t kv_heads, int64_
   std::vector<float> out(seqs * q_len * heads * d, NAN);
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
 #define TAIL tables.data(), max_blocks, contexts.data(), seqs, q_len, q_stride, heads, kv_heads, \
-             d, block, scale, out.data(), 2, window
+             d, block, scale, out.data(), 2, window, softcap
   const uint8_t* kf8 = k.f8.data();
   const uint8_t* vf8 = v.f8.data();
   switch (kind.cache) {
@@ -223,7 +224,8 @@ bool attention_case(const Variant& kind, int64_t heads, int64_t kv_heads, int64_
                              + kvh * d;
           double dot = 0;
           for (int64_t x = 0; x < d; ++x) dot += static_cast<double>(qr[x]) * k.value[at + x];
-          logits.push_back(dot * scale);
+          logits.push_back(softcap > 0 ? std::tanh(dot * scale / softcap) * softcap
+                                       : dot * scale);
           top = std::max(top, logits.back());
         }
         double sum = 0;
@@ -238,9 +240,9 @@ bool attention_case(const Variant& kind, int64_t heads, int64_t kv_heads, int64_
           }
           if (!close(got[x], want, rel, abs_tol, kind.name)) {
             std::printf("  (heads %lld/%lld, head_dim %lld, block %lld, q_len %lld, window %lld, "
-                        "context %lld)\n", (long long)heads, (long long)kv_heads, (long long)d,
-                        (long long)block, (long long)q_len, (long long)window,
-                        (long long)contexts[s]);
+                        "softcap %g, context %lld)\n", (long long)heads, (long long)kv_heads,
+                        (long long)d, (long long)block, (long long)q_len, (long long)window,
+                        softcap, (long long)contexts[s]);
             return false;
           }
         }
@@ -319,13 +321,15 @@ int main() {
   if (norm_act_simd) std::printf("norm_act_simd: %s\n", norm_act_simd());
   // (heads, kv_heads, head_dim, block, q_len, window): SmolLM2's GQA 9/3 x 64, MHA and GQA
   // x 128, a head_dim and a block size off the vector paths, sliding windows (one that
-  // leaves whole tiles out)
+  // leaves whole tiles out); each without a cap and with one that bites (the scaled
+  // scores of these inputs are ~0.3, up to ~1: a cap of 0.5 bends most of them)
   const int64_t cases[][6] = {{9, 3, 64, 16, 1, 0},  {9, 3, 64, 16, 3, 0},  {4, 4, 128, 32, 1, 0},
                               {8, 2, 128, 16, 3, 0}, {4, 2, 16, 16, 3, 0},  {6, 2, 64, 8, 1, 0},
                               {9, 3, 64, 16, 3, 7},  {4, 2, 128, 32, 1, 20}};
   for (const Variant& kind : kVariants)
     for (const auto& c : cases)
-      if (!attention_case(kind, c[0], c[1], c[2], c[3], c[4], c[5])) return 1;
+      for (float softcap : {0.f, 0.5f})
+        if (!attention_case(kind, c[0], c[1], c[2], c[3], c[4], c[5], softcap)) return 1;
   // SmolLM2's hidden size, sizes that leave a tail to every vector width, no residual
   for (int64_t rows : {1, 7})
     for (int64_t cols : {576, 1000, 1003})

@@ -5,8 +5,8 @@
   fallback gathers them into a padded copy first, which costs three passes over the
   cache instead of one (the decode step of a 128-sequence batch spent two thirds of its
   time there).
-- :file:`csrc/norm_act.cpp`: residual add + RMSNorm and SwiGLU's ``silu(g) * u`` for
-  bfloat16 activations in one pass each, with transformers' roundings (torch's bf16
+- :file:`csrc/norm_act.cpp`: residual add + RMSNorm, SwiGLU's ``silu(g) * u`` and GeGLU's
+  ``gelu_tanh(g) * u`` for bfloat16 activations in one pass each, with transformers' roundings (torch's bf16
   RMSNorm alone cost a fifth of the matrix products' time on a prefill step).
 - :file:`csrc/lowbit_gemm.cpp`: int4/int8 weights times bfloat16 activations with
   AVX512-BF16 (:mod:`llmctl.serve.layers.lowbit`); :file:`csrc/lowbit_vnni.cpp` the same for
@@ -61,6 +61,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -122,6 +123,7 @@ ARGTYPES = {
     "paged_attention_bf16_f8": _PAGED_I8_ARGS,
     "add_rms_norm_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_mul_bf16": [_PTR, _PTR, _I64, _I64, _INT],
+    "gelu_tanh_mul_bf16": [_PTR, _PTR, _I64, _I64, _INT],
     "lowbit_gemm": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
                     _I64, _INT, _INT, _INT],
     "lowbit_simd": [],
@@ -361,6 +363,7 @@ class NormActKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._norm = lib.add_rms_norm_bf16
         self._silu = lib.silu_mul_bf16
+        self._gelu_tanh = lib.gelu_tanh_mul_bf16
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -375,12 +378,25 @@ class NormActKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
+        return self._gated(self._silu, gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` (GeGLU: Gemma's ``gelu_pytorch_tanh``)."""
+        return self._gated(self._gelu_tanh, gate_up)
+
+    def act_mul(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The fused ``act(gate) * up`` for an HF activation name, or None where there
+        is none (the caller computes it with torch)."""
+        return {"silu": self.silu_mul, "swish": self.silu_mul,
+                "gelu_pytorch_tanh": self.gelu_tanh_mul}.get(name)
+
+    @staticmethod
+    def _gated(fn, gate_up: torch.Tensor) -> torch.Tensor:
         if not gate_up.is_contiguous():
             gate_up = gate_up.contiguous()
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype, device=gate_up.device)
-        self._silu(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
-                   torch.get_num_threads())
+        fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
 

@@ -9,6 +9,11 @@
 //   add:      x = bf16(x + r)
 //   RMSNorm:  h = bf16(w * bf16(x / sqrt(mean(x^2) + eps)))   (LlamaRMSNorm)
 //   SwiGLU:   a = bf16(bf16(silu(g)) * u)                      (SiLU, then the product)
+//   GeGLU:    a = bf16(bf16(gelu_tanh(g)) * u)                 (Gemma's gelu_pytorch_tanh)
+// with torch's float32 formula for bf16 GeLU (ATen's GeluKernelImpl, approximate='tanh'):
+//   gelu_tanh(x) = (0.5 x) (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+// tanh from exp (simd_math.h's tanh_ps) in the vector bodies, std::tanh in the tail; torch
+// uses Sleef's: the float32 values differ in the last bits, so a rare bf16 rounding flips.
 
 #include <cmath>
 #include <cstdint>
@@ -162,6 +167,50 @@ void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t
       const float gf = bf16_to_float(g[c]);
       const float s = round_bf16(gf / (1.f + std::exp(-gf)));
       o[c] = float_to_bf16(s * bf16_to_float(u[c]));
+    }
+  }
+}
+
+// gate_up [rows, 2 * inter] -> out [rows, inter] = gelu_tanh(gate) * up, roundings as above.
+void gelu_tanh_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
+                        int num_threads) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2/pi), GeLU's
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= kParallelRows)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* g = gate_up + r * 2 * inter;
+    const uint16_t* u = g + inter;
+    uint16_t* o = out + r * inter;
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    const __m512 beta = _mm512_set1_ps(kBeta), kappa = _mm512_set1_ps(kKappa);
+    for (; c + 16 <= inter; c += 16) {
+      const __m512 x = load_bf16(g + c);
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
+      const __m512 act = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x),
+                                       _mm512_add_ps(_mm512_set1_ps(1.f), tanh_ps(inner)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c),
+                          to_bf16(_mm512_mul_ps(widen_bf16(to_bf16(act)), load_bf16(u + c))));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    // the AVX-512 body's arithmetic on 8 lanes: the same bits
+    const __m256 beta = _mm256_set1_ps(kBeta), kappa = _mm256_set1_ps(kKappa);
+    for (; c + 8 <= inter; c += 8) {
+      const __m256 x = load_bf16x8(g + c);
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+      const __m256 inner = _mm256_mul_ps(beta, _mm256_add_ps(x, _mm256_mul_ps(kappa, cube)));
+      const __m256 act = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x),
+                                       _mm256_add_ps(_mm256_set1_ps(1.f), tanh8_ps(inner)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + c),
+                       to_bf16x8(_mm256_mul_ps(widen_bf16x8(to_bf16x8(act)), load_bf16x8(u + c))));
+    }
+#endif
+    for (; c < inter; ++c) {
+      const float x = bf16_to_float(g[c]);
+      const float cube = x * x * x;
+      const float inner = kBeta * (x + kKappa * cube);
+      const float act = round_bf16(0.5f * x * (1.f + std::tanh(inner)));
+      o[c] = float_to_bf16(act * bf16_to_float(u[c]));
     }
   }
 }

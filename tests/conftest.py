@@ -43,6 +43,23 @@ def _torch_threads():
 
 
 @pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """``make(name)``: the tiny random checkpoint of ``tests/data/families/<name>.json``
+    (tests.tiny.FAMILY_NAMES), built once per session."""
+    from tests.tiny import build_family
+
+    root = tmp_path_factory.mktemp("tiny-families")
+    built: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in built:
+            built[name] = build_family(root / name, name)
+        return built[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     from tests.tiny import build_tiny_llama
 

@@ -65,3 +65,16 @@ def build_tiny_llama(out: Path, *, seed: int = 0, tie: bool = False, layers: int
     model.save_pretrained(str(out))
     json.loads((out / "config.json").read_text())
     return out
+
+
+FAMILY_CONFIGS = Path(__file__).parent / "data" / "families"
+# every family llmctl runs, as a tiny config (tests/data/families/<name>.json): each
+# exercises its family's features (soft-caps, (1 + w) norms, post-norms, q/k norms,
+# multipliers, per-layer RoPE, LongRoPE with partial rotary, sliding windows)
+FAMILY_NAMES = tuple(sorted(p.stem for p in FAMILY_CONFIGS.glob("*.json")))
+
+
+def build_family(out: Path, name: str, *, seed: int = 0) -> Path:
+    """The tiny random checkpoint of ``tests/data/families/<name>.json``."""
+    config = json.loads((FAMILY_CONFIGS / f"{name}.json").read_text())
+    return build_tiny_llama(out, seed=seed, layers=config.pop("num_hidden_layers"), **config)

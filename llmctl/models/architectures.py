@@ -41,7 +41,8 @@ def get_architecture(model_type: str) -> Architecture:
     except KeyError:
         raise UnsupportedArchitectureError(
             f"model type {model_type!r} is not supported",
-            f"llmctl supports the Llama family: {', '.join(sorted(ARCHITECTURES))}",
+            f"llmctl runs {', '.join(sorted(ARCHITECTURES))}; adding a family: "
+            "docs/architecture.md, 'Where to add'",
         ) from None
 
 

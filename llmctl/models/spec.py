@@ -80,11 +80,24 @@ class Family:
     tensors: dict[str, str] = field(default_factory=dict, hash=False)
     qkv_bias: bool | str = "attention_bias"
     o_bias: bool | str = "attention_bias"
-    qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE
+    qk_norm: bool = False  # an RMSNorm over q and over k before RoPE
+    # ... over each head (qwen3, gemma3: "head") or over the whole projection (olmo2)
+    qk_norm_over: str = "head"
     windows: str = "none"
-    norms_per_layer: int = 2  # RMSNorm vectors per block (Gemma 2/3 also norm after each)
+    # where the block's RMSNorms sit (NORM_LAYOUTS): before each branch ("pre": Llama),
+    # before and after each ("sandwich": Gemma 2/3), after each ("post": OLMo 2)
+    norms: str = "pre"
     # Gemma stores RMSNorm weights as w - 1 and scales by (1 + w): llmctl.models.layers.norm
     norm_offset: float = 0.0
+    # Gemma multiplies the embeddings by sqrt(hidden_size) (rounded to the model's dtype);
+    # other families by config.json's embedding_multiplier (Granite), default 1
+    embed_sqrt_hidden: bool = False
+    # the attention score scale's rule (ATTENTION_SCALES)
+    attention_scale: str = "head_dim"
+    # Gemma 3: sliding layers rotate with their own RoPE (rope_parameters by layer type)
+    local_rope: bool = False
+    # the config class's defaults that config.json leaves out when equal (see below)
+    config_defaults: dict[str, Any] = field(default_factory=dict, hash=False)
     # the gated MLP's activation (llmctl.models.layers.mlp.ACTIVATIONS): the config key
     # that names it (Gemma 2/3: hidden_activation) and the config class's default
     act_key: str = "hidden_act"
@@ -95,6 +108,45 @@ class Family:
     head_dim_default: int | None = None  # None: hidden_size / num_attention_heads
     fused: tuple[str, ...] = ()  # projections stored fused in the checkpoint
     moe: MoeLayout | None = None
+
+    @property
+    def norms_per_layer(self) -> int:
+        """RMSNorm vectors per block (q/k norms aside)."""
+        return len(NORM_LAYOUTS[self.norms])
+
+    @property
+    def fused_parts(self) -> dict[str, tuple[str, ...]]:
+        """Each projection stored fused in the checkpoint -> the projections it holds."""
+        return {name: FUSED_PARTS[name] for name in self.fused}
+
+
+# norm layout -> the block's RMSNorms: the forwards' slot -> the checkpoint's module name.
+# Slots: ``input`` before attention, ``attn_out`` on attention's output before the
+# residual add, ``mlp_in`` before the MLP, ``mlp_out`` on the MLP's output. (Llama's
+# "post_attention_layernorm" is the norm before its MLP; Gemma's and OLMo 2's is after
+# attention.)
+NORM_LAYOUTS: dict[str, dict[str, str]] = {
+    "pre": {"input": "input_layernorm", "mlp_in": "post_attention_layernorm"},
+    "sandwich": {"input": "input_layernorm", "attn_out": "post_attention_layernorm",
+                 "mlp_in": "pre_feedforward_layernorm",
+                 "mlp_out": "post_feedforward_layernorm"},
+    "post": {"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"},
+}
+
+# a checkpoint's fused projection -> the projections it holds, rows in this order
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+# transformers' config classes, for the fields their config.json leaves out when equal to
+# the class default (save_pretrained writes a diff): read as if present
+_GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+                    "max_position_embeddings": 8192}
+_GEMMA3_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "max_position_embeddings": 131072, "sliding_window_pattern": 6,
+                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
 
 
 _QWEN_MOE_EXPERTS = ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj",
@@ -109,17 +161,28 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            qkv_bias=True, o_bias=False, windows="layer_types"),
     Family("qwen3", "Qwen3ForCausalLM", "qwen3", tensors={**LLAMA_TENSORS, **QK_NORM_TENSORS},
            qk_norm=True, windows="layer_types", head_dim_default=128),
+    Family("granite", "GraniteForCausalLM", "granite", rope_permute=True,
+           tensors=LLAMA_TENSORS, attention_scale="attention_multiplier"),
+    Family("phi3", "Phi3ForCausalLM", "phi3", windows="every_layer", qkv_bias=False,
+           o_bias=False, fused=("self_attn.qkv_proj", "mlp.gate_up_proj"),
+           config_defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+                            "original_max_position_embeddings": 4096}),
+    Family("olmo2", "Olmo2ForCausalLM", "olmo2", qk_norm=True, qk_norm_over="projection",
+           norms="post", config_defaults={"rms_norm_eps": 1e-5}),
+    Family("gemma", "GemmaForCausalLM", "gemma", tied_default=True, head_dim_default=256,
+           norm_offset=1.0, embed_sqrt_hidden=True, act_default="gelu_pytorch_tanh",
+           config_defaults={"max_position_embeddings": 8192}),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", norms="sandwich", tied_default=True,
+           head_dim_default=256, windows="alternating", norm_offset=1.0,
+           embed_sqrt_hidden=True, attention_scale="query_pre_attn_scalar",
+           act_key="hidden_activation", act_default="gelu_pytorch_tanh",
+           config_defaults=_GEMMA2_DEFAULTS | {"sliding_window_pattern": 2}),
+    Family("gemma3_text", "Gemma3ForCausalLM", "gemma3", norms="sandwich", qk_norm=True,
+           tied_default=True, head_dim_default=256, windows="alternating", norm_offset=1.0,
+           embed_sqrt_hidden=True, attention_scale="query_pre_attn_scalar", local_rope=True,
+           act_key="hidden_activation", act_default="gelu_pytorch_tanh",
+           config_defaults=_GEMMA3_DEFAULTS),
     # known to the cost model (llmctl plan) only
-    Family("granite"),
-    Family("phi3", windows="every_layer", fused=("self_attn.qkv_proj", "mlp.gate_up_proj")),
-    Family("gemma", tied_default=True, head_dim_default=256, norm_offset=1.0,
-           act_default="gelu_pytorch_tanh"),
-    Family("gemma2", norms_per_layer=4, tied_default=True, head_dim_default=256,
-           windows="interleaved", norm_offset=1.0, act_key="hidden_activation",
-           act_default="gelu_pytorch_tanh"),
-    Family("gemma3_text", norms_per_layer=4, qk_norm=True, tied_default=True,
-           head_dim_default=256, windows="interleaved", norm_offset=1.0,
-           act_key="hidden_activation", act_default="gelu_pytorch_tanh"),
     Family("mixtral", windows="every_layer", moe=MoeLayout(
         ("num_local_experts",), "intermediate_size", "block_sparse_moe.gate",
         ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
@@ -185,6 +248,21 @@ def _by_layer_type(config: dict, num_layers: int) -> tuple[int | None, ...]:
     types = config.get("layer_types") or [
         "sliding_attention" if window is not None and i >= config.get("max_window_layers", 28)
         else "full_attention" for i in range(num_layers)]
+    return _typed(types, window, num_layers)
+
+
+def _alternating(config: dict, num_layers: int) -> tuple[int | None, ...]:
+    # Gemma 2/3 always window their local layers: layer_types, else the old configs'
+    # pattern (every n-th layer global: Gemma 2 n = 2 from layer 1, Gemma 3 n = 6)
+    window = _window(config.get("sliding_window"))
+    pattern = int(config.get("sliding_window_pattern") or 2)
+    types = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention"
+        for i in range(num_layers)]
+    return _typed(types, window, num_layers)
+
+
+def _typed(types: list, window: int | None, num_layers: int) -> tuple[int | None, ...]:
     unknown = set(types) - set(LAYER_TYPES)
     if len(types) != num_layers or unknown:
         raise UnsupportedArchitectureError(
@@ -195,22 +273,46 @@ def _by_layer_type(config: dict, num_layers: int) -> tuple[int | None, ...]:
 
 
 def _not_read(config: dict, num_layers: int) -> tuple[int | None, ...]:
-    # gemma2/3 interleave local and global layers; no llmctl runtime reads them (the cost
-    # model notes them), nor the windows of a type outside the table
+    # the windows of a type outside the table are not read
     return ()
 
 
 WINDOW_RULES = {"none": _no_windows, "every_layer": _every_layer,
-                "layer_types": _by_layer_type, "interleaved": _not_read,
+                "layer_types": _by_layer_type, "alternating": _alternating,
                 "unknown": _not_read}
 
+# the attention score scale: q . k times this (transformers' ``self.scaling``)
+ATTENTION_SCALES = {
+    "head_dim": lambda cfg, head_dim: head_dim ** -0.5,
+    "query_pre_attn_scalar": lambda cfg, head_dim: float(cfg["query_pre_attn_scalar"]) ** -0.5,
+    "attention_multiplier": lambda cfg, head_dim: float(cfg.get("attention_multiplier", 1.0)),
+}
 
-def rope_settings(config: dict) -> dict:
-    """The RoPE settings of an HF config.json, old (``rope_scaling``) or new layout:
+# RoPE types whose tables depend on where the original context ends
+_ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")
+
+
+def rope_settings(config: dict, layer_type: str = "full_attention") -> dict:
+    """The RoPE settings of an HF config.json, old (``rope_scaling``) or new layout (one
+    dict, or one per layer type as Gemma 3 writes them: ``layer_type``'s):
     ``rope_theta`` (default 10000) and ``rope_type`` (default "default") always set."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    elif layer_type == "sliding_attention":
+        # Gemma 3's old layout: the local layers rotate at rope_local_base_freq, unscaled
+        return {"rope_type": "default",
+                "rope_theta": float(config.get("rope_local_base_freq", 10000.0))}
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] in _ORIGINAL_CONTEXT:
+        # transformers: a top-level original_max_position_embeddings (Phi-3's) wins, else
+        # the one in the RoPE dict, else max_position_embeddings
+        original = config.get("original_max_position_embeddings") \
+            or params.get("original_max_position_embeddings") \
+            or config.get("max_position_embeddings")
+        if original:
+            params["original_max_position_embeddings"] = int(original)
     return params
 
 
@@ -257,6 +359,14 @@ class ModelArch:
     # () where the family's windows are not read (see WINDOW_RULES)
     layer_windows: tuple[int | None, ...] = ()
     hidden_act: str = "silu"  # the gated MLP's activation, config.json's name for it
+    attention_scale: float = 0.0  # q . k times this (ATTENTION_SCALES)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits (Gemma 2)
+    embedding_multiplier: float = 1.0  # the embeddings times this (Gemma, Granite)
+    residual_multiplier: float = 1.0  # each branch's output times this (Granite)
+    logits_scaling: float = 1.0  # the logits divided by this (Granite)
+    # the RoPE of the sliding-window layers where it differs from ``rope`` (Gemma 3)
+    local_rope: dict | None = field(default=None, hash=False)
     num_experts: int = 0  # 0: a dense MLP
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
@@ -274,12 +384,20 @@ class ModelArch:
             return None
         return max(windows)
 
+    def part_rows(self, fused: str) -> tuple[int, ...]:
+        """The output rows of each projection a fused one holds (:data:`FUSED_PARTS`)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"self_attn.qkv_proj": (q, kv, kv),
+                "mlp.gate_up_proj": (self.intermediate_size,) * 2}[fused]
+
     @classmethod
     def from_config(cls, config: dict[str, Any], *, known_only: bool = True) -> ModelArch:
         """Read ``config.json`` (a multimodal one's ``text_config``). ``known_only=False``
         reads a type outside the table with a neutral row (for reports such as ``info``)."""
         cfg = text_config(config)
         model_type = cfg.get("model_type") or config.get("model_type") or ""
+        if model_type in FAMILIES:  # what transformers reads when config.json omits it
+            cfg = FAMILIES[model_type].config_defaults | cfg
         if known_only:
             if not model_type:
                 raise ConfigError("config.json has no 'model_type'",
@@ -311,11 +429,12 @@ class ModelArch:
                 else int(cfg.get("intermediate_size") or 0)
         stated_rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope = rope_settings(cfg)
+        head_dim = int(cfg.get("head_dim") or row.head_dim_default or hidden // heads)
         return cls(
             family=row, hidden_size=hidden, num_layers=layers, num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             # the one head_dim rule: stated, else the family's default, else hidden / heads
-            head_dim=int(cfg.get("head_dim") or row.head_dim_default or hidden // heads),
+            head_dim=head_dim,
             intermediate_size=width, vocab_size=int(need("vocab_size")),
             max_position_embeddings=cfg.get("max_position_embeddings"),
             rope=rope, rope_theta=stated_rope.get("rope_theta", cfg.get("rope_theta")),
@@ -327,5 +446,24 @@ class ModelArch:
             mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=row.qk_norm,
             layer_windows=WINDOW_RULES[row.windows](cfg, layers),
             hidden_act=str(cfg.get(row.act_key) or row.act_default),
+            **_scalings(cfg, row, hidden, head_dim),
             num_experts=experts, experts_per_token=per_token,
             expert_intermediate_size=expert_width, shared_expert_intermediate_size=shared)
+
+
+def _scalings(cfg: dict, row: Family, hidden: int, head_dim: int) -> dict[str, Any]:
+    """The multipliers, soft-caps and per-layer RoPE a family reads from config.json."""
+    def number(key: str, default: float | None) -> float | None:
+        value = cfg.get(key, default)
+        return None if value is None else float(value)
+
+    return {
+        "attention_scale": ATTENTION_SCALES[row.attention_scale](cfg, head_dim),
+        "attn_softcap": number("attn_logit_softcapping", None) or None,
+        "final_softcap": number("final_logit_softcapping", None) or None,
+        "embedding_multiplier": hidden ** 0.5 if row.embed_sqrt_hidden
+        else number("embedding_multiplier", 1.0),
+        "residual_multiplier": number("residual_multiplier", 1.0),
+        "logits_scaling": number("logits_scaling", 1.0),
+        "local_rope": rope_settings(cfg, "sliding_attention") if row.local_rope else None,
+    }

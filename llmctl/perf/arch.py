@@ -168,7 +168,7 @@ class ArchSpec:
     @classmethod
     def from_arch(cls, arch: ModelArch) -> ArchSpec:
         notes = []
-        if arch.family.windows == "interleaved" or any(arch.layer_windows):
+        if any(arch.layer_windows):
             notes.append(_WINDOW_NOTE)
         return cls(
             model_type=arch.model_type, hidden_size=arch.hidden_size,

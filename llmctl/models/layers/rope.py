@@ -15,6 +15,10 @@ sin (YaRN's "mscale"). A new scheme is one function and one entry in :data:`ROPE
   ``beta_slow`` times over the original context, and ``mscale = 0.1 ln(factor) + 1``.
 - dynamic (NTK): identical to default up to ``max_position_embeddings``; the runtimes
   cap the context there.
+- longrope (Phi-3, Ding et al. 2024): ``inv_freq_i = 1 / (f_i base^(2i/d))`` with the
+  per-dimension ``short_factor`` for a context up to ``original_max_position_embeddings``
+  and ``long_factor`` for a longer one (:data:`SWITCHED`), attention factor
+  ``sqrt(1 + ln(factor) / ln(original))``, ``factor = max_pos / original``.
 
 Partial rotary (``partial_rotary_factor``): only the first ``rotary_dim`` dimensions of
 each head rotate, the rest pass through; the tables are ``rotary_dim`` wide.
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmctl.errors import UnsupportedArchitectureError
 from llmctl.models.layers.registry import lookup
 from llmctl.models.spec import ModelArch
 
@@ -96,7 +101,38 @@ def _yarn(params: dict, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def _longrope_factor(params: dict, max_pos: int) -> tuple[float, int]:
+    original = params["original_max_position_embeddings"]
+    # Phi-3: the ratio of the two contexts, not rope_scaling's "factor", unless stated
+    return params.get("factor") or max_pos / original, original
+
+
+def _longrope_freq(params: dict, dim: int, factors: list[float]) -> torch.Tensor:
+    ext = torch.tensor(factors, dtype=torch.float32)
+    if ext.numel() != dim // 2:
+        raise UnsupportedArchitectureError(
+            f"LongRoPE factors have {ext.numel()} entries, the rotated dimensions {dim // 2}",
+            "fix rope_scaling's short_factor / long_factor in config.json")
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * params["rope_theta"] ** shape)
+
+
+def _longrope(params: dict, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    factor, original = _longrope_factor(params, max_pos)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else \
+            math.sqrt(1 + math.log(factor) / math.log(original))
+    return _longrope_freq(params, dim, params["short_factor"]), float(attention_factor)
+
+
+def _longrope_long(params: dict, dim: int, max_pos: int) -> tuple[torch.Tensor, int]:
+    _, original = _longrope_factor(params, max_pos)
+    return _longrope_freq(params, dim, params["long_factor"]), original
+
+
 ROPE_TYPES: dict[str, Callable[[dict, int, int], tuple[torch.Tensor, float]]] = {
+    "longrope": _longrope,
     "default": _default,
     "linear": _linear,
     "llama3": _llama3,
@@ -104,6 +140,13 @@ ROPE_TYPES: dict[str, Callable[[dict, int, int], tuple[torch.Tensor, float]]] = 
     "dynamic": _default,
 }
 
+
+
+# RoPE types with a second set of frequencies for contexts past a length:
+# type -> (params, dim, max_pos) -> (inv_freq, the longest context of the first set)
+SWITCHED: dict[str, Callable[[dict, int, int], tuple[torch.Tensor, int]]] = {
+    "longrope": _longrope_long,
+}
 
 
 def rotary_dim(head_dim: int, partial_rotary_factor: float = 1.0) -> int:
@@ -122,6 +165,17 @@ def _angles(params: dict, dim: int, max_pos: int, max_len: int, device=None
     # inv_freq on the CPU, the angles (and their cos/sin) where they are used: as
     # transformers' rotary module does once moved to a device
     inv, attention_factor = inv_freq(params, dim, max_pos)
+    switch = SWITCHED.get(params["rope_type"])
+    if switch is not None:
+        # The second set of frequencies for a table reaching past position `at`, for all
+        # of its positions. transformers picks the set by a sequence's length (longer
+        # than `at`: the long one) and, in generate, recomputes the cache with it when a
+        # sequence crosses; one table for the whole context is llama.cpp's and vLLM's
+        # choice (no cache to re-rotate), and equals transformers' forward over a
+        # sequence of `max_len` tokens.
+        second, at = switch(params, dim, max_pos)
+        if max_len > at:
+            inv = second
     positions = torch.arange(max_len, dtype=torch.float32, device=device)
     return torch.outer(positions, inv.float().to(device)), attention_factor
 

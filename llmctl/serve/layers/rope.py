@@ -3,8 +3,9 @@ in the interleaved-pairs layout, and what the engine refuses.
 
 The engine permutes q/k projection rows into interleaved pairs (:func:`interleave_rows`)
 so RoPE is one complex multiplication (:func:`apply_rope`), and its native kernel
-(:class:`llmctl.serve.kernels.cpu.RopeKV`) reads the same :func:`rope_freqs` table. It
-rotates whole heads: partial rotary is refused here, not computed wrong.
+(:class:`llmctl.serve.kernels.cpu.RopeKV`) reads the same :func:`rope_freqs` table.
+Partial rotary: only the first ``rotary_dim`` dimensions of a head are reordered and
+rotated.
 """
 
 from __future__ import annotations
@@ -12,40 +13,52 @@ from __future__ import annotations
 import torch
 
 from llmctl.errors import UnsupportedArchitectureError
+from llmctl.models.layers.registry import lookup
 from llmctl.models.layers.rope import (  # noqa: F401 (the engine's names for them)
     ROPE_TYPES,
     rope_cos_sin,
     rope_freqs,
+    rotary_dim,
 )
 from llmctl.models.layers.rope import rotate_pairs as apply_rope  # noqa: F401
-from llmctl.models.spec import ModelArch, partial_rotary, rope_settings
+from llmctl.models.spec import ModelArch, rope_settings
 
 
 def rope_parameters(config: dict) -> dict:
     """The RoPE settings of an HF config.json, old (``rope_scaling``) or new layout."""
-    _check_full_rotary(partial_rotary(config))
     return rope_settings(config)
 
 
 def check_rope(arch: ModelArch) -> None:
-    """Refuse what the engine's RoPE does not compute."""
-    _check_full_rotary(arch.partial_rotary_factor)
+    """Refuse what the engine's RoPE does not compute: a RoPE type outside the table."""
+    rotated = rotary_dim(arch.head_dim, arch.partial_rotary_factor)
+    if rotated % 2 or not 0 < rotated <= arch.head_dim:
+        raise UnsupportedArchitectureError(
+            f"partial_rotary_factor {arch.partial_rotary_factor} rotates {rotated} of "
+            f"{arch.head_dim} dimensions", "RoPE needs an even number of them; fix config.json")
+    for params in (arch.rope, arch.local_rope):
+        if params is not None:
+            lookup(ROPE_TYPES, params["rope_type"], "RoPE type")
 
 
-def _check_full_rotary(factor: float) -> None:
-    if factor != 1.0:
-        raise UnsupportedArchitectureError("partial rotary embeddings are not supported",
-                                           "use a model that rotates the whole head")
-
-
-def interleave_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def interleave_rows(weight: torch.Tensor, num_heads: int, rotated: int | None = None
+                    ) -> torch.Tensor:
     """Reorder q/k projection rows from HF's halves layout to interleaved pairs.
 
-    HF rotates dimension ``i`` of a head with ``i + d/2``; after this permutation the
-    pair sits at ``(2i, 2i + 1)`` and RoPE is one complex multiplication. Attention only
-    needs ``q . k``, which is unchanged when q and k share the permutation; V is not
-    touched. (llama.cpp's converter applies the same permutation for the same reason.)
+    HF rotates dimension ``i`` of a head with ``i + r/2`` (``r``: the ``rotated``
+    dimensions, all of the head by default); after this permutation the pair sits at
+    ``(2i, 2i + 1)`` and RoPE is one complex multiplication. Attention only needs
+    ``q . k``, which is unchanged when q and k share the permutation; V is not touched.
+    (llama.cpp's converter applies the same permutation for the same reason.) With
+    partial rotary the dimensions past ``r`` keep their place.
     """
     from llmctl.models.architectures import rope_permute
 
-    return rope_permute(weight, num_heads)
+    head = weight.shape[0] // num_heads
+    if rotated is None or rotated == head:
+        return rope_permute(weight, num_heads)
+    rest = weight.shape[1:]
+    per_head = weight.reshape(num_heads, head, *rest)
+    turned = rope_permute(per_head[:, :rotated].reshape(num_heads * rotated, *rest), num_heads)
+    return torch.cat([turned.reshape(num_heads, rotated, *rest), per_head[:, rotated:]],
+                     dim=1).reshape(weight.shape)

@@ -37,9 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from llmctl.errors import UnsupportedArchitectureError
 from llmctl.models.architectures import get_architecture
-from llmctl.models.layers import add_rms_norm, fused_gated, fused_rms_norm
+from llmctl.models.layers import activation, add_rms_norm, fused_gated, fused_rms_norm
 from llmctl.models.spec import ModelArch
 from llmctl.serve.kernels.cpu import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.layers.attention import AttnMetadata, paged_attention
@@ -76,6 +75,30 @@ class ModelSpec:
     # per layer: the sliding window W (the query at p sees keys p - W + 1 .. p) or None
     layer_windows: tuple[int | None, ...] = ()
     hidden_act: str = "silu"
+    # the family's layer form (llmctl.models.spec.Family / ModelArch): norm layout, q/k
+    # norm extent, RoPE of the sliding layers, scales and soft-caps
+    norms: str = "pre"
+    qk_norm_over: str = "head"
+    norm_offset: float = 0.0
+    partial_rotary_factor: float = 1.0
+    local_rope: dict | None = field(default=None, hash=False)
+    attention_scale: float = 0.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    @property
+    def llama_form(self) -> bool:
+        """A layer as Llama's: pre-norms, SwiGLU, whole-head RoPE with one table, the
+        1/sqrt(d) score scale, nothing scaled or capped (what the fused decode layers
+        compute; per-head q/k norm is theirs to check)."""
+        return (self.norms == "pre" and self.hidden_act in SWIGLU
+                and self.partial_rotary_factor == 1.0 and self.local_rope is None
+                and self.attention_scale == self.head_dim ** -0.5
+                and self.attn_softcap is None and self.residual_multiplier == 1.0
+                and self.qk_norm_over == "head")
 
     @property
     def kv_window(self) -> int | None:
@@ -104,16 +127,15 @@ class ModelSpec:
         get_architecture(config.get("model_type", ""))  # raises with the supported list
         arch = ModelArch.from_config(config)
         check_rope(arch)
-        if arch.hidden_act not in SWIGLU:
-            raise UnsupportedArchitectureError(
-                f"MLP activation {arch.hidden_act!r}: the engine's MLP is SwiGLU",
-                "use a model whose config.json sets hidden_act to silu")
+        activation(arch.hidden_act)  # raises with the activations the engine computes
         if eos is None:
             eos = _as_tuple(config.get("eos_token_id"))
         # the fields named as in ModelArch are its own; the rest are the engine's
         same = {f.name: getattr(arch, f.name) for f in fields(cls) if hasattr(arch, f.name)}
         return cls(**same | {
             "max_position_embeddings": arch.max_position_embeddings or 2048,
+            "norms": arch.family.norms, "qk_norm_over": arch.family.qk_norm_over,
+            "norm_offset": arch.family.norm_offset,
             "eos_token_ids": eos,
             "quantization_config": config.get("quantization_config"),
             "torch_dtype": config.get("torch_dtype") or config.get("dtype")})
@@ -136,26 +158,55 @@ def _generation_eos(path: Path) -> tuple[int, ...] | None:
 
 
 class Layer:
-    # qkv's q and k rows are in interleaved-pair order (rope.interleave_rows); qk_norm is
-    # qwen3's q_norm/k_norm as one [heads + kv_heads, head_dim] table in the same order.
-    __slots__ = ("input_norm", "qkv", "qk_norm", "o", "post_norm", "gate_up", "down")
+    # qkv's q and k rows are in interleaved-pair order (rope.interleave_rows). qk_norm:
+    # per head (qwen3, gemma3) q_norm/k_norm as one [heads + kv_heads, head_dim] table,
+    # over the projection (olmo2) one [(heads + kv_heads) * head_dim] vector, in the same
+    # order. The norms by slot (spec.NORM_LAYOUTS; None where the family has none):
+    # input_norm before attention, attn_out_norm on its output, post_norm before the MLP
+    # (Llama's post_attention_layernorm), mlp_out_norm on the MLP's output. Gemma's
+    # (1 + w) is folded into the weights at load.
+    __slots__ = ("input_norm", "qkv", "qk_norm", "o", "attn_out_norm", "post_norm",
+                 "gate_up", "down", "mlp_out_norm")
 
     def __init__(self, **parts) -> None:
         for name in self.__slots__:
             setattr(self, name, parts.get(name))
 
 
+# whether csrc/rope_kv.cpp rotates part of a head (a table narrower than head_dim / 2)
+PARTIAL_ROPE_KERNEL = False
+
 # the activations the engine's MLP computes: its kernels and fused decode layers are SwiGLU
 SWIGLU = ("silu", "swish")
 
 
 class TorchNormAct:
-    """Residual add + RMSNorm, and SwiGLU's activation, as the shared torch blocks (any
-    dtype/device); :class:`llmctl.serve.kernels.cpu.NormActKernels` fuses them for bf16
-    on the CPU. The functions themselves, not wrappers: no extra call per op."""
+    """Residual add + RMSNorm, and the gated MLP's activation, as the shared torch blocks
+    (any dtype/device); :class:`llmctl.serve.kernels.cpu.NormActKernels` fuses them for
+    bf16 on the CPU. The functions themselves, not wrappers: no extra call per op."""
 
     add_rms_norm = staticmethod(add_rms_norm)
     silu_mul = staticmethod(fused_gated("silu"))
+
+    @staticmethod
+    def act_mul(name: str):
+        return fused_gated(name)
+
+
+def _act_mul(ops, name: str):
+    """The native ``act(gate) * up`` where the kernels have ``name``, else torch's."""
+    return ops.act_mul(name) or fused_gated(name)
+
+
+def _add_norm(ops, x: torch.Tensor, branch: torch.Tensor | None, weight: torch.Tensor | None,
+              eps: float) -> torch.Tensor:
+    """``x += branch``, then the next norm of x; without a norm (OLMo 2 feeds the residual
+    stream itself into attention and MLP) x itself."""
+    if weight is not None:
+        return ops.add_rms_norm(x, branch, weight, eps)
+    if branch is not None:
+        x.add_(branch)
+    return x
 
 
 class LlamaModel:
@@ -171,14 +222,31 @@ class LlamaModel:
         self.lm_head = lm_head
         self.dtype = dtype
         self.device = device
-        self.freqs = rope_freqs(spec.rope, spec.head_dim, spec.max_position_embeddings,
-                                max_len).to(device)
+        def table(params: dict) -> torch.Tensor:
+            return rope_freqs(params, spec.head_dim, spec.max_position_embeddings, max_len,
+                              partial=spec.partial_rotary_factor).to(device)
+
+        self.freqs = table(spec.rope)
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = spec.head_dim ** -0.5
+        self.scale = spec.attention_scale or spec.head_dim ** -0.5
         self.norm_act = norm_act_kernels(device, dtype) or TorchNormAct()
+        self.act_mul = _act_mul(self.norm_act, spec.hidden_act)
         self.rope_kv = rope_kv_kernel(device, dtype, self.freqs)
-        self.decode_layers = DecodeLayers.build(self)
+        # per layer: its RoPE table and native RoPE + cache write (Gemma 3's sliding
+        # layers rotate with their own), its window
+        windows = spec.layer_windows or (None,) * len(layers)
+        local = table(spec.local_rope) if spec.local_rope is not None else None
+        local_kv = rope_kv_kernel(device, dtype, local) if local is not None else None
+        if spec.partial_rotary_factor != 1.0 and not PARTIAL_ROPE_KERNEL:
+            self.rope_kv = local_kv = None
+        self.layer_rope = [(local, local_kv) if w and local is not None
+                           else (self.freqs, self.rope_kv) for w in windows]
+        self.windows = windows
+        # Gemma rounds sqrt(hidden) to the model's dtype first (its transformers code)
+        self.embed_scale = (None if spec.embedding_multiplier == 1.0 else
+                            torch.tensor(spec.embedding_multiplier, dtype=dtype, device=device))
+        self.decode_layers = DecodeLayers.build(self) if spec.llama_form else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None,
@@ -195,41 +263,40 @@ class LlamaModel:
         nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         quantized = kv_scales is not None
         codec = CODECS[kv_cache.dtype] if quantized else None
-        rope_kv = self.rope_kv if kv_cache.dtype == torch.bfloat16 or quantized else None
+        native_rope = kv_cache.dtype == torch.bfloat16 or quantized
         # Fresh prompts attend over their K/V as the cache holds them (quantized, then
         # dequantized), not over the full-precision values just computed: so a prefill's
         # logits (what `llmctl eval` scores) carry the same quantization error as every
         # later decode step reading those tokens back, and teacher-forced evaluation
         # measures what generation experiences.
         reread = quantized and any(g.fresh for g in meta.groups)
-        freqs = self.freqs[positions].unsqueeze(1) if rope_kv is None else None
-        qk_size = self.q_size + self.kv_size
         slots = meta.slot_mapping
-        windows = spec.layer_windows or (None,) * len(self.layers)
         ops = self.norm_act
         # x is the residual stream, updated in place; each norm also adds the residual
         # branch that precedes it (the last layer's MLP output goes into the final norm)
         x = F.embedding(input_ids, self.embed)
-        h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        h = _add_norm(ops, x, None, self.layers[0].input_norm, eps)
         fused = self.decode_layers
         if fused is not None and (lora is None or lora.native is not None) \
                 and fused.applies(t, meta, kv_cache):
             return fused(x, h, positions, meta, kv_cache, kv_scales, lora)
+        freqs_at = {}  # RoPE table -> its rows at this step's positions
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h)
-            if lora is not None:
-                lora.apply(i, "qkv", h, qkv)
-            qk = qkv[:, :qk_size].view(t, nh + nkv, d)
-            v = qkv[:, qk_size:].view(t, nkv, d)
-            if layer.qk_norm is not None:
-                qk = fused_rms_norm(qk, None, eps) * layer.qk_norm
+            qkv = self._linear(lora, i, "qkv", h)
+            qk = self._qk_norm(layer, qkv, t).view(t, nh + nkv, d)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, nkv, d)
             layer_cache = kv_cache[i]
             layer_scales = kv_scales[i] if quantized else None
-            if rope_kv is not None:  # bf16 throughout: rotate in place, write the cache
+            table, rope_kv = self.layer_rope[i]
+            if native_rope and rope_kv is not None:  # bf16: rotate in place, write the cache
                 rope_kv(qk, v, positions, slots, layer_cache, layer_scales)
                 q, k = qk[:, :nh], qk[:, nh:]
             else:
-                qk = apply_rope(qk, freqs)  # q and k rotated together
+                if id(table) not in freqs_at:
+                    freqs_at[id(table)] = table[positions].unsqueeze(1)
+                qk = apply_rope(qk, freqs_at[id(table)])  # q and k rotated together
                 q, k = qk[:, :nh], qk[:, nh:]
                 if quantized:
                     codec.write(layer_cache, layer_scales, slots, k, v)
@@ -241,28 +308,59 @@ class LlamaModel:
                     layer_cache[1].view(-1, nkv, d).index_copy_(0, slots, v)
             if reread:
                 k, v = codec.read(layer_cache, layer_scales, slots, q.dtype)
-            attn = paged_attention(q, k, v, layer_cache, meta, self.scale, windows[i],
-                                   layer_scales)
-            if lora is None:
-                h = ops.add_rms_norm(x, layer.o(attn.to(x.dtype)), layer.post_norm, eps)
-                mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
-            else:
-                h = ops.add_rms_norm(x, self._adapted(lora, i, "o", attn.to(x.dtype)),
-                                     layer.post_norm, eps)
-                act = ops.silu_mul(self._adapted(lora, i, "gate_up", h))
-                mlp = self._adapted(lora, i, "down", act)
+            attn = paged_attention(q, k, v, layer_cache, meta, self.scale, self.windows[i],
+                                   layer_scales, **self._softcap)
+            o = self._branch(layer.attn_out_norm, self._linear(lora, i, "o", attn.to(x.dtype)))
+            h = _add_norm(ops, x, o, layer.post_norm, eps)
+            mlp = self._linear(lora, i, "down", self.act_mul(self._linear(lora, i, "gate_up", h)))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            h = ops.add_rms_norm(x, mlp, following, eps)
+            h = _add_norm(ops, x, self._branch(layer.mlp_out_norm, mlp), following, eps)
         return h
 
-    def _adapted(self, lora: LoRABatch, i: int, target: str, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def _softcap(self) -> dict:
+        cap = self.spec.attn_softcap
+        return {"softcap": cap} if cap else {}
+
+    def _qk_norm(self, layer: Layer, qkv: torch.Tensor, t: int) -> torch.Tensor:
+        """q and k of ``qkv`` (``[t, q + kv]``), RMS-normed per head or over each whole
+        projection where the family norms them."""
+        qk_size = self.q_size + self.kv_size
+        if layer.qk_norm is None:
+            return qkv[:, :qk_size]
+        eps = self.spec.rms_norm_eps
+        if self.spec.qk_norm_over == "head":
+            heads = qkv[:, :qk_size].view(t, -1, self.spec.head_dim)
+            return fused_rms_norm(heads, None, eps) * layer.qk_norm
+        w = layer.qk_norm
+        q = fused_rms_norm(qkv[:, :self.q_size], None, eps) * w[:self.q_size]
+        k = fused_rms_norm(qkv[:, self.q_size:qk_size], None, eps) * w[self.q_size:]
+        return torch.cat([q, k], dim=-1)
+
+    def _branch(self, out_norm: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+        """A branch's output as the residual add takes it: normed after (Gemma 2/3,
+        OLMo 2), times the residual multiplier (Granite)."""
+        if out_norm is not None:
+            y = self.norm_act.add_rms_norm(y, None, out_norm, self.spec.rms_norm_eps)
+        rs = self.spec.residual_multiplier
+        return y if rs == 1.0 else y * rs
+
+    def _linear(self, lora: LoRABatch | None, i: int, target: str,
+                x: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s fused linear ``target`` on ``x``, plus the step's LoRA terms."""
         y = getattr(self.layers[i], target)(x)
-        lora.apply(i, target, x, y)
+        if lora is not None:
+            lora.apply(i, target, x, y)
         return y
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """The output head's logits in float32: divided by Granite's ``logits_scaling``,
+        soft-capped as Gemma 2 caps them (``cap * tanh(logits / cap)``)."""
+        logits = self.lm_head(hidden).float()
+        if self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
+        cap = self.spec.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     @property
     def bytes_read_per_step(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from llmctl.errors import NotAModelError
+from llmctl.models.spec import FAMILIES, NORM_LAYOUTS, ModelArch
 from llmctl.serve.layers.lowbit import (
     AffineCodes,
     LowBitLinear,
@@ -32,22 +33,68 @@ from llmctl.serve.layers.quant_linear import (
     load_quant_weight,
     make_linear,
 )
-from llmctl.serve.layers.rope import interleave_rows
+from llmctl.serve.layers.rope import interleave_rows, rotary_dim
 from llmctl.serve.model.decoder import Layer, LlamaModel, ModelSpec
 from llmctl.utils.cpu import cpu_flags
 
 
-def _interleave(weight, num_heads: int):
-    """q/k rows (a tensor, or the rows of integer codes) in the engine's RoPE layout."""
+def _map_rows(weight, fn):
+    """``fn`` over the output rows of a weight: a tensor, integer codes with their scales,
+    or a compressed-tensors weight (its codes, scales and zero points alike)."""
     if isinstance(weight, AffineCodes):
-        return weight.map_rows(lambda t: interleave_rows(t, num_heads))
+        return weight.map_rows(fn)
     if isinstance(weight, QuantWeight):
         return QuantWeight(
-            q=interleave_rows(weight.q, num_heads), scale=interleave_rows(weight.scale, num_heads),
-            zero_point=(None if weight.zero_point is None
-                        else interleave_rows(weight.zero_point, num_heads)),
+            q=fn(weight.q), scale=fn(weight.scale),
+            zero_point=None if weight.zero_point is None else fn(weight.zero_point),
             group_size=weight.group_size, num_bits=weight.num_bits)
-    return interleave_rows(weight, num_heads)
+    return fn(weight)
+
+
+def _interleave(weight, num_heads: int, rotated: int | None = None):
+    """q/k rows (a tensor, or the rows of integer codes) in the engine's RoPE layout."""
+    return _map_rows(weight, lambda t: interleave_rows(t, num_heads, rotated))
+
+
+class FusedSplit:
+    """A reader that also answers the projections a checkpoint stores fused (Phi-3's
+    ``qkv_proj`` and ``gate_up_proj``, :data:`llmctl.models.spec.FUSED_PARTS`) by their
+    own names, as row slices of the fused weight: the builder then fuses as for any
+    family (and permutes q/k rows for RoPE on their own)."""
+
+    def __init__(self, read, spec: ModelSpec, parts: dict[str, tuple[str, ...]],
+                 rows: dict[str, tuple[int, ...]]) -> None:
+        self.read = read
+        self._where: dict[str, tuple[str, int, int]] = {}
+        for whole, names in parts.items():
+            start = 0
+            for name, n in zip(names, rows[whole]):
+                self._where[name] = (whole, start, start + n)
+                start += n
+
+    def _split(self, name: str) -> tuple[str, int, int] | None:
+        prefix, _, rest = name.partition(".layers.")
+        layer, _, module = rest.partition(".")
+        for part, where in self._where.items():
+            if module == part or module.startswith(part + "."):
+                whole = f"{prefix}.layers.{layer}.{where[0]}{module[len(part):]}"
+                return whole, where[1], where[2]
+        return None
+
+    def __contains__(self, name: str) -> bool:
+        split = self._split(name)
+        return (split[0] if split else name) in self.read
+
+    def __call__(self, name: str) -> torch.Tensor:
+        split = self._split(name)
+        return self.read(name) if split is None else self.read(split[0])[split[1]:split[2]]
+
+    def layer_weight(self, name: str):
+        split = self._split(name)
+        if split is None:
+            return self.read.layer_weight(name)
+        whole, a, b = split
+        return _map_rows(self.read.layer_weight(whole), lambda t: t[a:b])
 
 
 class CheckpointReader:
@@ -101,11 +148,16 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
     """
     spec = spec or ModelSpec.from_dir(path)
     read = reader if reader is not None else CheckpointReader(path, spec.quantization_config)
+    family = FAMILIES[spec.model_type]
+    if family.fused:
+        # part_rows reads the four shape fields ModelSpec shares with ModelArch
+        read = FusedSplit(read, spec, family.fused_parts,
+                          {f: ModelArch.part_rows(spec, f) for f in family.fused})
     build = _ModelBuilder(read, spec, dtype=dtype, device=device, backend=backend,
                           gemm=bf16_gemm_plan(bf16_gemm, spec, dtype, device))
     layers = [build.layer(i) for i in range(spec.num_layers)]
     embed, head = build.embed_and_head(lm_head)
-    return LlamaModel(spec, embed=embed, layers=layers, norm=build.tensor("model.norm.weight"),
+    return LlamaModel(spec, embed=embed, layers=layers, norm=build.norm("model.norm.weight"),
                       lm_head=head, dtype=dtype, device=device, max_len=max_len)
 
 
@@ -122,9 +174,11 @@ class _ModelBuilder:
     gemm: str  # the bf16 dense layers' form (bf16_gemm_plan)
     # the projections whose rows take the engine's RoPE layout, and their heads
     rotated: dict[str, int] = field(init=False)
+    rotated_dims: int = field(init=False)  # of each q/k head (partial rotary: fewer)
 
     def __post_init__(self) -> None:
         self.rotated = {"q_proj": self.spec.num_heads, "k_proj": self.spec.num_kv_heads}
+        self.rotated_dims = rotary_dim(self.spec.head_dim, self.spec.partial_rotary_factor)
 
     def tensor(self, name: str) -> torch.Tensor:
         return self.read(name).to(device=self.device, dtype=self.dtype)
@@ -145,9 +199,9 @@ class _ModelBuilder:
         for i, name in enumerate(names):
             heads = self.rotated.get(name.rsplit(".", 1)[-1])
             if heads:
-                weights[i] = _interleave(weights[i], heads)
+                weights[i] = _interleave(weights[i], heads, self.rotated_dims)
                 if biases[i] is not None:
-                    biases[i] = interleave_rows(biases[i], heads)
+                    biases[i] = interleave_rows(biases[i], heads, self.rotated_dims)
         bias = torch.cat(biases) if all(b is not None for b in biases) else None
         kinds = {type(w) for w in weights}
         if len(kinds) == 1:
@@ -158,26 +212,41 @@ class _ModelBuilder:
                 return self.linear(joined, bias)
         return ConcatLinear([self.linear(w, b) for w, b in zip(weights, biases)])
 
+    def norm(self, name: str) -> torch.Tensor:
+        """An RMSNorm weight with the family's offset folded in (Gemma's ``1 + w``, added
+        in float32 as its RMSNorm adds it, then cast)."""
+        weight = self.read(name)
+        if self.spec.norm_offset:
+            weight = weight.float() + self.spec.norm_offset
+        return weight.to(device=self.device, dtype=self.dtype)
+
     def qk_norm(self, attn: str) -> torch.Tensor:
-        """qwen3's per-head q and k RMSNorm weights as one ``[heads + kv_heads, d]`` table."""
-        q = interleave_rows(self.read(f"{attn}.q_norm.weight"), 1)
-        k = interleave_rows(self.read(f"{attn}.k_norm.weight"), 1)
-        table = torch.cat([q.expand(self.spec.num_heads, -1),
-                           k.expand(self.spec.num_kv_heads, -1)])
-        return table.to(device=self.device, dtype=self.dtype).contiguous()
+        """q and k's RMSNorm weights in the RoPE row order: per head (qwen3, gemma3) one
+        ``[heads + kv_heads, d]`` table; over the projection (olmo2) one vector."""
+        spec = self.spec
+        q, k = self.norm(f"{attn}.q_norm.weight"), self.norm(f"{attn}.k_norm.weight")
+        if spec.qk_norm_over == "head":
+            q, k = (interleave_rows(w, 1, self.rotated_dims) for w in (q, k))
+            return torch.cat([q.expand(spec.num_heads, -1),
+                              k.expand(spec.num_kv_heads, -1)]).contiguous()
+        q = interleave_rows(q, spec.num_heads, self.rotated_dims)
+        k = interleave_rows(k, spec.num_kv_heads, self.rotated_dims)
+        return torch.cat([q, k]).contiguous()
 
     def layer(self, i: int) -> Layer:
         spec, fused = self.spec, self.fused
         p = f"model.layers.{i}"
         attn, mlp = f"{p}.self_attn", f"{p}.mlp"
+        norms = {slot: self.norm(f"{p}.{name}.weight")
+                 for slot, name in NORM_LAYOUTS[spec.norms].items()}
         return Layer(
-            input_norm=self.tensor(f"{p}.input_layernorm.weight"),
+            input_norm=norms.get("input"),
             qkv=fused([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], spec.qkv_bias),
             qk_norm=self.qk_norm(attn) if spec.qk_norm else None,
             o=fused([f"{attn}.o_proj"], spec.o_bias),
-            post_norm=self.tensor(f"{p}.post_attention_layernorm.weight"),
+            attn_out_norm=norms.get("attn_out"), post_norm=norms.get("mlp_in"),
             gate_up=fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"], spec.mlp_bias),
-            down=fused([f"{mlp}.down_proj"], spec.mlp_bias),
+            down=fused([f"{mlp}.down_proj"], spec.mlp_bias), mlp_out_norm=norms.get("mlp_out"),
         )
 
     def embed_and_head(self, lm_head: str):

@@ -85,12 +85,13 @@ def test_the_torch_path_is_the_shared_building_blocks():
                        torch.nn.functional.silu(gate_up[:, :8]) * gate_up[:, 8:])
 
 
-def test_an_activation_other_than_silu_is_refused():
+def test_an_activation_outside_the_table_is_refused():
     from llmctl.errors import UnsupportedArchitectureError
     from llmctl.serve.model.decoder import ModelSpec
 
     config = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16,
               "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     assert ModelSpec.from_config(config).hidden_act == "silu"
-    with pytest.raises(UnsupportedArchitectureError, match="gelu"):
-        ModelSpec.from_config(config | {"hidden_act": "gelu"})
+    assert ModelSpec.from_config(config | {"hidden_act": "gelu"}).hidden_act == "gelu"
+    with pytest.raises(UnsupportedArchitectureError, match="relu2.*silu, swish"):
+        ModelSpec.from_config(config | {"hidden_act": "relu2"})

@@ -6,8 +6,9 @@
   cache instead of one (the decode step of a 128-sequence batch spent two thirds of its
   time there).
 - :file:`csrc/norm_act.cpp`: residual add + RMSNorm, SwiGLU's ``silu(g) * u`` and GeGLU's
-  ``gelu_tanh(g) * u`` for bfloat16 activations in one pass each, with transformers' roundings (torch's bf16
-  RMSNorm alone cost a fifth of the matrix products' time on a prefill step).
+  ``gelu_tanh(g) * u`` for bfloat16 activations in one pass each, with transformers'
+  roundings (torch's bf16 RMSNorm alone cost a fifth of the matrix products' time on a
+  prefill step).
 - :file:`csrc/lowbit_gemm.cpp`: int4/int8 weights times bfloat16 activations with
   AVX512-BF16 (:mod:`llmctl.serve.layers.lowbit`); :file:`csrc/lowbit_vnni.cpp` the same for
   one to eight rows with AVX512-VNNI byte products on 15-bit activations;
@@ -111,8 +112,8 @@ _PAGED_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
                _F32, _PTR, _INT, _I64, _F32]
 # 8-bit caches: the K and V scales follow the K and V codes
 _PAGED_I8_ARGS = _PAGED_ARGS[:3] + [_PTR, _PTR] + _PAGED_ARGS[3:]
-_ROPE_KV_ARGS = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
-                 _INT]
+_ROPE_KV_ARGS = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
+                 _PTR, _INT]
 _ROPE_KV_I8_ARGS = _ROPE_KV_ARGS[:-1] + [_PTR, _PTR, _INT]
 ARGTYPES = {
     "paged_attention_f32": _PAGED_ARGS,
@@ -401,13 +402,19 @@ class NormActKernels:
 
 
 class RopeKV:
-    """RoPE on q and k plus the K/V cache write in one native call (bfloat16)."""
+    """RoPE on q and k plus the K/V cache write in one native call (bfloat16), with one
+    table of rotations: ``freqs [positions, rot / 2]`` complex, the first ``rot``
+    dimensions of each head rotating as interleaved pairs (``rot`` < head_dim: partial
+    rotary, the rest pass through; :func:`llmctl.models.layers.rope.rotate_pairs`). The
+    table is this object's own: a model with two tables (Gemma 3's sliding layers) holds
+    two, each passing its table on every call."""
 
     def __init__(self, lib: ctypes.CDLL, freqs: torch.Tensor) -> None:
         # by the cache's storage: bf16, int8 codes (scales written), E4M3 codes (read)
         self._fns = {torch.bfloat16: lib.rope_kv_bf16, torch.int8: lib.rope_kv_bf16_i8,
                      torch.uint8: lib.rope_kv_bf16_f8}
-        self.freqs = torch.view_as_real(freqs).contiguous()  # [positions, d / 2, 2] float32
+        self.freqs = torch.view_as_real(freqs).contiguous()  # [positions, rot / 2, 2] float32
+        self.rot = 2 * freqs.shape[-1]  # the rotated dimensions of a head
 
     def __call__(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, layer_cache: torch.Tensor,
@@ -418,13 +425,15 @@ class RopeKV:
         quantized, scales into ``layer_scales [2, blocks, block_size, kv_heads]``; an fp8
         cache: quantized with the static ``layer_scales [2, kv_heads]``)."""
         t, heads, d = qk.shape
+        if self.rot > d:
+            raise ValueError(f"a RoPE table of {self.rot} rotated dimensions for heads of {d}")
         kv_heads = v.shape[1]
         cache = (layer_cache[0].data_ptr(), layer_cache[1].data_ptr())
         fn = self._fns[layer_cache.dtype]
         if layer_scales is not None:
             cache += (layer_scales[0].data_ptr(), layer_scales[1].data_ptr())
         fn(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), t, heads - kv_heads,
-           kv_heads, d, self.freqs.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+           kv_heads, d, self.rot, self.freqs.data_ptr(), positions.data_ptr(), slots.data_ptr(),
            *cache, torch.get_num_threads())
 
 

@@ -73,7 +73,7 @@ class Step(ctypes.Structure):
                 ("qkv", _PTR), ("attn", _PTR), ("attn_f", _PTR), ("proj", _PTR),
                 ("gate_up", _PTR), ("act", _PTR), ("num_threads", _INT), ("window", _I64),
                 ("lora", _PTR), ("lora_n", _I64), ("layer", _I64), ("sums", _PTR),
-                ("softcap", _F32)]
+                ("softcap", _F32), ("rot", _I64)]
 
 
 def matrix(layer) -> tuple[Matrix, int] | None:
@@ -140,7 +140,8 @@ class DecodeLayers:
         }
         self._step = Step(hidden=spec.hidden_size, q_heads=spec.num_heads,
                           kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                          freqs=model.rope_kv.freqs.data_ptr(), scale=model.scale,
+                          freqs=model.rope_kv.freqs.data_ptr(), rot=model.rope_kv.rot,
+                          scale=model.scale,
                           eps=spec.rms_norm_eps,
                           **{k: v.data_ptr() for k, v in self._scratch.items()})
 

@@ -56,7 +56,7 @@ void lowbit_gemv_avx2(const void* x, int64_t ldx, int x_f32, const uint8_t* w, i
                       int64_t group, void* out, int64_t ldo, int64_t n_valid, int out_f32,
                       int num_threads);
 void rope_kv_bf16(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
-                  int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
+                  int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, int64_t rot,
                   const float* freqs, const int64_t* positions, const int64_t* slots,
                   uint16_t* k_cache, uint16_t* v_cache, int num_threads);
 void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
@@ -67,7 +67,8 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* 
                           float softcap);
 void rope_kv_bf16_i8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
                      int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
-                     const float* freqs, const int64_t* positions, const int64_t* slots,
+                     int64_t rot, const float* freqs, const int64_t* positions,
+                     const int64_t* slots,
                      int8_t* k_cache, int8_t* v_cache, float* k_scale, float* v_scale,
                      int num_threads);
 void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v,
@@ -79,7 +80,8 @@ void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v
                           float softcap);
 void rope_kv_bf16_f8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
                      int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
-                     const float* freqs, const int64_t* positions, const int64_t* slots,
+                     int64_t rot, const float* freqs, const int64_t* positions,
+                     const int64_t* slots,
                      uint8_t* k_cache, uint8_t* v_cache, const float* k_scale,
                      const float* v_scale, int num_threads);
 void paged_attention_bf16_f8(const uint16_t* q, const uint8_t* k, const uint8_t* v,
@@ -129,6 +131,7 @@ struct Step {  // what every layer of one step shares
   int64_t layer;  // this layer's index, for the adapters' tables (set before each call)
   float* sums;  // scratch [m, widest n] float32: a kind 2 product's sums before its bias
   float softcap;  // attention logit soft-capping, 0: none
+  int64_t rot;  // the rotated dimensions of a head (freqs: [positions, rot / 2, 2])
 };
 
 // out = W x (+ bias) for the step's rows, then the adapters' terms of fused linear `target`
@@ -185,8 +188,8 @@ void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
   if (kv_kind == 2) {
     uint8_t* kc = static_cast<uint8_t*>(k_cache);
     uint8_t* vc = static_cast<uint8_t*>(v_cache);
-    rope_kv_bf16_f8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.freqs,
-                    st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
+    rope_kv_bf16_f8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.rot,
+                    st.freqs, st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
     paged_attention_bf16_f8(st.qkv, kc, vc, k_scale, v_scale, st.block_tables, st.max_blocks,
                             st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
                             st.block_size, st.scale, st.attn_f, st.num_threads, st.window,
@@ -194,8 +197,8 @@ void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
   } else if (kv_kind == 1) {
     int8_t* kc = static_cast<int8_t*>(k_cache);
     int8_t* vc = static_cast<int8_t*>(v_cache);
-    rope_kv_bf16_i8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.freqs,
-                    st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
+    rope_kv_bf16_i8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.rot,
+                    st.freqs, st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
     paged_attention_bf16_i8(st.qkv, kc, vc, k_scale, v_scale, st.block_tables, st.max_blocks,
                             st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
                             st.block_size, st.scale, st.attn_f, st.num_threads, st.window,
@@ -203,8 +206,8 @@ void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
   } else {
     uint16_t* kc = static_cast<uint16_t*>(k_cache);
     uint16_t* vc = static_cast<uint16_t*>(v_cache);
-    rope_kv_bf16(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.freqs,
-                 st.positions, st.slots, kc, vc, st.num_threads);
+    rope_kv_bf16(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.rot,
+                 st.freqs, st.positions, st.slots, kc, vc, st.num_threads);
     paged_attention_bf16(st.qkv, kc, vc, st.block_tables, st.max_blocks, st.context_lens,
                          st.m, 1, width, st.q_heads, st.kv_heads, d, st.block_size, st.scale,
                          st.attn_f, st.num_threads, st.window, st.softcap);

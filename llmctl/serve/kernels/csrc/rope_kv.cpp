@@ -7,7 +7,11 @@
 // llmctl/serve/layers/rope.py) are multiplied in float32 by freqs[pos][j] = a (cos, sin), then
 // rounded to bfloat16 (nearest even), as the complex64 product and .to(bfloat16) do:
 //   y0 = x0 c - x1 s,   y1 = x0 s + x1 c.
-
+// Partial rotary (Phi-3/4 rotate 75 % of each head): with a table of rot / 2 rotations per
+// position (rot < d, even) only the first rot dimensions of a head rotate, as pairs
+// (2j, 2j+1) of them; the other d - rot pass through (rope.rotate_pairs). The table is an
+// argument of each call: one library serves any number of tables (Gemma 3's sliding
+// layers rotate with their own).
 //
 // An int8 cache (llmctl/serve/layers/kv_quant.py) gets each token's K and V heads quantized as
 // they are written, with kv_quant.quantize_int8's arithmetic (float32, IEEE division,
@@ -27,9 +31,9 @@ using namespace llmctl_simd;
 
 namespace {
 
-// Rotate the q and k heads of token t's row in place.
-inline void rotate(uint16_t* row, int64_t heads, int64_t d, const float* f) {
-  const int64_t half = d / 2;
+// Rotate the first rot dimensions of the q and k heads of token t's row in place.
+inline void rotate(uint16_t* row, int64_t heads, int64_t d, int64_t rot, const float* f) {
+  const int64_t half = rot / 2;
   for (int64_t h = 0; h < heads; ++h) {
     uint16_t* x = row + h * d;
 #pragma omp simd
@@ -73,16 +77,17 @@ extern "C" {
 
 // qk [tokens, q_heads + kv_heads, d] (qk_stride elements between tokens) is rotated in
 // place; its key heads and v [tokens, kv_heads, d] (v_stride) are copied to the caches
-// [slots, kv_heads, d] at slots[t]. freqs [positions, d / 2, 2] float32.
+// [slots, kv_heads, d] at slots[t]. freqs [positions, rot / 2, 2] float32 (rot <= d, even:
+// the dimensions of each head that rotate).
 void rope_kv_bf16(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
-                  int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
+                  int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, int64_t rot,
                   const float* freqs, const int64_t* positions, const int64_t* slots,
                   uint16_t* k_cache, uint16_t* v_cache, int num_threads) {
   // a decode step has a handful of tokens: forking threads would cost more than the work
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= 64)
   for (int64_t t = 0; t < tokens; ++t) {
     uint16_t* row = qk + t * qk_stride;
-    rotate(row, q_heads + kv_heads, d, freqs + positions[t] * d);
+    rotate(row, q_heads + kv_heads, d, rot, freqs + positions[t] * rot);
     const size_t bytes = static_cast<size_t>(kv_heads * d) * sizeof(uint16_t);
     std::memcpy(k_cache + slots[t] * kv_heads * d, row + q_heads * d, bytes);
     std::memcpy(v_cache + slots[t] * kv_heads * d, v + t * v_stride, bytes);
@@ -92,13 +97,14 @@ void rope_kv_bf16(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_
 // The same into an int8 cache: codes at [slots, kv_heads, d], scales at [slots, kv_heads].
 void rope_kv_bf16_i8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
                      int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
-                     const float* freqs, const int64_t* positions, const int64_t* slots,
+                     int64_t rot, const float* freqs, const int64_t* positions,
+                     const int64_t* slots,
                      int8_t* k_cache, int8_t* v_cache, float* k_scale, float* v_scale,
                      int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= 64)
   for (int64_t t = 0; t < tokens; ++t) {
     uint16_t* row = qk + t * qk_stride;
-    rotate(row, q_heads + kv_heads, d, freqs + positions[t] * d);
+    rotate(row, q_heads + kv_heads, d, rot, freqs + positions[t] * rot);
     const int64_t slot = slots[t];
     quantize_heads(row + q_heads * d, kv_heads, d, k_cache + slot * kv_heads * d,
                    k_scale + slot * kv_heads);
@@ -111,13 +117,14 @@ void rope_kv_bf16_i8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t
 // [kv_heads] are the layer's static scales (read, not written).
 void rope_kv_bf16_f8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
                      int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
-                     const float* freqs, const int64_t* positions, const int64_t* slots,
+                     int64_t rot, const float* freqs, const int64_t* positions,
+                     const int64_t* slots,
                      uint8_t* k_cache, uint8_t* v_cache, const float* k_scale,
                      const float* v_scale, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= 64)
   for (int64_t t = 0; t < tokens; ++t) {
     uint16_t* row = qk + t * qk_stride;
-    rotate(row, q_heads + kv_heads, d, freqs + positions[t] * d);
+    rotate(row, q_heads + kv_heads, d, rot, freqs + positions[t] * rot);
     const int64_t slot = slots[t];
     quantize_heads_fp8(row + q_heads * d, kv_heads, d, k_scale, k_cache + slot * kv_heads * d);
     quantize_heads_fp8(v + t * v_stride, kv_heads, d, v_scale, v_cache + slot * kv_heads * d);

@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmctl.errors import ConfigError
+from llmctl.errors import ConfigError, UnsupportedArchitectureError
 from llmctl.models.spec import FAMILIES, Family, ModelArch, MoeLayout, text_config
 
-_WINDOW_NOTE = ("sliding-window layers are counted as full attention: KV memory and "
-                "attention FLOPs are upper bounds beyond the window")
+_WINDOW_NOTE = ("sliding-window layers hold and attend at most their window's tokens: KV "
+                "per token is the average over a sequence of the planned context")
 
 # The family table is the model layer's; a mixture of experts is a row with a MoE layout.
 MoeFamily = MoeLayout
@@ -71,6 +71,9 @@ class ArchSpec:
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     max_position_embeddings: int | None = None
+    # per layer: its sliding window (it holds and attends at most that many tokens) or None;
+    # () when no layer has one
+    layer_windows: tuple[int | None, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -102,6 +105,23 @@ class ArchSpec:
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def kv_tokens(self, context: int) -> int:
+        """Tokens held in K/V over all layers for one sequence of ``context`` tokens:
+        ``sum_l min(context, W_l)`` (a layer without a window holds all of them)."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        return sum(context if w is None else min(context, w) for w in windows)
+
+    def attended_keys(self, prompt_len: int, cached: int = 0) -> int:
+        """Keys attended over all layers by the tokens at positions ``cached ..
+        prompt_len - 1`` (the token at ``p`` attends ``min(p + 1, W_l)`` in layer ``l``)."""
+        def keys(n: int, w: int | None) -> int:  # sum_{q=1..n} min(q, w)
+            if w is None or n <= w:
+                return n * (n + 1) // 2
+            return w * (w + 1) // 2 + (n - w) * w
+
+        windows = self.layer_windows or (None,) * self.num_layers
+        return sum(keys(prompt_len, w) - keys(cached, w) for w in windows)
+
     def layer_linears(self) -> tuple[Linear, ...]:
         """Every linear layer of one decoder block (the same in every block)."""
         h = self.hidden_size
@@ -129,7 +149,9 @@ class ArchSpec:
     def vector_params_per_layer(self) -> int:
         """Norm weights and biases of one block: stored, never a matrix product."""
         fam = self.family
-        n = fam.norms_per_layer * self.hidden_size + (2 * self.head_dim if fam.qk_norm else 0)
+        n = fam.norms_per_layer * self.hidden_size
+        if fam.qk_norm:  # one vector per head's width, or over the whole projections (OLMo 2)
+            n += 2 * self.head_dim if fam.qk_norm_over == "head" else self.q_width + self.kv_width
         if self.attention_bias or fam.qkv_bias is True:  # True: whatever the config says
             n += self.q_width + 2 * self.kv_width
         return n
@@ -144,8 +166,10 @@ class ArchSpec:
                               "pass the config of a decoder-only model: "
                               + ", ".join(sorted(FAMILIES)))
         if model_type not in FAMILIES:
-            raise ConfigError(f"config field model_type {model_type!r} is not one llmctl can "
-                              "cost", "known: " + ", ".join(sorted(FAMILIES)))
+            raise UnsupportedArchitectureError(
+                f"model type {model_type!r} is not one llmctl can cost",
+                f"llmctl knows {', '.join(sorted(FAMILIES))}; adding a family: "
+                "docs/architecture.md, 'Where to add'")
         for key, what in UNSUPPORTED_KEYS.items():
             if cfg.get(key):
                 raise ConfigError(f"config field {key!r}: {what} is not modelled",
@@ -180,4 +204,6 @@ class ArchSpec:
             experts_per_token=arch.experts_per_token,
             expert_intermediate_size=arch.expert_intermediate_size,
             shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
-            max_position_embeddings=arch.max_position_embeddings, notes=tuple(notes))
+            max_position_embeddings=arch.max_position_embeddings,
+            layer_windows=arch.layer_windows if any(arch.layer_windows) else (),
+            notes=tuple(notes))

@@ -7,14 +7,16 @@ Conventions (the ones MFU/MBU are computed with everywhere in llmctl):
   is a lookup, not a product). Attention adds, per layer and per key the token attends,
   ``2 * q_heads * head_dim`` for ``Q K^T`` and as much for ``P V``::
 
-      flops_per_token(context) = 2 * active_params + 4 * layers * q_heads * head_dim * context
+      flops_per_token(context) = 2 * active_params + 4 * q_heads * head_dim * sum_l keys_l
+      keys_l = min(context, W_l)     (W_l: layer l's sliding window; none: context)
 
   Norms, RoPE, softmax and activations (O(hidden) per token) are left out.
 - Causal prefill: the token at position ``p`` (0-based) attends ``p + 1`` keys. The
   lm_head runs once per sequence: vLLM computes logits for the last prompt token only.
 - A decode step reads every matmul weight once, whatever the batch (the embedding table
   is not read except the looked-up rows: a few KB, left out), and each sequence's K and V
-  over its whole context. A mixture of experts reads only the experts its tokens route to:
+  over its whole context; a sliding-window layer holds (vLLM frees the rest) and reads
+  only its window's last ``W`` tokens. A mixture of experts reads only the experts its tokens route to:
   with ``n`` tokens routed uniformly to ``k`` of ``E`` experts, ``E * (1 - (1 - k/E)^n)``
   distinct experts per layer (skewed routing touches fewer: an upper bound).
 - Activations are not counted as memory traffic: at decode they are KBs per token next to
@@ -108,13 +110,16 @@ class ModelCost:
     # --- FLOPs ------------------------------------------------------------------------------
     @property
     def _attention_flops_per_key(self) -> int:
+        """FLOPs of one layer's attention per key one query attends."""
         a = self.arch
-        return 4 * a.num_layers * a.num_heads * a.head_dim
+        return 4 * a.num_heads * a.head_dim
 
     def flops_per_token(self, context: int) -> float:
-        """``2 * active_params + 4 * layers * q_heads * head_dim * context``: one token
-        through every product, attending ``context`` keys (itself included)."""
-        return 2 * self.active_params + self._attention_flops_per_key * context
+        """``2 * active_params + 4 * q_heads * head_dim * sum_l min(context, W_l)``: one
+        token through every product, attending ``context`` keys (itself included) in each
+        layer, at most its window in a sliding-window layer."""
+        return 2 * self.active_params + self._attention_flops_per_key * self.arch.kv_tokens(
+            context)
 
     def prefill_flops(self, prompt_len: int, cached: int = 0) -> float:
         """Prefill of positions ``cached .. prompt_len-1`` (a cached prefix is skipped):
@@ -122,7 +127,7 @@ class ModelCost:
         once (vLLM computes logits for the last prompt token only)."""
         _check_span(prompt_len, cached)
         new = prompt_len - cached
-        keys = (prompt_len * (prompt_len + 1) - cached * (cached + 1)) // 2  # sum of p + 1
+        keys = self.arch.attended_keys(prompt_len, cached)  # sum over layers and p of p + 1
         body = 2 * (self.active_params - self.lm_head_params)
         return body * new + self._attention_flops_per_key * keys + 2 * self.lm_head_params
 
@@ -162,24 +167,36 @@ class ModelCost:
         return self.weight_bytes_read(1)
 
     @property
-    def kv_bytes_per_token(self) -> float:
-        """``2 * layers * kv_heads * head_dim * kv_bytes``: K and V of one token (GQA
+    def kv_bytes_per_layer_token(self) -> float:
+        """``2 * kv_heads * head_dim * kv_bytes``: K and V of one token in one layer (GQA
         stores ``kv_heads``, not ``q_heads``)."""
         a = self.arch
-        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.kv_bytes
+        return 2 * a.num_kv_heads * a.head_dim * self.kv_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V of one token in every layer: ``2 * layers * kv_heads * head_dim *
+        kv_bytes`` (with sliding windows, the cost of a token within every window)."""
+        return self.arch.num_layers * self.kv_bytes_per_layer_token
+
+    def sequence_kv_bytes(self, context: int) -> float:
+        """K and V one sequence of ``context`` tokens holds: ``sum_l min(context, W_l) *
+        2 * kv_heads * head_dim * kv_bytes`` (a window-``W`` layer keeps ``W`` tokens)."""
+        return self.arch.kv_tokens(context) * self.kv_bytes_per_layer_token
 
     def decode_step_bytes(self, context_lens: Sequence[int]) -> float:
         """Weights read once for the whole batch, plus each sequence's K and V over its
-        ``context_lens[i]`` tokens."""
+        ``context_lens[i]`` tokens (its window's, in a sliding-window layer)."""
         lens = list(context_lens)
-        return self.weight_bytes_read(len(lens)) + sum(lens) * self.kv_bytes_per_token
+        return self.weight_bytes_read(len(lens)) + sum(self.sequence_kv_bytes(c) for c in lens)
 
     def prefill_bytes(self, prompt_len: int, cached: int = 0) -> float:
         """Weights read once (the experts the new tokens touch), the new tokens' K and V
-        written once, a cached prefix's K and V read once."""
+        written once, a cached prefix's K and V read once (its windows' share)."""
         _check_span(prompt_len, cached)
         new = prompt_len - cached
-        return self.weight_bytes_read(new) + prompt_len * self.kv_bytes_per_token
+        return (self.weight_bytes_read(new) + new * self.kv_bytes_per_token
+                + self.sequence_kv_bytes(cached))
 
 
 def _check_span(prompt_len: int, cached: int) -> None:

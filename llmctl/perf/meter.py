@@ -29,11 +29,11 @@ WINDOW_SECONDS = 30.0
 def step_load(cost, weights_read: float, items: Iterable[tuple[int, int]],
               seconds: float) -> PhaseLoad:
     """FLOPs and bytes of one step of ``items`` = (context, new tokens) per sequence."""
-    flops = kv_tokens = 0.0
+    flops = kv = 0.0
     for context, new in items:
         flops += cost.prefill_flops(context + new, cached=context)
-        kv_tokens += context + new
-    return PhaseLoad(flops, weights_read + kv_tokens * cost.kv_bytes_per_token, seconds)
+        kv += cost.sequence_kv_bytes(context + new)  # a window's share in windowed layers
+    return PhaseLoad(flops, weights_read + kv, seconds)
 
 
 class StepMeter:

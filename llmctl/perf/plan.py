@@ -422,7 +422,8 @@ def make_plan(arch: ArchSpec, weights: WeightFormat, peaks: Peaks, options: Plan
     flops_peak, bw = peaks.flops_for(dtype), peaks.bandwidth
     cost = ModelCost(arch, weights, KV_DTYPES[o.kv_dtype])
     kv_share = kv_heads_per_gpu(arch, tp) / arch.num_kv_heads  # of the model's KV per GPU
-    kv_per_token = cost.kv_bytes_per_token * kv_share
+    # per token of a sequence of the planned context: sliding-window layers hold at most W
+    kv_per_token = cost.sequence_kv_bytes(o.context) / o.context * kv_share
     memory = Memory(float(peaks.memory_bytes), o.gpu_memory_utilization, cost.weight_bytes / tp,
                     activation_bytes(arch, tp, o.max_num_batched_tokens, o.max_num_seqs),
                     kv_per_token, o.context)
@@ -446,7 +447,7 @@ def make_plan(arch: ArchSpec, weights: WeightFormat, peaks: Peaks, options: Plan
     for batch in batch_sizes(min(memory.max_concurrency, o.max_num_seqs)):
         lens = [o.context] * batch
         step_bytes = (cost.weight_bytes_read(batch) / tp
-                      + sum(lens) * cost.kv_bytes_per_token * kv_share)
+                      + sum(cost.sequence_kv_bytes(c) for c in lens) * kv_share)
         rows.append(DecodeRow(batch, _step(cost.decode_step_flops(lens) / tp, step_bytes, fixed,
                                            flops_peak, bw, efficiency)))
     decode = tuple(rows)

@@ -137,7 +137,7 @@ def from_requests(requests: Sequence[Timed], cost) -> dict[str, PhaseLoad]:
     gaps = [g for r in requests for g in r.itl]
     steps = decode_seconds / statistics.median(gaps) if gaps else 0.0
     flops = sum(cost.flops_per_token(c) for c in contexts)
-    kv = cost.kv_bytes_per_token * sum(contexts)
+    kv = sum(cost.sequence_kv_bytes(c) for c in contexts)  # a window's share in windowed layers
     decode = PhaseLoad(flops, steps * cost.weight_bytes_read_per_step + kv, decode_seconds)
     return {"prefill": prefill, "decode": decode}
 

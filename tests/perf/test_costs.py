@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from llmctl.errors import ConfigError
+from llmctl.errors import ConfigError, UnsupportedArchitectureError
 from llmctl.perf.arch import ArchSpec
 from llmctl.perf.costs import ModelCost
 from llmctl.perf.weight_format import WeightFormat
@@ -177,7 +177,8 @@ def test_mixture_of_experts_by_hand():
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="no 'intermediate_size'"):
         ArchSpec.from_config({k: v for k, v in tiny().items() if k != "intermediate_size"})
-    with pytest.raises(ConfigError, match="model_type 'gpt2'"):
+    with pytest.raises(UnsupportedArchitectureError, match="model type 'gpt2'.*gemma2.*"
+                       "docs/architecture.md"):
         ArchSpec.from_config(tiny(model_type="gpt2"))
     with pytest.raises(ConfigError, match="no 'model_type'"):
         ArchSpec.from_config({k: v for k, v in tiny().items() if k != "model_type"})

@@ -18,6 +18,9 @@ class FakeCost:
     def flops_per_token(self, context):
         return 100.0 + context
 
+    def sequence_kv_bytes(self, context):
+        return self.kv_bytes_per_token * context
+
     def prefill_flops(self, prompt_len, cached=0):
         return sum(self.flops_per_token(p + 1) for p in range(cached, prompt_len))
 

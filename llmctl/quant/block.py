@@ -1,23 +1,34 @@
-"""A Llama-family decoder block as plain functions over a dict of tensors.
+"""A decoder block of any family llmctl runs, as plain functions over a dict of tensors.
 
 Quantization needs the block's intermediate activations (the inputs of each linear) and
 must swap weights mid-block, so the block is written out stage by stage instead of
-running transformers' module: ``attn_input -> attention -> (o_proj) -> mlp_input ->
-mlp_act -> (down_proj)``. Linears are applied through a callback so the caller decides
-which weight (float, smoothed, quantized) and which activation quantizer each one uses.
+running transformers' module, one "tap" (a linear's input) at a time::
 
-Covers llama / mistral (dense attention; Mistral's sliding window is honoured),
-qwen2 (q/k/v biases) and qwen3 (per-head q/k RMSNorm); the shape is a view of
-:class:`llmctl.models.spec.ModelArch`. Each stage is a shared building block of
-:mod:`llmctl.models.layers`: RMSNorm in transformers' op order (calibration sees what
-transformers computes, in bfloat16 too), RoPE per ``rope_type`` in the halves layout,
-the gated MLP's activation by the config's name.
+    attn_in  = pre-norm(x) or x                  -> q, k, v   (Phi-3: qkv_proj)
+    attn_out = attention(q/k-norm, RoPE, scale, soft-cap, window)   -> o_proj
+    x       += rm * post-norm(o_proj(attn_out))
+    mlp_in   = pre-norm(x) or x                  -> gate, up  (Phi-3: gate_up_proj)
+    mlp_act  = act(gate) * up                    -> down_proj
+    x       += rm * post-norm(down_proj(mlp_act))
+
+Linears are applied through a callback so the caller decides which weight (float,
+smoothed, quantized) and which activation quantizer each one uses. What a family
+computes is data on :class:`BlockShape`, a view of :class:`llmctl.models.spec.ModelArch`:
+the norms by slot (``spec.NORM_LAYOUTS``: Llama's pre-norms, Gemma 2/3's sandwich, OLMo
+2's post-norms), Gemma's ``(1 + w)`` weights, q/k RMSNorm per head (qwen3, gemma3) or over
+the whole projection (olmo2), the score scale and soft-cap, each layer's window and RoPE
+table (Gemma 3's sliding layers rotate with their own), partial rotary, Granite's
+residual multiplier, and Phi-3's fused projections (quantized as the single linears the
+checkpoint has). Each stage is a shared building block of :mod:`llmctl.models.layers`.
+
+:data:`SMOOTHING_SOURCES` says, for every layout, where a tap's smoothing scales can be
+folded: the one table AWQ and SmoothQuant read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,32 +39,51 @@ from llmctl.models.layers import (
     activation,
     attend,
     gated,
-    qk_norm,
     repeat_kv,
     rotate_halves,
     sliding_causal_mask,
 )
 from llmctl.models.layers import rms_norm as rms_norm  # noqa: PLC0414 (block.rms_norm)
-from llmctl.models.spec import ModelArch
+from llmctl.models.spec import FUSED_PARTS, NORM_LAYOUTS, ModelArch
 
-# name of a linear -> the activation that feeds it (its "tap")
 TAPS = ("attn_in", "attn_out", "mlp_in", "mlp_act")
-LINEAR_TAP: dict[str, str] = {
-    "self_attn.q_proj": "attn_in",
-    "self_attn.k_proj": "attn_in",
-    "self_attn.v_proj": "attn_in",
-    "self_attn.o_proj": "attn_out",
-    "mlp.gate_proj": "mlp_in",
-    "mlp.up_proj": "mlp_in",
-    "mlp.down_proj": "mlp_act",
+# tap -> the linears it feeds, stored separately (most families) or fused (Phi-3)
+TAP_LINEARS: dict[str, dict[str, tuple[str, ...]]] = {
+    "split": {"attn_in": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "attn_out": ("self_attn.o_proj",),
+              "mlp_in": ("mlp.gate_proj", "mlp.up_proj"),
+              "mlp_act": ("mlp.down_proj",)},
+    "fused": {"attn_in": ("self_attn.qkv_proj",), "attn_out": ("self_attn.o_proj",),
+              "mlp_in": ("mlp.gate_up_proj",), "mlp_act": ("mlp.down_proj",)},
 }
-# The op whose output is each tap (what smoothing scales fold into).
-TAP_SOURCE = {"attn_in": "input_layernorm", "attn_out": "self_attn.v_proj",
-              "mlp_in": "post_attention_layernorm", "mlp_act": "mlp.up_proj"}
-NORMS = ("input_layernorm", "post_attention_layernorm")
+# Where each tap's smoothing scales fold (x -> x / s at the source, W -> W diag(s) in the
+# tap's linears), by norm layout: ("norm", slot) is the pre-norm in that slot of
+# spec.NORM_LAYOUTS (its weight absorbs s; Gemma's (1 + w) as (1 + w') = (1 + w) / s);
+# ("rows", part) the linear whose output the tap is, linearly: v_proj for o_proj (the
+# attention output is linear in v), up_proj for down_proj (act(gate) * up is linear in
+# up, SwiGLU and GeGLU alike); a fused checkpoint's rows of that part (Phi-3's v rows of
+# qkv_proj, up rows of gate_up_proj). A layout without a pre-norm in a slot has no
+# entry: a post-norm (OLMo 2; Gemma's post_attention / post_feedforward norms) normalises
+# a branch's output and cannot absorb the next linear's input scales.
+SMOOTHING_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
+    "pre": {"attn_in": ("norm", "input"), "attn_out": ("rows", "self_attn.v_proj"),
+            "mlp_in": ("norm", "mlp_in"), "mlp_act": ("rows", "mlp.up_proj")},
+    "sandwich": {"attn_in": ("norm", "input"), "attn_out": ("rows", "self_attn.v_proj"),
+                 "mlp_in": ("norm", "mlp_in"), "mlp_act": ("rows", "mlp.up_proj")},
+    "post": {"attn_out": ("rows", "self_attn.v_proj"), "mlp_act": ("rows", "mlp.up_proj")},
+}
 QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 Linear = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a tap's smoothing scales fold: a norm's weight, or rows of a linear."""
+
+    module: str  # without the layer prefix
+    norm: bool
+    rows: slice | None = None  # of a linear's output (None: all)
 
 
 @dataclass(frozen=True)
@@ -63,13 +93,71 @@ class BlockShape:
     kv_heads: int
     head_dim: int
     eps: float
-    sliding_window: int | None
+    sliding_window: int | None  # this layer's window (from_arch: the model's KV window)
     norm_offset: float = 0.0  # the family's RMSNorm weight offset (Gemma: 1)
     hidden_act: str = "silu"  # the gated MLP's activation, by config.json's name
+    intermediate: int = 0
+    layout: str = "pre"  # spec.NORM_LAYOUTS key
+    qk_norm: str | None = None  # "head" / "projection" / None
+    scale: float | None = None  # q . k times this (None: 1/sqrt(head_dim))
+    softcap: float | None = None
+    residual_multiplier: float = 1.0
+    fused: bool = False  # q/k/v and gate/up stored fused (Phi-3)
+    local_rope: bool = False  # this layer rotates with the sliding layers' table
+    layer_windows: tuple[int | None, ...] = field(default=(), compare=False)
+    has_local_rope: bool = False  # the model has a second table (Gemma 3)
+    model_type: str = ""
 
     @property
     def norm(self) -> RMSNorm:
         return RMSNorm(self.eps, self.norm_offset)
+
+    @property
+    def norms(self) -> dict[str, str]:
+        """slot -> the checkpoint's norm name (spec.NORM_LAYOUTS)."""
+        return NORM_LAYOUTS[self.layout]
+
+    @property
+    def linears(self) -> dict[str, tuple[str, ...]]:
+        """tap -> the linears it feeds, in the checkpoint's own names."""
+        return TAP_LINEARS["fused" if self.fused else "split"]
+
+    @property
+    def linear_names(self) -> tuple[str, ...]:
+        return tuple(k for tap in TAPS for k in self.linears[tap])
+
+    def tap_dim(self, tap: str) -> int:
+        return {"attn_in": self.hidden, "mlp_in": self.hidden,
+                "attn_out": self.heads * self.head_dim, "mlp_act": self.intermediate}[tap]
+
+    def source(self, tap: str) -> Source | None:
+        """Where ``tap``'s smoothing scales fold (:data:`SMOOTHING_SOURCES`), or None."""
+        entry = SMOOTHING_SOURCES[self.layout].get(tap)
+        if entry is None:
+            return None
+        kind, name = entry
+        if kind == "norm":
+            norm = self.norms.get(name)
+            return None if norm is None else Source(norm, True)
+        for whole, parts in FUSED_PARTS.items():
+            if self.fused and name in parts:
+                rows = self.part_rows(whole)
+                start = sum(rows[: parts.index(name)])
+                return Source(whole, False, slice(start, start + rows[parts.index(name)]))
+        return Source(name, False)
+
+    def part_rows(self, fused: str) -> tuple[int, ...]:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"self_attn.qkv_proj": (q, kv, kv),
+                "mlp.gate_up_proj": (self.intermediate,) * 2}[fused]
+
+    def at(self, layer: int) -> BlockShape:
+        """The shape of decoder layer ``layer``: its window and RoPE table."""
+        if not self.layer_windows:
+            return self
+        window = self.layer_windows[layer]
+        return replace(self, sliding_window=window,
+                       local_rope=self.has_local_rope and window is not None)
 
     @classmethod
     def from_config(cls, config: dict) -> BlockShape:
@@ -77,22 +165,71 @@ class BlockShape:
 
     @classmethod
     def from_arch(cls, arch: ModelArch) -> BlockShape:
-        # one window for every block: the family's windows as transformers reads them,
-        # when every layer has one (a model mixing full and windowed layers attends fully)
+        # the model-wide shape carries the windows of every layer; ``at(i)`` picks one
+        fam = arch.family
         return cls(hidden=arch.hidden_size, heads=arch.num_heads, kv_heads=arch.num_kv_heads,
                    head_dim=arch.head_dim, eps=arch.rms_norm_eps, sliding_window=arch.kv_window,
-                   norm_offset=arch.family.norm_offset, hidden_act=arch.hidden_act)
+                   norm_offset=fam.norm_offset, hidden_act=arch.hidden_act,
+                   intermediate=arch.intermediate_size, layout=fam.norms,
+                   qk_norm=fam.qk_norm_over if arch.qk_norm else None,
+                   scale=arch.attention_scale or None, softcap=arch.attn_softcap,
+                   residual_multiplier=arch.residual_multiplier,
+                   fused="self_attn.qkv_proj" in fam.fused,
+                   layer_windows=arch.layer_windows, has_local_rope=arch.local_rope is not None,
+                   model_type=arch.model_type)
 
 
-def rotary_tables(config, seq_len: int, dtype: torch.dtype, device=None
+def rotary_tables(config, seq_len: int, dtype: torch.dtype, device=None, *, local: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (1, seq_len, rotary_dim) in ``dtype``: the shared RoPE of the
-    model's ``config`` (a :class:`ModelArch`, config.json's dict or transformers' config
-    object), computed in float32 as transformers' rotary embedding computes them."""
+    """cos/sin of shape (1, seq_len, rotary_dim) in ``dtype``: the RoPE of the model's
+    ``config`` (a :class:`ModelArch`, config.json's dict or transformers' config object),
+    computed in float32 as transformers' rotary embedding computes them; ``local``: the
+    sliding layers' own table (Gemma 3)."""
     if not isinstance(config, ModelArch):
         config = ModelArch.from_config(config if isinstance(config, dict) else config.to_dict())
-    cos, sin = RoPE.of(config).cos_sin(seq_len, device)
+    rope = RoPE.of(config)
+    if local and config.local_rope is not None:
+        rope = replace(rope, params=config.local_rope)
+    cos, sin = rope.cos_sin(seq_len, device)
     return cos[None].to(dtype), sin[None].to(dtype)
+
+
+def embed(table: torch.Tensor, ids: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """The embeddings of ``ids`` as layer 0 sees them: times Gemma's sqrt(hidden) (rounded
+    to the table's dtype, as its transformers code does) or Granite's multiplier."""
+    x = table[ids]
+    if arch.embedding_multiplier != 1.0:
+        x = x * torch.tensor(arch.embedding_multiplier, dtype=x.dtype, device=x.device)
+    return x
+
+
+def _norm(x: torch.Tensor, weights: dict[str, torch.Tensor], shape: BlockShape,
+          slot: str) -> torch.Tensor:
+    """The norm in ``slot`` of the layout applied to ``x``; ``x`` itself where none."""
+    name = shape.norms.get(slot)
+    return x if name is None else shape.norm(x, weights[name])
+
+
+def _split(linear: Linear, shape: BlockShape, tap: str, h: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of the projections ``tap`` feeds, a fused one's split into its parts."""
+    names = shape.linears[tap]
+    if not shape.fused:
+        return [linear(n, h) for n in names]
+    return list(linear(names[0], h).split(list(shape.part_rows(names[0])), dim=-1))
+
+
+def _qk_norm(q: torch.Tensor, k: torch.Tensor, weights: dict[str, torch.Tensor],
+             shape: BlockShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k, ``(b, t, n * d)``: RMS-normed per head or over the whole projection."""
+    if shape.qk_norm is None:
+        return q, k
+    qw, kw = weights["self_attn.q_norm"], weights["self_attn.k_norm"]
+    if shape.qk_norm == "projection":  # olmo2
+        return shape.norm(q, qw), shape.norm(k, kw)
+    b, t, _ = q.shape
+    q = shape.norm(q.reshape(b, t, -1, shape.head_dim), qw)
+    k = shape.norm(k.reshape(b, t, -1, shape.head_dim), kw)
+    return q.reshape(b, t, -1), k.reshape(b, t, -1)
 
 
 def attention(h: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
@@ -101,41 +238,60 @@ def attention(h: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
               ) -> torch.Tensor:
     """Self-attention output *before* o_proj, (batch, seq, heads * head_dim);
     ``observe_kv(k, v)`` sees the post-RoPE keys and the values, (batch, kv_heads, seq,
-    head_dim), as a KV cache would store them."""
+    head_dim), as a KV cache would store them. ``cos``/``sin``: this layer's table."""
     b, t, _ = h.shape
-    q = linear("self_attn.q_proj", h).view(b, t, shape.heads, shape.head_dim)
-    k = linear("self_attn.k_proj", h).view(b, t, shape.kv_heads, shape.head_dim)
-    v = linear("self_attn.v_proj", h).view(b, t, shape.kv_heads, shape.head_dim)
-    if "self_attn.q_norm" in weights:  # qwen3: RMSNorm over each head's vector
-        q, k = qk_norm(q, k, weights["self_attn.q_norm"], weights["self_attn.k_norm"],
-                       shape.norm)
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    q, k, v = _split(linear, shape, "attn_in", h)
+    q, k = _qk_norm(q, k, weights, shape)
+    q = q.reshape(b, t, shape.heads, shape.head_dim).transpose(1, 2)
+    k = k.reshape(b, t, shape.kv_heads, shape.head_dim).transpose(1, 2)
+    v = v.reshape(b, t, shape.kv_heads, shape.head_dim).transpose(1, 2)
     c, s = cos[:, None, :t], sin[:, None, :t]
     q, k = rotate_halves(q, c, s), rotate_halves(k, c, s)
     if observe_kv is not None:
         observe_kv(k, v)
     group = shape.heads // shape.kv_heads
     k, v = repeat_kv(k, group), repeat_kv(v, group)
+    hooks = {"scale": shape.scale, "softcap": shape.softcap}
     if shape.sliding_window and t > shape.sliding_window:
-        out = attend(q, k, v, sliding_causal_mask(t, shape.sliding_window, h.device))
+        out = attend(q, k, v, sliding_causal_mask(t, shape.sliding_window, h.device), **hooks)
     else:
-        out = attend(q, k, v, causal=True)
+        out = attend(q, k, v, causal=True, **hooks)
     return out.transpose(1, 2).reshape(b, t, shape.heads * shape.head_dim)
 
 
 def attn_input(x: torch.Tensor, weights: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
-    return shape.norm(x, weights["input_layernorm"])
+    return _norm(x, weights, shape, "input")
 
 
 def mlp_input(x: torch.Tensor, weights: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
-    return shape.norm(x, weights["post_attention_layernorm"])
+    return _norm(x, weights, shape, "mlp_in")
 
 
 def mlp_act(h: torch.Tensor, linear: Linear, shape: BlockShape | None = None) -> torch.Tensor:
     """The gated MLP's activation, the input of down_proj: ``act(gate) * up`` with the
     activation ``shape`` names (None: silu, SwiGLU)."""
     act = activation(shape.hidden_act if shape is not None else "silu")
-    return gated(act, linear("mlp.gate_proj", h), linear("mlp.up_proj", h))
+    if shape is None or not shape.fused:
+        return gated(act, linear("mlp.gate_proj", h), linear("mlp.up_proj", h))
+    gate, up = _split(linear, shape, "mlp_in", h)
+    return gated(act, gate, up)
+
+
+def attn_branch(a: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
+                shape: BlockShape) -> torch.Tensor:
+    """What attention adds to the residual stream: o_proj, its post-norm, the multiplier."""
+    return _residual(_norm(linear("self_attn.o_proj", a), weights, shape, "attn_out"), shape)
+
+
+def mlp_branch(act: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
+               shape: BlockShape) -> torch.Tensor:
+    """What the MLP adds to the residual stream: down_proj, its post-norm, the multiplier."""
+    return _residual(_norm(linear("mlp.down_proj", act), weights, shape, "mlp_out"), shape)
+
+
+def _residual(y: torch.Tensor, shape: BlockShape) -> torch.Tensor:
+    rm = shape.residual_multiplier
+    return y if rm == 1.0 else y * rm
 
 
 def float_linear(weights: dict[str, torch.Tensor]) -> Linear:
@@ -149,7 +305,8 @@ def float_linear(weights: dict[str, torch.Tensor]) -> Linear:
 
 def forward(x: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
             shape: BlockShape, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The whole block (used by tests and the reference path)."""
+    """The whole block (used by tests and the reference path); ``shape`` the layer's."""
     a = attention(attn_input(x, weights, shape), weights, linear, shape, cos, sin)
-    x = x + linear("self_attn.o_proj", a)
-    return x + linear("mlp.down_proj", mlp_act(mlp_input(x, weights, shape), linear, shape))
+    x = x + attn_branch(a, weights, linear, shape)
+    act = mlp_act(mlp_input(x, weights, shape), linear, shape)
+    return x + mlp_branch(act, weights, linear, shape)

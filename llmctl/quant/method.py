@@ -33,6 +33,17 @@ from llmctl.quant.stats import Needs, TapStats
 BlockLoss = Callable[[list[torch.Tensor]], float]
 
 
+@dataclass(frozen=True)
+class ModelLayout:
+    """The model a method smooths: its ``model_type`` and every (smooth layer, balance
+    layers) pair its norm layout can fold (``block.SMOOTHING_SOURCES``): the defaults
+    where a recipe names no mappings."""
+
+    model_type: str
+    pairs: list[tuple[str, list[str]]]
+    norm_pairs: list[tuple[str, list[str]]]  # those whose smooth layer is a norm
+
+
 @dataclass
 class SmoothingJob:
     """One tap of the float pass, its statistics collected."""
@@ -93,8 +104,9 @@ class QuantMethod:
 
     # --- smoothing -------------------------------------------------------------------
 
-    def mappings(self) -> list[tuple[str, list[str]]] | None:
-        """(smooth layer, balance layers) patterns; None: the method does not smooth."""
+    def mappings(self, layout: ModelLayout | None = None) -> list[tuple[str, list[str]]] | None:
+        """(smooth layer, balance layers) patterns for the model ``layout`` describes;
+        None: the method does not smooth."""
         return None
 
     def smoothing_ignore(self) -> list[str]:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from llmctl.models.spec import ModelArch
 from llmctl.quant import block
 from llmctl.quant.calibration import CalibrationSet
 from llmctl.quant.checkpoint import Checkpoint
@@ -43,7 +44,7 @@ from llmctl.quant.recipe import Recipe
 from llmctl.quant.scheme import act_quantizer, dequantize, weight_grid
 from llmctl.quant.smoothing import Smoothed, smooth_layer
 from llmctl.quant.stats import NOTHING, Needs, TapStats
-from llmctl.quant.stream import TAP_KINDS, LayerStream
+from llmctl.quant.stream import LayerStream
 from llmctl.quant.writer import (
     PlannedWriter,
     QuantizedLinear,
@@ -114,15 +115,13 @@ class LayerQuantizer:
     def __init__(self, ckpt: Checkpoint, plan: QuantPlan, recipe: Recipe,
                  calib: CalibrationSet | None, options: PipelineOptions, *,
                  warn: Callable[[str], None] | None = None) -> None:
-        from transformers import AutoConfig
-
         self.ckpt, self.plan, self.recipe, self.calib = ckpt, plan, recipe, calib
         self.opts = options
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.cdt = options.compute_dtype
         self.config = ckpt.text_config
-        self.shape = block.BlockShape.from_config(self.config)
-        self.hf_config = AutoConfig.from_pretrained(str(ckpt.path))
+        self.arch = ModelArch.from_config(self.config)
+        self.shape = block.BlockShape.from_arch(self.arch)
         self.methods = methods_for(recipe)
         self.result = RunResult()
         self._warn = warn or (lambda message: None)
@@ -132,9 +131,9 @@ class LayerQuantizer:
                 raise ValueError("this plan needs calibration data")
             return
         seq_len = calib.ids.shape[1]
-        cos, sin = block.rotary_tables(self.hf_config, seq_len, self.cdt, self.device)
-        self.stream = LayerStream(self.shape, self.config["intermediate_size"], cos, sin,
-                                  max(1, options.chunk_tokens // seq_len), self.cdt, self.device)
+        self.stream = LayerStream.for_model(self.arch, seq_len,
+                                            max(1, options.chunk_tokens // seq_len), self.cdt,
+                                            self.device)
 
     def warn(self, message: str) -> None:
         self.result.warnings.append(message)
@@ -180,20 +179,21 @@ class LayerQuantizer:
         table = self.ckpt.get(name)
         writer.add(name, table)
         table = table.to(device=self.device, dtype=self.cdt)
-        return table[self.calib.ids.to(self.device)]
+        return block.embed(table, self.calib.ids.to(self.device), self.arch)
 
     def _load_layer(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(float32 working tensors keyed without the layer prefix, untouched extras)."""
         prefix = f"model.layers.{i}."
         work, extra = {}, {}
+        norms = (*self.shape.norms.values(), *block.QK_NORMS)
         for name in self.ckpt.names():
             if not name.startswith(prefix):
                 continue
             key = name[len(prefix):]
             tensor = self.ckpt.get(name, torch.float32, self.device)
-            if key.endswith("norm.weight") and key.removesuffix(".weight") in (*block.NORMS, *block.QK_NORMS):
+            if key.endswith("norm.weight") and key.removesuffix(".weight") in norms:
                 work[key.removesuffix(".weight")] = tensor
-            elif key.removesuffix(".weight").removesuffix(".bias") in block.LINEAR_TAP:
+            elif key.removesuffix(".weight").removesuffix(".bias") in self.shape.linear_names:
                 work[key] = tensor
             else:
                 extra[name] = self.ckpt.get(name)
@@ -204,7 +204,9 @@ class LayerQuantizer:
     def _layer(self, i: int, X: torch.Tensor, writer: PlannedWriter) -> None:
         work, extra = self._load_layer(i)
         prefix = f"model.layers.{i}."
-        plans = {k: self.plan.module(prefix + k) for k in block.LINEAR_TAP}
+        plans = {k: self.plan.module(prefix + k) for k in self.shape.linear_names}
+        if self.stream is not None:
+            self.stream.at(i)
         smoothed = Smoothed()
         if self.methods.smoother is not None:
             smoothed = smooth_layer(i, X, work, plans, self.methods.smoother, self.stream,
@@ -227,7 +229,7 @@ class LayerQuantizer:
                 writer.add(f"{name}.weight", work[f"{k}.weight"].to(dtype))
             if bias is not None:
                 writer.add(f"{name}.bias", bias.to(self.ckpt.dtype(f"{name}.bias")))
-        for norm in (*block.NORMS, *block.QK_NORMS):
+        for norm in (*self.shape.norms.values(), *block.QK_NORMS):
             if norm in work:
                 writer.add(f"{prefix}{norm}.weight",
                            work[norm].to(self.ckpt.dtype(f"{prefix}{norm}.weight")))
@@ -258,7 +260,7 @@ class LayerQuantizer:
         observe = self._observe_kv if self.plan.kv_cache_scheme else None
         quantized: dict[str, QuantizedLinear] = {}
         for tap in block.TAPS:
-            kinds = TAP_KINDS[tap]
+            kinds = list(stream.shape.linears[tap])
             needs = self._needs([plans[k] for k in kinds], tap in smoothed.moments)
             stats = TapStats(stream.tap_dim(tap), needs, self.device)
             stats.preset_moment = smoothed.moments.get(tap)
@@ -274,7 +276,8 @@ class LayerQuantizer:
         """Round-to-nearest from the weights alone (no calibration forwards)."""
         quantized: dict[str, QuantizedLinear] = {}
         for tap in block.TAPS:
-            quantized.update(self._quantize_tap(i, TAP_KINDS[tap], work, plans, None, {}, {}, {}))
+            quantized.update(self._quantize_tap(i, list(self.shape.linears[tap]), work, plans,
+                                                None, {}, {}, {}))
         return quantized
 
     def _quantize_tap(self, i: int, kinds: list[str], work: dict, plans: dict,

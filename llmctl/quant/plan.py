@@ -24,8 +24,10 @@ from llmctl.quant.rtn import IntGrid
 from llmctl.utils.dtypes import dtype_name, float_bytes
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
-_LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# every family's linears (Phi-3 stores q/k/v and gate/up fused: qkv_proj, gate_up_proj)
+_LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                 "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                 "mlp.gate_up_proj", "mlp.down_proj")
 MIN_GROUP = 16
 
 
@@ -106,6 +108,9 @@ class QuantPlan:
     warnings: list[str] = field(default_factory=list)
     # static FP8 K/V scales to calibrate and write (compressed-tensors QuantizationArgs)
     kv_cache_scheme: Any = None
+    # what the smoothing method folds in each layer ("source -> linears"), per the model's
+    # norm layout (llmctl.quant.smoothing.describe); None: the recipe smooths nothing
+    smoothing: list[str] | None = None
 
     @property
     def kv_per_head(self) -> bool:
@@ -126,7 +131,8 @@ class QuantPlan:
                 "ignore": self.ignore,
                 "config_groups": {k: v.model_dump(mode="json") for k, v in self.groups.items()},
                 "kv_cache_scheme": (None if self.kv_cache_scheme is None
-                                    else self.kv_cache_scheme.model_dump(mode="json"))}
+                                    else self.kv_cache_scheme.model_dump(mode="json")),
+                "smoothing": self.smoothing}
 
 
 # --- matching (compressed-tensors' precedence) -------------------------------------------

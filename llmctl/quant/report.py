@@ -69,5 +69,8 @@ def render_plan(console: Console, plan: QuantPlan, *, show_all: bool = True) -> 
     ratio = plan.bytes_before / max(plan.bytes_after, 1)
     console.print(f"expected size: {_mib(plan.bytes_after)} MiB (from {_mib(plan.bytes_before)} MiB, "
                   f"{ratio:.2f}x smaller); ignored: {', '.join(plan.ignore) or 'none'}")
+    if plan.smoothing is not None:
+        console.print("smoothing folds, in every layer: " + (
+            "; ".join(plan.smoothing) or "nothing (no norm or linear here can absorb scales)"))
     for warning in plan.warnings:
         console.print(f"[yellow]note:[/yellow] {warning}")

@@ -57,7 +57,21 @@ def prepare(model: str, recipe: str, *, strict_group_size: bool = False) -> Prep
     get_architecture(ckpt.config.get("model_type", ""))
     parsed = load_recipe(recipe)
     plan = build_plan(ckpt, parsed, strict_group_size=strict_group_size)
+    plan.smoothing = smoothing_plan(ckpt, parsed)
     return Prepared(model, resolved.path, ckpt, parsed, plan)
+
+
+def smoothing_plan(ckpt, recipe) -> list[str] | None:
+    """What the recipe's smoothing method folds in a layer of this model (None: none)."""
+    from llmctl.models.spec import ModelArch
+    from llmctl.quant import block
+    from llmctl.quant.methods import methods_for
+    from llmctl.quant.smoothing import describe
+
+    smoother = methods_for(recipe).smoother
+    if smoother is None:
+        return None
+    return describe(smoother, block.BlockShape.from_arch(ModelArch.from_config(ckpt.config)))
 
 
 def memory_estimate(prep: Prepared, calib: CalibrationSpec | None, options: PipelineOptions):

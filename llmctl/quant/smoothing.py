@@ -16,10 +16,10 @@ import torch
 
 from llmctl.errors import ConfigError
 from llmctl.quant import block
-from llmctl.quant.method import QuantMethod, SmoothingJob
+from llmctl.quant.method import ModelLayout, QuantMethod, SmoothingJob
 from llmctl.quant.plan import ModulePlan, name_matches
 from llmctl.quant.stats import TapStats
-from llmctl.quant.stream import TAP_KINDS, LayerStream
+from llmctl.quant.stream import LayerStream
 
 
 @dataclass
@@ -28,28 +28,49 @@ class Smoothed:
     moments: dict[str, torch.Tensor] = field(default_factory=dict)  # tap -> X^T X / n
 
 
-def smoothing_targets(i: int, method: QuantMethod, plans: dict[str, ModulePlan | None],
-                      shape: block.BlockShape) -> dict[str, list[str]]:
-    """tap -> balanced linear kinds, from the method's mappings for layer ``i``."""
+def model_layout(shape: block.BlockShape) -> ModelLayout:
+    """Every (smooth layer, balance layers) pair the layout can fold
+    (:data:`block.SMOOTHING_SOURCES`), as mapping patterns: a method's defaults."""
+    pairs, norm_pairs = [], []
+    for tap in block.TAPS:
+        source = shape.source(tap)
+        if source is not None:
+            pair = (f"re:.*{source.module}$", [f"re:.*{k}$" for k in shape.linears[tap]])
+            pairs.append(pair)
+            if source.norm:
+                norm_pairs.append(pair)
+    return ModelLayout(shape.model_type, pairs, norm_pairs)
+
+
+def smoothing_targets(i: int, method: QuantMethod, plans: dict[str, ModulePlan | None] | None,
+                      shape: block.BlockShape,
+                      warn: Callable[[str], None] | None = None) -> dict[str, list[str]]:
+    """tap -> balanced linear kinds, from the method's mappings for layer ``i`` (``plans``
+    None: whatever is quantized; ``warn`` hears of mappings the layout cannot fold)."""
     prefix = f"model.layers.{i}."
     ignore = method.smoothing_ignore()
     found: dict[str, list[str]] = {}
-    for smooth, balance in method.mappings():
-        taps = [t for t, src in block.TAP_SOURCE.items() if name_matches(prefix + src, smooth)]
+    sources = {t: shape.source(t) for t in block.TAPS}
+    for smooth, balance in method.mappings(model_layout(shape)):
+        taps = [t for t, src in sources.items()
+                if src is not None and name_matches(prefix + src.module, smooth)]
         if not taps:
+            if warn is not None:
+                warn(f"smoothing mapping {smooth} -> {', '.join(balance)} folds into nothing "
+                     f"in a {shape.model_type} layer ({shape.layout} norms): skipped")
             continue
         tap = taps[0]
-        consumers = TAP_KINDS[tap]
+        consumers = list(shape.linears[tap])
         kinds = [k for k in consumers if any(name_matches(prefix + k, b) for b in balance)]
         if not kinds:
             continue
         if sorted(kinds) != sorted(consumers):
             raise ConfigError(
-                f"smoothing {block.TAP_SOURCE[tap]} rescales only {', '.join(kinds)}",
+                f"smoothing {sources[tap].module} rescales only {', '.join(kinds)}",
                 f"the mapping's balance layers must cover every consumer: {', '.join(consumers)}")
         if tap == "attn_out" and shape.kv_heads != shape.heads:
-            continue  # v_proj -> o_proj needs matching shapes (not under GQA)
-        if any(plans[k] is None or not plans[k].quantized for k in kinds):
+            continue  # v -> o_proj needs matching shapes (not under GQA)
+        if plans is not None and any(plans[k] is None or not plans[k].quantized for k in kinds):
             continue  # nothing quantized to protect
         if any(name_matches(prefix + k, ig) for k in kinds for ig in ignore):
             continue
@@ -57,14 +78,29 @@ def smoothing_targets(i: int, method: QuantMethod, plans: dict[str, ModulePlan |
     return found
 
 
+def describe(method: QuantMethod | None, shape: block.BlockShape) -> list[str]:
+    """What ``method`` smooths in a layer of this model, one line per folded pair (for
+    the dry run), e.g. ``input_layernorm -> self_attn.q_proj, ...``."""
+    if method is None:
+        return []
+    lines = []
+    for tap, kinds in smoothing_targets(0, method, None, shape).items():
+        source = shape.source(tap)
+        rows = "" if source.rows is None else f" (rows {source.rows.start}:{source.rows.stop})"
+        lines.append(f"{source.module}{rows} -> {', '.join(kinds)}")
+    return lines
+
+
 def smooth_layer(i: int, X: torch.Tensor, work: dict[str, torch.Tensor],
                  plans: dict[str, ModulePlan | None], method: QuantMethod,
                  stream: LayerStream, warn: Callable[[str], None]) -> Smoothed:
     """Choose and fold ``method``'s scales tap by tap (``work`` is changed in place)."""
-    targets = smoothing_targets(i, method, plans, stream.shape)
+    shape = stream.shape
+    targets = smoothing_targets(i, method, plans, shape, warn if i == 0 else None)
     out = Smoothed()
     needs = {t: method.smoothing_needs(t in targets, any(
-        plans[k] is not None and plans[k].quantized for k in TAP_KINDS[t])) for t in block.TAPS}
+        plans[k] is not None and plans[k].quantized for k in shape.linears[t]))
+        for t in block.TAPS}
     wanted = [t for t in block.TAPS if needs[t] is not None]
     for tap in block.TAPS[: max((block.TAPS.index(t) for t in wanted), default=-1) + 1]:
         fw = stream.forward_weights(work)
@@ -76,7 +112,7 @@ def smooth_layer(i: int, X: torch.Tensor, work: dict[str, torch.Tensor],
             continue
         kinds = targets.get(tap)
         job = SmoothingJob(
-            layer=i, tap=tap, source=block.TAP_SOURCE[tap], kinds=kinds,
+            layer=i, tap=tap, source=shape.source(tap).module if kinds else "", kinds=kinds,
             weights=[work[f"{k}.weight"] for k in kinds or []],
             plans=[plans[k] for k in kinds or []], stats=stats, compute_dtype=stream.cdt,
             block_loss=partial(stream.block_loss, tap, kinds, X, fw), warn=warn)
@@ -85,21 +121,29 @@ def smooth_layer(i: int, X: torch.Tensor, work: dict[str, torch.Tensor],
             out.moments[tap] = result.moment
         if result.scales is None:
             continue
-        fold(work, tap, kinds, result.scales)
+        fold(work, shape, tap, kinds, result.scales)
         for k in kinds:
             out.notes[k] = result.note
     return out
 
 
-def fold(work: dict, tap: str, kinds: list[str], scales: torch.Tensor) -> None:
+def fold(work: dict, shape: block.BlockShape, tap: str, kinds: list[str],
+         scales: torch.Tensor) -> None:
     """x -> x / s at the source, W -> W diag(s) in the consumers: the float model's
-    output does not change."""
-    source = block.TAP_SOURCE[tap]
-    if source in work:  # a norm's weight
-        work[source] = work[source] / scales
+    output does not change. A norm with an offset (Gemma's ``1 + w``) keeps it:
+    ``offset + w' = (offset + w) / s``; a fused linear's part divides its own rows."""
+    source = shape.source(tap)
+    if source.norm:
+        off = shape.norm_offset
+        work[source.module] = (work[source.module] + off) / scales - off
     else:  # a linear's output rows (and bias)
-        work[f"{source}.weight"] = work[f"{source}.weight"] / scales.unsqueeze(1)
-        if f"{source}.bias" in work:
-            work[f"{source}.bias"] = work[f"{source}.bias"] / scales
+        rows = source.rows or slice(None)
+        weight = work[f"{source.module}.weight"].clone()
+        weight[rows] = weight[rows] / scales.unsqueeze(1)
+        work[f"{source.module}.weight"] = weight
+        if f"{source.module}.bias" in work:
+            bias = work[f"{source.module}.bias"].clone()
+            bias[rows] = bias[rows] / scales
+            work[f"{source.module}.bias"] = bias
     for k in kinds:
         work[f"{k}.weight"] = work[f"{k}.weight"] * scales.unsqueeze(0)

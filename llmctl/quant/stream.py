@@ -18,27 +18,44 @@ from llmctl.quant import block
 from llmctl.quant.method import BlockLoss
 from llmctl.quant.stats import TapStats
 
-TAP_KINDS = {tap: [k for k, t in block.LINEAR_TAP.items() if t == tap] for tap in block.TAPS}
 
 
 class LayerStream:
-    """Runs the calibration activations ``X`` (samples, seq, hidden) through a layer."""
+    """Runs the calibration activations ``X`` (samples, seq, hidden) through a layer.
 
-    def __init__(self, shape: block.BlockShape, intermediate: int, cos: torch.Tensor,
-                 sin: torch.Tensor, chunk: int, dtype: torch.dtype, device) -> None:
-        self.shape, self.intermediate = shape, intermediate
-        self.cos, self.sin = cos, sin
+    ``tables``: the RoPE cos/sin of the model (``"global"``) and of its sliding layers
+    where they rotate differently (``"local"``, Gemma 3); :meth:`at` moves the stream to
+    decoder layer ``i`` (its window and table)."""
+
+    def __init__(self, shape: block.BlockShape, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 chunk: int, dtype: torch.dtype, device) -> None:
+        self.model_shape = self.shape = shape
+        self.intermediate = shape.intermediate
+        self.tables = tables
+        self.cos, self.sin = tables["global"]
         self.chunk, self.cdt, self.device = chunk, dtype, device
         self._buffer: torch.Tensor | None = None
+
+    @classmethod
+    def for_model(cls, arch, seq_len: int, chunk: int, dtype: torch.dtype, device) -> LayerStream:
+        """The stream of a model (:class:`llmctl.models.spec.ModelArch`) over calibration
+        sequences of ``seq_len`` tokens, ``chunk`` sequences at a time."""
+        tables = {"global": block.rotary_tables(arch, seq_len, dtype, device)}
+        if arch.local_rope is not None:  # Gemma 3's sliding layers
+            tables["local"] = block.rotary_tables(arch, seq_len, dtype, device, local=True)
+        return cls(block.BlockShape.from_arch(arch), tables, chunk, dtype, device)
+
+    def at(self, layer: int) -> LayerStream:
+        self.shape = self.model_shape.at(layer)
+        self.cos, self.sin = self.tables["local" if self.shape.local_rope else "global"]
+        return self
 
     def chunks(self, n: int):
         for start in range(0, n, self.chunk):
             yield slice(start, min(start + self.chunk, n))
 
     def tap_dim(self, tap: str) -> int:
-        return {"attn_in": self.shape.hidden, "mlp_in": self.shape.hidden,
-                "attn_out": self.shape.heads * self.shape.head_dim,
-                "mlp_act": self.intermediate}[tap]
+        return self.shape.tap_dim(tap)
 
     def forward_weights(self, work: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.cdt) for k, v in work.items()}
@@ -84,17 +101,17 @@ class LayerStream:
                                     self.shape, self.cos, self.sin, observe_kv)
                 A[c] = h
             elif tap == "mlp_in":
-                x2 = X[c] + linear("self_attn.o_proj", A[c])
+                x2 = X[c] + block.attn_branch(A[c], fw, linear, self.shape)
                 if advance:
                     X[c] = x2
                 h = block.mlp_input(x2, fw, self.shape)
             elif tap == "mlp_act":
-                x2 = X[c] if advance else X[c] + linear("self_attn.o_proj", A[c])
+                x2 = X[c] if advance else X[c] + block.attn_branch(A[c], fw, linear, self.shape)
                 h = block.mlp_act(block.mlp_input(x2, fw, self.shape), linear, self.shape)
                 if advance:  # (the smoothing pass still reads A here and needs no Act)
                     Act[c] = h
             else:  # "out": the layer output
-                X[c] += linear("mlp.down_proj", Act[c])
+                X[c] += block.mlp_branch(Act[c], fw, linear, self.shape)
                 continue
             if stats is not None:
                 stats.add(h)
@@ -115,12 +132,14 @@ class LayerStream:
 
             def run(linear) -> torch.Tensor:
                 a = block.attention(h, fw, linear, self.shape, self.cos, self.sin)
-                return float_linear("self_attn.o_proj", a)
+                return block.attn_branch(a, fw, float_linear, self.shape)
         else:
-            h = block.mlp_input(X[:n] + float_linear("self_attn.o_proj", A[:n]), fw, self.shape)
+            h = block.mlp_input(X[:n] + block.attn_branch(A[:n], fw, float_linear, self.shape),
+                                fw, self.shape)
 
             def run(linear) -> torch.Tensor:
-                return float_linear("mlp.down_proj", block.mlp_act(h, linear, self.shape))
+                return block.mlp_branch(block.mlp_act(h, linear, self.shape), fw, float_linear,
+                                        self.shape)
 
         reference = run(float_linear).float()
 

@@ -77,7 +77,7 @@ def test_a_new_method_plugs_in_without_touching_the_streamer(tiny_llama, tmp_pat
     class Toy(RoundToNearest):
         needs_data = True
 
-        def mappings(self):
+        def mappings(self, layout=None):
             return [("re:.*input_layernorm$", ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"])]
 
         def smoothing_needs(self, targeted, quantized):

@@ -43,7 +43,7 @@ class RecipeMethods:
     @property
     def smoother(self) -> QuantMethod | None:
         """The method whose scales the float pass folds in (``recipe`` allows one)."""
-        return next((m for m in self.all if m.mappings() is not None), None)
+        return next((m for m in self.all if m.mappings(None) is not None), None)
 
     @property
     def needs_data(self) -> bool:

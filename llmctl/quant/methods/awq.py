@@ -10,13 +10,18 @@ from __future__ import annotations
 import torch
 
 from llmctl.quant import awq
-from llmctl.quant.method import Smoothing, SmoothingJob, WeightJob
+from llmctl.quant.method import ModelLayout, Smoothing, SmoothingJob, WeightJob
 from llmctl.quant.methods.rtn import RoundToNearest
 from llmctl.quant.recipe import AWQModifier
 from llmctl.quant.stats import Needs
 
-# AutoAWQ does not clip q/k: attention logits are sensitive to their range.
-UNCLIPPED = ("self_attn.q_proj", "self_attn.k_proj")
+# AutoAWQ does not clip q/k: attention logits are sensitive to their range. A fused
+# qkv_proj (Phi-3) is left unclipped whole, its v rows with its q and k rows.
+UNCLIPPED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.qkv_proj")
+# Default pairs llm-compressor's AWQ registry leaves out, by model type: Gemma 3's q/k
+# norms make smoothing input_layernorm -> q/k/v worse than round-to-nearest
+# (llm-compressor issue #2522, its _gemma3_mappings).
+SKIPPED_DEFAULTS: dict[str, tuple[str, ...]] = {"gemma3_text": ("input_layernorm",)}
 
 
 class AWQ(RoundToNearest):
@@ -27,8 +32,14 @@ class AWQ(RoundToNearest):
         super().__init__(modifier)
         self.modifier: AWQModifier = modifier
 
-    def mappings(self) -> list[tuple[str, list[str]]]:
-        return [(m.smooth_layer, m.balance_layers) for m in self.modifier.resolved_mappings()]
+    def mappings(self, layout: ModelLayout | None = None) -> list[tuple[str, list[str]]]:
+        if self.modifier.mappings is not None:
+            return [(m.smooth_layer, m.balance_layers) for m in self.modifier.mappings]
+        if layout is None:
+            return []
+        skipped = SKIPPED_DEFAULTS.get(layout.model_type, ())
+        return [(smooth, balance) for smooth, balance in layout.pairs
+                if not any(smooth == f"re:.*{name}$" for name in skipped)]
 
     def smoothing_needs(self, targeted: bool, quantized: bool) -> Needs | None:
         if not (targeted or quantized):
@@ -71,3 +82,4 @@ class AWQ(RoundToNearest):
         scale = torch.where(keep, scale, clip_scale)
         zero = None if zero is None else torch.where(keep, zero, clip_zero)
         return scale, zero
+

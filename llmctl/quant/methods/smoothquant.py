@@ -3,7 +3,7 @@ tap, and ``smoothquant.smoothing_scales`` folded in before the weight modifier r
 
 from __future__ import annotations
 
-from llmctl.quant.method import QuantMethod, Smoothing, SmoothingJob
+from llmctl.quant.method import ModelLayout, QuantMethod, Smoothing, SmoothingJob
 from llmctl.quant.recipe import SmoothQuantModifier
 from llmctl.quant.smoothquant import smoothing_scales
 from llmctl.quant.stats import Needs
@@ -15,9 +15,14 @@ class SmoothQuant(QuantMethod):
     def __init__(self, modifier: SmoothQuantModifier) -> None:
         self.modifier = modifier
 
-    def mappings(self) -> list[tuple[str, list[str]]]:
-        # llm-compressor writes them (balance layers, smooth layer)
-        return [(smooth, balance) for balance, smooth in self.modifier.resolved_mappings()]
+    def mappings(self, layout: ModelLayout | None = None) -> list[tuple[str, list[str]]]:
+        # llm-compressor writes them (balance layers, smooth layer). Its defaults are the
+        # pre-norms' pairs: here the model's own (Gemma 2/3: pre_feedforward_layernorm
+        # before the MLP, where llm-compressor's registry names post_attention_layernorm,
+        # which sits on attention's output; OLMo 2: none)
+        if self.modifier.mappings is not None:
+            return [(smooth, balance) for balance, smooth in self.modifier.mappings]
+        return [] if layout is None else list(layout.norm_pairs)
 
     def smoothing_ignore(self) -> list[str]:
         return self.modifier.ignore

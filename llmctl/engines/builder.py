@@ -55,6 +55,7 @@ def build_engine(model: str, target: str, output: Path, *, common: CommonOptions
         raise FileExistsError(output)
     log(f"resolving {model}")
     source = resolve_source(model, progress)
+    kind.check_source(source)
     command = build_command(model, target, output, common, options)
     with atomic_dir(output, overwrite=overwrite) as tmp, \
             tempfile.TemporaryDirectory(prefix="llmctl-build-") as work:

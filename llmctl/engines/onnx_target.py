@@ -50,6 +50,17 @@ PRECISIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "int8": ("int8", ("cpu", "cuda")),
 }
 EXECUTION_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+# model type -> why the builder's graph cannot run it here; every other family llmctl runs is
+# built (tests/engines/test_families.py checks the logits against transformers')
+_WINDOWS = ("ONNX Runtime's GroupQueryAttention with a sliding window needs a cache as long "
+            "as the window from the first token, and llmctl's ONNX runtime grows its cache "
+            "from empty")
+REFUSED_FAMILIES: dict[str, str] = {
+    "gemma2": _WINDOWS,
+    "gemma3_text": "the builder cannot read Gemma 3's per-layer-type rope_parameters",
+    "phi3": "the builder cannot read Phi-3's LongRoPE rope_parameters",
+    "olmo2": "the builder has no OLMo 2 graph",
+}
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
 PYTHON_ENV = "LLMCTL_ORTGENAI_PYTHON"  # a python with onnxruntime-genai, if not this one
 
@@ -128,6 +139,18 @@ class OnnxTarget(Target):
             raise UsageError(f"ONNX {common.precision} is built for {', '.join(eps)}, not "
                              f"{common.device}",
                              "use --precision fp32 or int4 on CPU (fp16 needs --device cuda)")
+
+    def check_source(self, source) -> None:
+        super().check_source(source)
+        from llmctl.models.spec import ModelArch
+
+        why = REFUSED_FAMILIES.get(source.model_type)
+        if why is None and any(ModelArch.from_config(source.config).layer_windows):
+            why = f"its config sets sliding-window attention; {_WINDOWS}"
+        if why is not None:
+            raise UsageError(f"the onnx target does not build {source.model_type} models: "
+                             f"{why}", "use --target torch-compile, or serve the checkpoint "
+                             "itself (llmctl serve)")
 
     def build(self, ctx: BuildContext) -> TargetResult:
         from llmctl.engines.host import package_version

@@ -70,6 +70,13 @@ class Target(abc.ABC):
                              f"{common.precision!r}",
                              f"use one of: {', '.join(self.precisions)}")
 
+    def check_source(self, source: Source) -> None:
+        """Refuse a checkpoint this target cannot build, before any work is done: by
+        default a model type outside the families llmctl runs (the error names them)."""
+        from llmctl.models.architectures import get_architecture
+
+        get_architecture(source.model_type)
+
     @abc.abstractmethod
     def build(self, ctx: BuildContext) -> TargetResult: ...
 

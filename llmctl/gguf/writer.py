@@ -1,4 +1,7 @@
-"""Write a Hugging Face Llama-family checkpoint as a GGUF file llama.cpp loads.
+"""Write a Hugging Face checkpoint of a family llmctl runs as a GGUF file llama.cpp loads.
+
+Tensor names and conversions come from the family table (:mod:`llmctl.models.architectures`);
+each arch's own keys, generated tensors and refusals from :mod:`llmctl.gguf.families`.
 
 The writer streams: tensor infos go into the header first, then each tensor is read
 from the safetensors (memory-mapped), converted/quantized and written before the
@@ -24,6 +27,12 @@ import numpy as np
 
 from llmctl.errors import NotAModelError, UsageError
 from llmctl.gguf import quants
+from llmctl.gguf.families import (
+    check_exportable,
+    export_config,
+    generated_tensors,
+    write_arch_metadata,
+)
 from llmctl.gguf.tokenizer import GGUFVocab, read_hf_vocab, write_vocab
 from llmctl.gguf.types import file_type
 from llmctl.models.architectures import (
@@ -31,7 +40,7 @@ from llmctl.models.architectures import (
     Architecture,
     expand_tensor_names,
     get_architecture,
-    rope_permute,
+    to_gguf,
 )
 from llmctl.models.spec import ModelArch
 from llmctl.utils.atomic import atomic_path
@@ -110,7 +119,7 @@ def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
             + (" ..." if len(unknown) > 3 else ""),
             f"llmctl converts the plain {arch.model_type} layout; merge adapters first",
         )
-    tied = bool(config.get("tie_word_embeddings"))
+    tied = ModelArch.from_config(config).tie_word_embeddings
     out = []
     for hf_name, gguf_name in names.items():
         if hf_name in found and not (tied and hf_name == "lm_head.weight"):
@@ -191,31 +200,6 @@ def plan_tensors(tensors: list[SourceTensor], default_type: str, *,
     return plans + list(extra)
 
 
-def rope_freqs(config: dict[str, Any]) -> np.ndarray | None:
-    """Llama 3.1's frequency-dependent RoPE scaling, as the ``rope_freqs`` tensor
-    llama.cpp multiplies into its rotation (same formula as transformers'
-    ``_compute_llama3_parameters``)."""
-    spec = ModelArch.from_config(config)
-    params = spec.rope
-    if str(params["rope_type"]).lower() != "llama3":
-        return None
-    base, dim = params["rope_theta"], spec.head_dim
-    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    factor = params.get("factor", 8.0)
-    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
-    old_ctx = params.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * math.pi / freqs
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    mid = 1 / ((1 - smooth) / factor + smooth)
-    out = np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, mid))
-    return out.astype(np.float32)
-
-
-def generated_tensors(config: dict[str, Any]) -> dict[str, np.ndarray]:
-    freqs = rope_freqs(config)
-    return {} if freqs is None else {"rope_freqs.weight": freqs}
-
-
 def _write_metadata(writer, config: dict[str, Any], arch: Architecture, name: str,
                     ftype: int, vocab: GGUFVocab) -> None:
     import gguf
@@ -223,9 +207,11 @@ def _write_metadata(writer, config: dict[str, Any], arch: Architecture, name: st
     writer.add_name(name)
     writer.add_file_type(ftype)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    spec = ModelArch.from_config(config)
+    spec, cfg = ModelArch.from_config(config), export_config(config)
     for key, hf_key in GGUF_CONFIG_KEYS.items():
-        value = spec.rope_theta if hf_key == "rope_theta" else config.get(hf_key)
+        value = spec.rope["rope_theta"] if hf_key == "rope_theta" else cfg.get(hf_key)
+        if hf_key == "head_dim":
+            value = spec.head_dim
         if value is None:
             continue
         full = key.format(arch=arch.gguf_arch)
@@ -233,7 +219,7 @@ def _write_metadata(writer, config: dict[str, Any], arch: Architecture, name: st
             writer.add_float32(full, float(value))
         else:
             writer.add_uint32(full, int(value))
-    writer.add_rope_dimension_count(spec.head_dim)
+    write_arch_metadata(writer, config)
     # llama.cpp derives the V head size from hidden/heads unless told (Qwen3: 128 != 64/4).
     writer.add_value_length(spec.head_dim)
     params = spec.rope
@@ -311,11 +297,8 @@ def write_gguf(directory: Path, out: Path, plan: list[TensorPlan], ftype: int, *
             if p.source is None:
                 array = extra[p.name]
             else:
-                array = _load_array(handles[p.source], p.source)
-                if arch.rope_permute and p.source.endswith("q_proj.weight"):
-                    array = rope_permute(array, n_head)
-                elif arch.rope_permute and p.source.endswith("k_proj.weight"):
-                    array = rope_permute(array, n_kv)
+                array = to_gguf(arch, p.source, _load_array(handles[p.source], p.source),
+                                n_head, n_kv)
             data = _encode(array, p.type, threads)
             writer.write_tensor_data(data)
             del array, data
@@ -330,11 +313,12 @@ def build_plan(directory: Path, default_type: str, **rules: Any
     """Config, source tensors and the per-tensor plan for a file llmctl writes."""
     config = read_config(directory)
     arch = get_architecture(config["model_type"])
+    check_exportable(config)
     tensors = source_tensors(directory, config, arch)
     extra = [TensorPlan(name, None, a.shape, "F32", a.nbytes, "generated")
              for name, a in generated_tensors(config).items()]
-    plan = plan_tensors(tensors, default_type, tied=bool(config.get("tie_word_embeddings")),
-                        extra=extra, **rules)
+    tied = ModelArch.from_config(config).tie_word_embeddings
+    plan = plan_tensors(tensors, default_type, tied=tied, extra=extra, **rules)
     return config, tensors, plan
 
 

@@ -1,6 +1,10 @@
 """The model families llmctl converts, quantizes and runs: the rows of
 :data:`llmctl.models.spec.FAMILIES` that name a transformers class, their lookup, their
-GGUF tensor names per block and llama.cpp's RoPE row permutation.
+GGUF tensor names per block, and what llama.cpp's converter (convert_hf_to_gguf.py) does to
+a tensor or a config field of each architecture on the way in, with its inverse on the way
+out: the RoPE row permutation, Gemma's +1 on norm weights, the metadata keys past the
+shared ones. The writer (:mod:`llmctl.gguf.writer`) and the readers
+(:mod:`llmctl.models.gguf_reader`, :mod:`llmctl.serve.model.gguf_weights`) share them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,28 @@ GGUF_CONFIG_KEYS: dict[str, str] = {
     "{arch}.attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "{arch}.vocab_size": "vocab_size",
 }
+
+# Per llama.cpp architecture: GGUF metadata key -> HF config field, past the shared keys
+# above (convert_hf_to_gguf.py's set_gguf_parameters; the names llama-arch.cpp reads).
+GGUF_ARCH_KEYS: dict[str, dict[str, str]] = {
+    "gemma2": {"{arch}.attn_logit_softcapping": "attn_logit_softcapping",
+               "{arch}.final_logit_softcapping": "final_logit_softcapping",
+               "{arch}.attention.sliding_window": "sliding_window"},
+    "gemma3": {"{arch}.attention.sliding_window": "sliding_window"},
+    "granite": {"{arch}.embedding_scale": "embedding_multiplier",
+                "{arch}.residual_scale": "residual_multiplier",
+                "{arch}.attention.scale": "attention_multiplier",
+                "{arch}.logit_scale": "logits_scaling"},
+    "phi3": {"{arch}.attention.sliding_window": "sliding_window",
+             "{arch}.rope.scaling.original_context_length": "original_max_position_embeddings"},
+}
+# the fields above that are token counts (uint32); the others are float32
+GGUF_INT_FIELDS = {"sliding_window", "original_max_position_embeddings"}
+
+# llama.cpp's Gemma graphs scale by the stored norm weight: its converter adds the 1 that
+# transformers' Gemma RMSNorm adds at run time (every ``*norm.weight``, q/k norms too)
+NORM_SHIFT: dict[str, float] = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
+
 
 # A family row that llmctl converts, quantizes and runs (it names a transformers class).
 Architecture = Family
@@ -88,3 +114,34 @@ def rope_unpermute(weight, n_head: int):
         .swapaxes(1, 2)
         .reshape(weight.shape)
     )
+
+
+def _rotated_heads(arch: Architecture, hf_name: str, n_head: int, n_kv: int) -> int | None:
+    if not arch.rope_permute:
+        return None
+    if hf_name.endswith("q_proj.weight"):
+        return n_head
+    return n_kv if hf_name.endswith("k_proj.weight") else None
+
+
+def to_gguf(arch: Architecture, hf_name: str, array, n_head: int, n_kv: int):
+    """An HF tensor as llama.cpp's converter stores it (float32 in, float32 out)."""
+    heads = _rotated_heads(arch, hf_name, n_head, n_kv)
+    if heads:
+        array = rope_permute(array, heads)
+    shift = NORM_SHIFT.get(arch.gguf_arch)
+    if shift and hf_name.endswith("norm.weight"):
+        array = array + array.dtype.type(shift)
+    return array
+
+
+def from_gguf(arch: Architecture, hf_name: str, array, n_head: int, n_kv: int):
+    """Inverse of :func:`to_gguf`. Gemma's norms come back within 2**-24 of the original:
+    ``(w + 1) - 1`` in float32 is exact only where ``w + 1`` was."""
+    heads = _rotated_heads(arch, hf_name, n_head, n_kv)
+    if heads:
+        array = rope_unpermute(array, heads)
+    shift = NORM_SHIFT.get(arch.gguf_arch)
+    if shift and hf_name.endswith("norm.weight"):
+        array = array - array.dtype.type(shift)
+    return array

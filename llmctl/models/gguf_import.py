@@ -24,9 +24,15 @@ Progress = Callable[[int, int], None]
 
 
 def _save_tokenizer(ckpt: GGUFCheckpoint, out: Path) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name)
+    where, name = str(ckpt.path.parent), ckpt.path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    except ValueError:
+        # AutoTokenizer reads the whole config through transformers' GGUF loader, which
+        # knows fewer architectures (olmo2, granite) than its tokenizer converter does
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(where, gguf_file=name)
     vocab = {i: t for t, i in tokenizer.get_vocab().items()}
     eos_id = ckpt.config.get("eos_token_id")
     if eos_id is not None and eos_id in vocab:

@@ -15,12 +15,22 @@ import numpy as np
 
 from llmctl.errors import GGUFError, ModelNotFoundError
 from llmctl.models.architectures import (
+    GGUF_ARCH_KEYS,
     GGUF_CONFIG_KEYS,
+    GGUF_INT_FIELDS,
     Architecture,
     architecture_for_gguf,
     expand_tensor_names,
-    rope_unpermute,
+    from_gguf,
 )
+
+# tensors a converter computes from the config: read back into config.json, not weights
+_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor",
+                 "rope_factors_short.weight": "short_factor"}
+# llama.cpp's defaults where its Gemma graphs find no key (llama-model.cpp)
+_GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
+_GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # Arrays longer than this (token lists, merges, scores) are shown as "[N items]".
 _MAX_ARRAY_ITEMS = 32
@@ -102,6 +112,12 @@ class GGUFCheckpoint:
         n_kv = self.config["num_key_value_heads"]
         for t in self.reader.tensors:
             hf_name = to_hf.get(t.name)
+            if t.name in _ROPE_FACTORS:
+                continue  # in config.json's rope_parameters (open_checkpoint)
+            if t.name == "rope_freqs.weight":
+                raise GGUFError(
+                    f"{self.path.name}: Llama 3.1 RoPE scaling (rope_freqs) cannot be read "
+                    "back into rope_parameters", "convert from the HF checkpoint instead")
             if hf_name is None:
                 raise GGUFError(
                     f"{self.path.name}: unexpected tensor {t.name!r} for a "
@@ -118,10 +134,7 @@ class GGUFCheckpoint:
                 ) from None
             array = np.asarray(array, dtype=np.float32).reshape(
                 tuple(int(d) for d in reversed(t.shape)))
-            if self.arch.rope_permute and hf_name.endswith("q_proj.weight"):
-                array = rope_unpermute(array, n_head)
-            elif self.arch.rope_permute and hf_name.endswith("k_proj.weight"):
-                array = rope_unpermute(array, n_kv)
+            array = from_gguf(self.arch, hf_name, array, n_head, n_kv)
             # F32 tensors are views of a read-only memmap: copy so torch may own them.
             yield hf_name, np.array(array, copy=not array.flags.writeable, order="C")
 
@@ -139,20 +152,86 @@ def _rope_parameters(reader, arch_name: str, theta: float) -> dict[str, Any]:
     return params
 
 
+def _short(value: Any) -> Any:
+    # GGUF stores float32: 1e-5 reads back as 9.9999997e-06. Print it short.
+    return float(f"{value:.7g}") if isinstance(value, float) else value
+
+
+def _arch_fields(reader, gguf_arch: str) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    keys = {**GGUF_CONFIG_KEYS, **GGUF_ARCH_KEYS.get(gguf_arch, {})}
+    for key, hf_key in keys.items():
+        value = field_value(reader, key.format(arch=gguf_arch))
+        if value is not None:
+            config[hf_key] = int(value) if hf_key in GGUF_INT_FIELDS else _short(value)
+    return config
+
+
+def _layer_types(reader, gguf_arch: str, n_layers: int) -> list[str]:
+    """Gemma 2/3's sliding layers: the per-layer pattern array, else llama.cpp's period."""
+    pattern = field_value(reader, f"{gguf_arch}.attention.sliding_window_pattern",
+                          _GEMMA_SWA_PERIOD[gguf_arch])
+    if isinstance(pattern, list):
+        swa = [bool(x) for x in pattern][:n_layers]
+    else:  # llama_hparams::set_swa_pattern: the last layer of each period is dense
+        swa = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1
+               for i in range(n_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in swa]
+
+
+def _gemma_fields(reader, gguf_arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's Gemma graphs derive rather than read, as transformers' fields."""
+    head_dim, layers = config["head_dim"], config["num_hidden_layers"]
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
+                           "hidden_act": "gelu_pytorch_tanh"}
+    if gguf_arch == "gemma":
+        return out
+    big = layers == _GEMMA_27B_LAYERS[gguf_arch]
+    out["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                    if big else head_dim)
+    out["layer_types"] = _layer_types(reader, gguf_arch, layers)
+    if gguf_arch == "gemma2":
+        out.update({k: config.get(k, v) for k, v in _GEMMA2_SOFTCAPS.items()})
+    else:
+        local = float(field_value(reader, "gemma3.rope.freq_base_swa", 10000.0))
+        out["rope_parameters"] = {"full_attention": config["rope_parameters"],
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": _short(local)}}
+        out["final_logit_softcapping"] = None
+    return out
+
+
+def _phi3_fields(reader, config: dict[str, Any]) -> dict[str, Any]:
+    """Partial rotary and LongRoPE's factors (tensors in the file) as Phi3Config's."""
+    out: dict[str, Any] = {}
+    dims = field_value(reader, "phi3.rope.dimension_count")
+    if dims and int(dims) != config["head_dim"]:
+        out["partial_rotary_factor"] = int(dims) / config["head_dim"]
+    if not config.get("sliding_window"):
+        out["sliding_window"] = None
+    factors = {_ROPE_FACTORS[t.name]: [_short(float(x)) for x in t.data]
+               for t in reader.tensors if t.name in _ROPE_FACTORS}
+    if factors:
+        out["rope_parameters"] = {**config["rope_parameters"], "rope_type": "longrope",
+                                  **factors}
+    return out
+
+
+def _family_fields(reader, gguf_arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    if gguf_arch.startswith("gemma"):
+        return _gemma_fields(reader, gguf_arch, config)
+    if gguf_arch == "phi3":
+        return _phi3_fields(reader, config)
+    return {"hidden_act": "silu"}
+
+
 def open_checkpoint(path: Path) -> GGUFCheckpoint:
     reader = open_reader(path)
     gguf_arch = field_value(reader, "general.architecture")
     if gguf_arch is None:
         raise GGUFError(f"{path} has no general.architecture key", "it is not a model GGUF")
     arch = architecture_for_gguf(gguf_arch)
-    config: dict[str, Any] = {}
-    for key, hf_key in GGUF_CONFIG_KEYS.items():
-        value = field_value(reader, key.format(arch=gguf_arch))
-        if isinstance(value, float):
-            # GGUF stores float32: 1e-5 reads back as 9.9999997e-06. Print it short.
-            value = float(f"{value:.7g}")
-        if value is not None:
-            config[hf_key] = value
+    config = _arch_fields(reader, gguf_arch)
     missing = {"num_hidden_layers", "hidden_size", "num_attention_heads"} - config.keys()
     if missing:
         raise GGUFError(f"{path} lacks {sorted(missing)} in its metadata",
@@ -167,13 +246,13 @@ def open_checkpoint(path: Path) -> GGUFCheckpoint:
     config.update(
         model_type=arch.model_type,
         architectures=[arch.causal_lm_class],
-        hidden_act="silu",
         tie_word_embeddings="output.weight" not in names,
         rope_parameters=_rope_parameters(reader, gguf_arch, theta),
         # transformers 4.x ignores rope_parameters and silently falls back to 10000.
         rope_theta=theta,
         torch_dtype="float32",
     )
+    config.update(_family_fields(reader, gguf_arch, config))
     for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("padding_token_id", "pad_token_id")):
         value = field_value(reader, f"tokenizer.ggml.{gguf_key}")

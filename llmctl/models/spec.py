@@ -48,6 +48,36 @@ QK_NORM_TENSORS: dict[str, str] = {
     "model.layers.{bid}.self_attn.k_norm.weight": "blk.{bid}.attn_k_norm.weight",
 }
 
+# the block's norms after attention and after the MLP (llama.cpp's ATTN_POST_NORM,
+# FFN_POST_NORM), in Gemma 2/3's sandwich and OLMo 2's post layouts
+_POST_NORM_TENSORS: dict[str, str] = {
+    "model.layers.{bid}.post_attention_layernorm.weight": "blk.{bid}.post_attention_norm.weight",
+    "model.layers.{bid}.post_feedforward_layernorm.weight": "blk.{bid}.post_ffw_norm.weight",
+}
+
+# Gemma 2/3: Llama's names, the MLP's pre-norm is pre_feedforward_layernorm
+GEMMA2_TENSORS: dict[str, str] = {
+    **{k: v for k, v in LLAMA_TENSORS.items() if "post_attention_layernorm" not in k},
+    "model.layers.{bid}.pre_feedforward_layernorm.weight": "blk.{bid}.ffn_norm.weight",
+    **_POST_NORM_TENSORS,
+}
+
+# OLMo 2: no pre-norms; q/k norms over the whole projection
+OLMO2_TENSORS: dict[str, str] = {
+    **{k: v for k, v in LLAMA_TENSORS.items()
+       if "input_layernorm" not in k and "post_attention_layernorm" not in k},
+    **QK_NORM_TENSORS, **_POST_NORM_TENSORS,
+}
+
+# Phi-3 keeps its fused projections fused in GGUF: attn_qkv (q, k, v rows) and ffn_up
+# (gate rows, then up rows), split by llama.cpp's graph
+PHI3_TENSORS: dict[str, str] = {
+    **{k: v for k, v in LLAMA_TENSORS.items() if "_proj" not in k or "o_proj" in k
+       or "down_proj" in k},
+    "model.layers.{bid}.self_attn.qkv_proj.weight": "blk.{bid}.attn_qkv.weight",
+    "model.layers.{bid}.mlp.gate_up_proj.weight": "blk.{bid}.ffn_up.weight",
+}
+
 
 @dataclass(frozen=True)
 class MoeLayout:
@@ -163,21 +193,22 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            qk_norm=True, windows="layer_types", head_dim_default=128),
     Family("granite", "GraniteForCausalLM", "granite", rope_permute=True,
            tensors=LLAMA_TENSORS, attention_scale="attention_multiplier"),
-    Family("phi3", "Phi3ForCausalLM", "phi3", windows="every_layer", qkv_bias=False,
-           o_bias=False, fused=("self_attn.qkv_proj", "mlp.gate_up_proj"),
+    Family("phi3", "Phi3ForCausalLM", "phi3", tensors=PHI3_TENSORS, windows="every_layer",
+           qkv_bias=False, o_bias=False, fused=("self_attn.qkv_proj", "mlp.gate_up_proj"),
            config_defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
                             "original_max_position_embeddings": 4096}),
-    Family("olmo2", "Olmo2ForCausalLM", "olmo2", qk_norm=True, qk_norm_over="projection",
-           norms="post", config_defaults={"rms_norm_eps": 1e-5}),
-    Family("gemma", "GemmaForCausalLM", "gemma", tied_default=True, head_dim_default=256,
-           norm_offset=1.0, embed_sqrt_hidden=True, act_default="gelu_pytorch_tanh",
-           config_defaults={"max_position_embeddings": 8192}),
-    Family("gemma2", "Gemma2ForCausalLM", "gemma2", norms="sandwich", tied_default=True,
-           head_dim_default=256, windows="alternating", norm_offset=1.0,
+    Family("olmo2", "Olmo2ForCausalLM", "olmo2", tensors=OLMO2_TENSORS, qk_norm=True,
+           qk_norm_over="projection", norms="post", config_defaults={"rms_norm_eps": 1e-5}),
+    Family("gemma", "GemmaForCausalLM", "gemma", tensors=LLAMA_TENSORS, tied_default=True,
+           head_dim_default=256, norm_offset=1.0, embed_sqrt_hidden=True,
+           act_default="gelu_pytorch_tanh", config_defaults={"max_position_embeddings": 8192}),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", tensors=GEMMA2_TENSORS, norms="sandwich",
+           tied_default=True, head_dim_default=256, windows="alternating", norm_offset=1.0,
            embed_sqrt_hidden=True, attention_scale="query_pre_attn_scalar",
            act_key="hidden_activation", act_default="gelu_pytorch_tanh",
            config_defaults=_GEMMA2_DEFAULTS | {"sliding_window_pattern": 2}),
-    Family("gemma3_text", "Gemma3ForCausalLM", "gemma3", norms="sandwich", qk_norm=True,
+    Family("gemma3_text", "Gemma3ForCausalLM", "gemma3",
+           tensors={**GEMMA2_TENSORS, **QK_NORM_TENSORS}, norms="sandwich", qk_norm=True,
            tied_default=True, head_dim_default=256, windows="alternating", norm_offset=1.0,
            embed_sqrt_hidden=True, attention_scale="query_pre_attn_scalar", local_rope=True,
            act_key="hidden_activation", act_default="gelu_pytorch_tanh",

@@ -4,9 +4,12 @@ Q4_0, Q4_1 and Q8_0 blocks become :class:`llmctl.serve.layers.lowbit.AffineCodes
 32, bit for bit: the codes, scales and offsets :meth:`llmctl.gguf.quants.LegacyBlock.codes`
 reads (``w = d * q + z``; the block layouts are drawn there), run on the low-bit kernel as
 llama.cpp runs them: no float copy of a quantized matrix. Other types (F32, F16, BF16,
-K-quants, Q5_* whose 5-bit codes the kernel does not take) are read as float.
-Names are Hugging Face's; q/k rows come back in HF order (the engine applies its own
-RoPE interleaving, which is the permutation llama.cpp's converter stored).
+K-quants, i-quants, Q5_* whose 5-bit codes the kernel does not take) are dequantized once,
+at load, by gguf-py; a type it cannot read raises an error naming the type.
+Names and values are Hugging Face's: q/k rows come back in HF order (the engine applies its
+own RoPE interleaving, which is the permutation llama.cpp's converter stored), Gemma's norm
+weights without the +1 llama.cpp's converter added
+(:func:`llmctl.models.architectures.from_gguf`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from llmctl.errors import GGUFError
 from llmctl.gguf.quants import QUANTS
-from llmctl.models.architectures import expand_tensor_names, rope_unpermute
+from llmctl.models.architectures import expand_tensor_names, from_gguf, rope_unpermute
 from llmctl.models.gguf_reader import open_checkpoint
 from llmctl.serve.layers.lowbit import AffineCodes
 
@@ -71,11 +74,15 @@ class GGUFWeights:
 
         t = self._entry(name)
         shape = tuple(int(d) for d in reversed(t.shape))
-        array = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
-                           dtype=np.float32).reshape(shape)
-        heads = self._unpermute_heads(name)
-        if heads:
-            array = rope_unpermute(array, heads)
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise GGUFError(f"{self.path.name}: tensor {t.name} is {t.tensor_type.name}, "
+                            "which gguf-py cannot dequantize",
+                            "re-export the model with a float, legacy, K- or i-quant type"
+                            ) from None
+        array = from_gguf(self._ckpt.arch, name, np.asarray(array, dtype=np.float32)
+                          .reshape(shape), self._heads["q_proj"], self._heads["k_proj"])
         return torch.from_numpy(np.array(array, order="C"))
 
     def layer_weight(self, name: str) -> torch.Tensor | AffineCodes:

@@ -1,4 +1,9 @@
-"""What ``llmctl info`` reports about a checkpoint, read without loading weights."""
+"""What ``llmctl info`` reports about a checkpoint, read without loading weights: the
+config's shape, the weights' parameter count and dtype (safetensors headers), the
+tokenizer, and the family's features worth knowing before running it (:func:`features`:
+norm layout, activation, attention scale and soft-caps, the sliding-window pattern, RoPE).
+Sizes from the config alone (parameters, KV bytes) are :mod:`llmctl.perf.footprint`'s.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llmctl.models.spec import ModelArch
+from llmctl.errors import UnsupportedArchitectureError
+from llmctl.models.spec import FAMILIES, ModelArch
 from llmctl.utils.dtypes import SAFETENSORS
 
 # Tensors that hold quantization parameters rather than model parameters.
@@ -39,6 +45,7 @@ class ModelInfo:
     chat_template: bool
     eos_token: str | None
     quantization: dict[str, Any] | None
+    features: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,10 +97,60 @@ def _tokenizer_summary(directory: Path) -> tuple[str | None, bool, str | None]:
     return config.get("tokenizer_class"), template, eos
 
 
+def window_pattern(windows: tuple[int | None, ...]) -> str | None:
+    """One letter per layer, ``S`` sliding-window and ``F`` full attention (None: no layer
+    has a window)."""
+    if not any(windows):
+        return None
+    return "".join("S" if w else "F" for w in windows)
+
+
+def _rope(params: dict | None) -> dict[str, Any] | None:
+    if params is None:
+        return None
+    return {"type": params["rope_type"], "theta": params.get("rope_theta"),
+            **{k: params[k] for k in ("factor", "original_max_position_embeddings")
+               if k in params}}
+
+
+def features(arch: ModelArch) -> dict[str, Any]:
+    """The family's computation as its row and config.json state it (``None``: off)."""
+    fam = arch.family
+    windows = sorted({w for w in arch.layer_windows if w})
+    scale = arch.attention_scale
+    return {
+        "norms": fam.norms, "norm_offset": fam.norm_offset,
+        "qk_norm": fam.qk_norm_over if arch.qk_norm else None,
+        "activation": arch.hidden_act,
+        "attention_scale": None if abs(scale - arch.head_dim ** -0.5) < 1e-12 else scale,
+        "attn_softcap": arch.attn_softcap, "final_softcap": arch.final_softcap,
+        "sliding_windows": windows or None,
+        "window_pattern": window_pattern(arch.layer_windows),
+        "rope": _rope(arch.rope), "local_rope": _rope(arch.local_rope),
+        "partial_rotary_factor": arch.partial_rotary_factor,
+        "embedding_multiplier": arch.embedding_multiplier,
+        "residual_multiplier": arch.residual_multiplier,
+        "logits_scaling": arch.logits_scaling,
+        "fused_projections": list(fam.fused) or None,
+    }
+
+
+def _arch(config: dict[str, Any]) -> ModelArch:
+    """The architecture of a type in the family table; another type is refused."""
+    model_type = config.get("model_type") or (config.get("text_config") or {}).get(
+        "model_type")
+    if model_type and model_type not in FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"model type {model_type!r} is not supported",
+            f"llmctl knows {', '.join(sorted(FAMILIES))}; adding a family: "
+            "docs/architecture.md, 'Where to add'")
+    return ModelArch.from_config(config)
+
+
 def model_info(directory: Path, source: str = "local") -> ModelInfo:
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
-    arch = ModelArch.from_config(config, known_only=False)
+    arch = _arch(config)
     quant = config.get("quantization_config")
     params, dtype = _count_parameters(directory, quant)
     tokenizer, template, eos = _tokenizer_summary(directory)
@@ -119,4 +176,5 @@ def model_info(directory: Path, source: str = "local") -> ModelInfo:
         chat_template=template,
         eos_token=eos,
         quantization=quant,
+        features=features(arch),
     )

@@ -47,3 +47,52 @@ TOKENIZER_STRINGS = [
     "trailing spaces   ",
     "",
 ]
+
+
+# Each family's tiny config (tests/data/families) changed where llama.cpp's graph cannot run
+# it as it is (llmctl refuses those exports: tests/gguf/test_families.py): Gemma 1/2 tied
+# (their graphs use token_embd as the output), Gemma 2's query_pre_attn_scalar = head_dim
+# (llama.cpp derives the scale from the head size), Phi-3 without a sliding window
+# (llama.cpp ignores Phi-3's).
+LLAMA_CPP_VARIANTS: dict[str, dict] = {
+    "gemma": {"tie": True}, "gemma2": {"tie": True, "query_pre_attn_scalar": 16},
+    "gemma3": {}, "phi3": {"sliding_window": None}, "granite": {}, "olmo2": {},
+}
+
+
+@pytest.fixture(scope="session")
+def gguf_family(tmp_path_factory):
+    """``make(name, **overrides)``: a tiny family checkpoint (``tests/data/families``,
+    ``LLAMA_CPP_VARIANTS[name]``, then ``overrides``) whose norm weights are random too, so a
+    norm mapped to the wrong slot or missing Gemma's +1 changes the logits. Built once."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny import FAMILY_CONFIGS, build_tiny_llama
+
+    root = tmp_path_factory.mktemp("gguf-families")
+    built: dict[str, Path] = {}
+
+    def make(name: str, **overrides) -> Path:
+        key = json.dumps([name, overrides], sort_keys=True)
+        if key in built:
+            return built[key]
+        config = json.loads((FAMILY_CONFIGS / f"{name}.json").read_text())
+        config.update(LLAMA_CPP_VARIANTS[name], **overrides)
+        # not named after the family: llama.cpp gives a model whose name has "phi3" in
+        # it Phi-3's token attributes, which needs tokens the tiny vocabulary lacks
+        out = build_tiny_llama(root / f"m{len(built)}", layers=config.pop("num_hidden_layers"),
+                               **config)
+        weights = load_file(str(out / "model.safetensors"))
+        gen = torch.Generator().manual_seed(len(built))
+        base = 0.0 if name.startswith("gemma") else 1.0  # Gemma stores w - 1
+        for k, v in weights.items():
+            if v.ndim == 1:
+                weights[k] = base + 0.2 * torch.randn(v.shape, generator=gen)
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        built[key] = out
+        return out
+
+    return make

@@ -223,3 +223,71 @@ def test_qk_norm_normalises_each_head():
     assert torch.equal(nq, norm(q, wq)) and torch.equal(nk, norm(k, wk))
     fq, fk = layers.qk_norm(q, k, wq, wk, norm, fused=True)
     assert torch.equal(fq, norm.fused(q, wq)) and torch.equal(fk, norm.fused(k, wk))
+
+
+# --- LongRoPE (Phi-3) and Gemma 3's per-layer-type RoPE ----------------------------------
+PHI3 = {**SMALL, "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0, 1.1, 1.3, 1.6],
+                            "long_factor": [1.0, 1.5, 2.5, 4.0]}}
+
+
+@pytest.mark.parametrize("seq_len", [None, 33])
+def test_longrope_inv_freq_is_transformers(seq_len):
+    """Both sets against transformers' ``_compute_longrope_parameters`` (the short one for
+    a context up to the original 32, the long one past it), with its attention factor
+    ``sqrt(1 + ln(256 / 32) / ln(32))``."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.for_model("phi3", **PHI3)
+    want, want_factor = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=seq_len)
+    arch = ModelArch.from_config(config.to_dict())
+    params, dim = arch.rope, layers.rotary_dim(arch.head_dim, arch.partial_rotary_factor)
+    got, factor = layers.inv_freq(params, dim, 256)
+    if seq_len:
+        got, switch_at = layers.rope.SWITCHED["longrope"](params, dim, 256)
+        assert switch_at == 32
+    assert torch.equal(got, want.float())
+    assert factor == pytest.approx(want_factor, abs=0) and factor > 1.0
+
+
+@pytest.mark.parametrize("length", [32, 48])
+def test_longrope_tables_are_transformers_phi3_rotary_for_a_sequence(length):
+    """A table of ``length`` positions is transformers' rotary embedding of a sequence of
+    that length: the short set up to 32, the long one past it (for every position)."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    config = AutoConfig.for_model("phi3", **PHI3)
+    want = Phi3RotaryEmbedding(config=config)(torch.empty(1), torch.arange(length)[None])
+    cos, sin = RoPE.of(ModelArch.from_config(config.to_dict())).cos_sin(length)
+    assert torch.equal(cos[None], want[0]) and torch.equal(sin[None], want[1])
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_gemma3_local_and_global_rope_are_transformers(legacy):
+    """Gemma 3's sliding layers rotate at the local base, unscaled; its global layers at
+    rope_theta with the scaling: the new per-layer-type layout and the old one
+    (rope_scaling, rope_local_base_freq) read alike."""
+    from transformers import AutoConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    scaling = {"rope_type": "linear", "factor": 8.0}
+    if legacy:
+        extra = {"rope_scaling": scaling, "rope_theta": 1e6, "rope_local_base_freq": 1e4}
+    else:
+        extra = {"rope_parameters": {
+            "full_attention": {**scaling, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    config = AutoConfig.for_model("gemma3_text", **{**SMALL, "num_hidden_layers": 6},
+                                  head_dim=16, **extra)
+    arch = ModelArch.from_config(config.to_dict() if not legacy else
+                                 {**{k: v for k, v in config.to_dict().items()
+                                     if k != "rope_parameters"}, **extra})
+    hf = Gemma3RotaryEmbedding(config=config)
+    for layer_type, params in (("full_attention", arch.rope),
+                               ("sliding_attention", arch.local_rope)):
+        want = hf(torch.empty(1), torch.arange(40)[None], layer_type=layer_type)
+        cos, sin = layers.rope_cos_sin(params, 16, arch.max_position_embeddings, 40)
+        assert torch.equal(cos[None], want[0]) and torch.equal(sin[None], want[1]), layer_type

@@ -181,3 +181,40 @@ def test_unknown_types_and_missing_fields_say_what_is_known():
         ModelArch.from_config({"model_type": "llama", **SMALL} | {"vocab_size": None})
     report = ModelArch.from_config({"model_type": "gpt_neox", **SMALL}, known_only=False)
     assert report.head_dim == 16 and report.layer_windows == ()
+
+
+# --- the families' config classes: what config.json omits is read as transformers reads it
+NEW_FAMILIES = ["gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2"]
+
+
+@pytest.mark.parametrize("model_type", NEW_FAMILIES)
+def test_a_diff_config_reads_as_the_transformers_config(model_type):
+    """save_pretrained writes config.json as a diff from the class defaults: a config at
+    every default keeps only the sizes. What ModelArch reads from it equals what the
+    transformers config object holds (windows per layer, soft-caps, scales, norms)."""
+    import json
+
+    from transformers import AutoConfig
+
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+                 num_attention_heads=4, num_key_value_heads=2)
+    cfg = AutoConfig.for_model(model_type, **sizes)
+    arch = ModelArch.from_config(json.loads(cfg.to_json_string(use_diff=True)))
+    head_dim = getattr(cfg, "head_dim", None) or 16
+    assert arch.head_dim == head_dim
+    assert arch.rms_norm_eps == cfg.rms_norm_eps
+    assert arch.tie_word_embeddings == cfg.tie_word_embeddings
+    assert arch.max_position_embeddings == cfg.max_position_embeddings
+    assert arch.hidden_act == getattr(cfg, "hidden_activation", None) or cfg.hidden_act
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * 7
+    assert arch.layer_windows == tuple(window if t == "sliding_attention" else None
+                                       for t in types)
+    assert arch.attn_softcap == getattr(cfg, "attn_logit_softcapping", None)
+    assert arch.final_softcap == getattr(cfg, "final_logit_softcapping", None)
+    scalar = getattr(cfg, "query_pre_attn_scalar", None)
+    scale = (scalar ** -0.5 if scalar else getattr(cfg, "attention_multiplier", None)
+             or head_dim ** -0.5)
+    assert arch.attention_scale == pytest.approx(scale, rel=1e-12)
+    assert arch.embedding_multiplier == pytest.approx(
+        64 ** 0.5 if model_type.startswith("gemma") else getattr(cfg, "embedding_multiplier", 1.0))

@@ -243,3 +243,26 @@ def rotate_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         return torch.cat([rotate_pairs(x[..., :rot], freqs), x[..., rot:]], dim=-1)
     pairs = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
     return torch.view_as_real(pairs * freqs).view(t, h, d).to(x.dtype)
+
+
+def interleave_rows(weight: torch.Tensor, num_heads: int, rotated: int | None = None
+                    ) -> torch.Tensor:
+    """Reorder q/k projection rows from HF's halves layout to interleaved pairs.
+
+    HF rotates dimension ``i`` of a head with ``i + r/2`` (``r``: the ``rotated``
+    dimensions, all of the head by default); after this permutation the pair sits at
+    ``(2i, 2i + 1)`` and RoPE is one complex multiplication. Attention only needs
+    ``q . k``, which is unchanged when q and k share the permutation; V is not touched.
+    (llama.cpp's converter applies the same permutation for the same reason.) With
+    partial rotary the dimensions past ``r`` keep their place.
+    """
+    from llmctl.models.architectures import rope_permute  # the GGUF writer's, shared
+
+    head = weight.shape[0] // num_heads
+    if rotated is None or rotated == head:
+        return rope_permute(weight, num_heads)
+    rest = weight.shape[1:]
+    per_head = weight.reshape(num_heads, head, *rest)
+    turned = rope_permute(per_head[:, :rotated].reshape(num_heads * rotated, *rest), num_heads)
+    return torch.cat([turned.reshape(num_heads, rotated, *rest), per_head[:, rotated:]],
+                     dim=1).reshape(weight.shape)

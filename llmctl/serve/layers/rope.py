@@ -10,12 +10,12 @@ rotated.
 
 from __future__ import annotations
 
-import torch
 
 from llmctl.errors import UnsupportedArchitectureError
 from llmctl.models.layers.registry import lookup
 from llmctl.models.layers.rope import (  # noqa: F401 (the engine's names for them)
     ROPE_TYPES,
+    interleave_rows,
     rope_cos_sin,
     rope_freqs,
     rotary_dim,
@@ -39,26 +39,3 @@ def check_rope(arch: ModelArch) -> None:
     for params in (arch.rope, arch.local_rope):
         if params is not None:
             lookup(ROPE_TYPES, params["rope_type"], "RoPE type")
-
-
-def interleave_rows(weight: torch.Tensor, num_heads: int, rotated: int | None = None
-                    ) -> torch.Tensor:
-    """Reorder q/k projection rows from HF's halves layout to interleaved pairs.
-
-    HF rotates dimension ``i`` of a head with ``i + r/2`` (``r``: the ``rotated``
-    dimensions, all of the head by default); after this permutation the pair sits at
-    ``(2i, 2i + 1)`` and RoPE is one complex multiplication. Attention only needs
-    ``q . k``, which is unchanged when q and k share the permutation; V is not touched.
-    (llama.cpp's converter applies the same permutation for the same reason.) With
-    partial rotary the dimensions past ``r`` keep their place.
-    """
-    from llmctl.models.architectures import rope_permute
-
-    head = weight.shape[0] // num_heads
-    if rotated is None or rotated == head:
-        return rope_permute(weight, num_heads)
-    rest = weight.shape[1:]
-    per_head = weight.reshape(num_heads, head, *rest)
-    turned = rope_permute(per_head[:, :rotated].reshape(num_heads * rotated, *rest), num_heads)
-    return torch.cat([turned.reshape(num_heads, rotated, *rest), per_head[:, rotated:]],
-                     dim=1).reshape(weight.shape)

@@ -50,6 +50,7 @@ class ProjectionShapes(Protocol):
     head_dim: int
     hidden_size: int
     intermediate_size: int
+    partial_rotary_factor: float
 
 
 CONFIG_FILE = "adapter_config.json"
@@ -63,6 +64,13 @@ FUSED: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 PROJECTIONS = {proj: fused for fused, projs in FUSED.items() for proj in projs}
+# projections a checkpoint stores fused (Phi-3), so its adapters target them as one
+# module: split on read into the projections above (B's rows; A is shared). The split
+# keeps the maths: [B_q; B_k; B_v] A x is each B_p A x.
+CHECKPOINT_FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # adapter_config.json keys whose non-default values change the maths: refused
 _REFUSED = {
@@ -173,8 +181,25 @@ def _shapes(spec: ProjectionShapes) -> dict[str, tuple[int, int]]:
     """HF projection -> (out, in)."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     h, i = spec.hidden_size, spec.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+              "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    for whole, projs in CHECKPOINT_FUSED.items():
+        shapes[whole] = (sum(shapes[p][0] for p in projs), h)
+    return shapes
+
+
+def _split_fused(parts: dict[tuple[int, str], dict[str, torch.Tensor]],
+                 shapes: dict[str, tuple[int, int]]) -> None:
+    """Replace each fused module's pair by its projections' (``CHECKPOINT_FUSED``)."""
+    for (layer, proj) in [k for k in parts if k[1] in CHECKPOINT_FUSED]:
+        ab = parts.pop((layer, proj))
+        row = 0
+        for part in CHECKPOINT_FUSED[proj]:
+            rows = shapes[part][0]
+            b = ab.get("B")
+            parts[(layer, part)] = {"A": ab.get("A"),
+                                    "B": None if b is None else b[row:row + rows]}
+            row += rows
 
 
 def load_adapter(name: str, path: str | Path, spec: ProjectionShapes, *, max_rank: int,
@@ -190,6 +215,7 @@ def load_adapter(name: str, path: str | Path, spec: ProjectionShapes, *, max_ran
     shapes = _shapes(spec)
     parts = _read_parts(name, weights, shapes)
     _check_parts(name, parts, shapes, spec, config.rank)
+    _split_fused(parts, shapes)
     layers = [_fuse_layer(parts, i, shapes, spec, config, dtype, device)
               for i in range(spec.num_layers)]
     return LoRAAdapter(name=name, path=str(path), rank=config.rank, scaling=config.scaling,
@@ -269,9 +295,10 @@ def _fuse_layer(parts: dict[tuple[int, str], dict[str, torch.Tensor]], i: int,
     block-diagonal, scaled, RoPE-permuted ``B^T`` (module docstring)."""
     import torch
 
-    from llmctl.models.architectures import rope_permute
+    from llmctl.models.layers.rope import interleave_rows, rotary_dim
 
     rotated = {"q_proj": spec.num_heads, "k_proj": spec.num_kv_heads}
+    dims = rotary_dim(spec.head_dim, spec.partial_rotary_factor)
     fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for target, projs in FUSED.items():
         present = [p for p in projs if (i, p) in parts]
@@ -286,7 +313,7 @@ def _fuse_layer(parts: dict[tuple[int, str], dict[str, torch.Tensor]], i: int,
             if p in present:
                 part = parts[(i, p)]["B"].float() * config.scaling
                 if p in rotated:
-                    part = rope_permute(part, rotated[p])
+                    part = interleave_rows(part, rotated[p], dims)
                 b[row:row + rows, col:col + r] = part
                 col += r
             row += rows

@@ -120,3 +120,62 @@ def test_an_unknown_model_type_names_the_families(tmp_path):
     for family in ("gemma2", "gemma3_text", "phi3", "granite", "olmo2", "llama"):
         assert family in message
     assert "docs/architecture.md" in message
+
+
+# --- speculative decoding, 8-bit KV and LoRA on the families -----------------------------
+@pytest.mark.parametrize("name", ["gemma2", "phi3", "olmo2"])
+def test_speculative_decoding_keeps_the_tokens(tiny_family, name):
+    """n-gram drafts verified through each family's forward (several query tokens per
+    sequence, windows, soft-caps): the greedy tokens stay transformers'."""
+    path = tiny_family(name)
+    ids = _prompts(path, name)[2:]
+    llm = LLM(str(path), kv_cache_memory="8MiB", block_size=4,
+              speculative={"method": "ngram", "num_speculative_tokens": 3})
+    outs = llm.generate(ids, _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, NEW_TOKENS)
+                                                      for p in ids]
+    stats = llm.engine.stats()
+    # drafts were verified (several query tokens per sequence); on random weights a
+    # family's output may repeat itself too little for any to be accepted
+    assert stats.spec_verify_steps > 0 and stats.spec_draft_tokens > 0
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "olmo2"])
+def test_8bit_kv_cache_stays_close(tiny_family, name, kv):
+    """bf16 weights with an int8 (scale per slot and head) or fp8 (E4M3) cache against
+    the float32 reference: every logit within 0.5 (the bf16 bound above, plus the cache's
+    own rounding: fp8 keeps 3 mantissa bits)."""
+    path = tiny_family(name)
+    ids = encode(path, PROMPTS[3])
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, dtype="bfloat16",
+              kv_cache_dtype=kv)
+    got = teacher_forced_logits(llm.engine, ids, 7)
+    with torch.inference_mode():
+        want = hf_model(str(path))(torch.tensor([ids])).logits[0, 6:].float()
+    torch.testing.assert_close(got, want, atol=0.5, rtol=0)
+
+
+@pytest.mark.parametrize("name,targets", [
+    ("gemma2", None),
+    ("olmo2", ["q_proj", "v_proj", "down_proj"]),
+    # Phi-3's checkpoint fuses q/k/v and gate/up: PEFT adapts the fused modules
+    ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+])
+def test_lora_greedy_equals_peft(tiny_family, tmp_path, name, targets):
+    """A random PEFT adapter served by the engine beside the base model: each request's
+    greedy tokens equal transformers + PEFT's (float32), the base request's the base's."""
+    from tests.lora_adapters import build_adapter, peft_model
+
+    path = tiny_family(name)
+    adapter = build_adapter(path, tmp_path / "lora", rank=4, alpha=8, seed=1, targets=targets)
+    prompt = _prompts(path, name)[3]
+    llm = LLM(str(path), loras={"a": str(adapter)}, kv_cache_memory="8MiB", block_size=4)
+    outs = llm.generate([prompt, prompt], _greedy(24), lora=["a", None])
+    ref = peft_model(path, adapter)
+    with torch.inference_mode():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert outs[0].outputs[0].token_ids == want
+    assert outs[1].outputs[0].token_ids == hf_greedy(path, prompt, 24)
+    assert want != hf_greedy(path, prompt, 24)  # the adapter changes the tokens

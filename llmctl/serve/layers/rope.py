@@ -10,7 +10,6 @@ rotated.
 
 from __future__ import annotations
 
-
 from llmctl.errors import UnsupportedArchitectureError
 from llmctl.models.layers.registry import lookup
 from llmctl.models.layers.rope import (  # noqa: F401 (the engine's names for them)

@@ -5,8 +5,8 @@ or on int4/int8 codes in the AVX2 layout, up to 8 on int4/int8 codes in the VNNI
 :class:`WideningBF16Linear` stops calling it).
 
 :file:`csrc/decode_layer.cpp` runs a layer's ten kernels (the small-batch matrix products,
-RoPE + cache write, paged attention, the fused norms and SwiGLU) from C, on the same
-data in the same order as :meth:`llmctl.serve.model.decoder.LlamaModel.forward` does from
+RoPE + cache write, paged attention, the fused norms and SwiGLU or GeGLU) from C, on the
+same data in the same order as :meth:`llmctl.serve.model.decoder.LlamaModel.forward` does from
 Python, so the hidden states are bit for bit the same; what goes is ~10 Python-to-C
 transitions and tensor allocations per layer (about 1 ms of a SmolLM2 batch-1 token, and
 3-4 ms of a 64-row step: development A/B in one process, 6 rounds alternating, step
@@ -19,16 +19,23 @@ codes (1); AVX2-only CPUs (AMD Zen 3: no AVX-512, no native bf16) a
 AVX2 codes (3), each called with the arguments its Python layer passes. A layer may mix
 forms. A bias (bf16) is added as the Python layer adds it.
 
-Sliding windows: each layer's window goes to its attention call (``Step.window``).
+The layer forms of :meth:`llmctl.serve.model.decoder.LlamaModel.forward`, as its layer loop
+computes them: per layer a sliding window, a RoPE table (Gemma 3's sliding layers rotate
+with their own; a table narrower than the head rotates part of it), the norms it has (an
+input norm or none: OLMo 2 reads the residual stream; norms on attention's and the MLP's
+outputs: Gemma 2/3, OLMo 2; a pre-MLP norm or none); per model the attention scale and
+logit soft-cap, the activation (SwiGLU or GeGLU) and the residual multiplier (Granite).
 
 LoRA: a step with adapter rows runs here too when its segments are native
 (:class:`LoRABatch.native`); each fused linear adds its adapters' terms with
 :file:`csrc/lora.cpp`, the kernel the layer loop calls, so the bits stay the layer loop's.
 
-It applies when every matrix of every layer has one of those forms, no q/k norm,
-bfloat16 activations, a bfloat16, int8 or fp8 cache, and the step is one attention group
-of single-token sequences on the native kernel; :meth:`DecodeLayers.build` returns None
-otherwise.
+It applies when every matrix of every layer has one of those forms, no q/k norm (the
+layer loop norms q and k with torch's RMSNorm op, whose float32 sum the C side does not
+reproduce bit for bit), every layer's RoPE on the native kernel, the fused norm and
+activation kernels, bfloat16 activations, a bfloat16, int8 or fp8 cache, and the step is
+one attention group of single-token sequences on the native kernel;
+:meth:`DecodeLayers.build` returns None otherwise (the layer loop runs).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmctl.serve.kernels.cpu import decode_layer_kernel
+from llmctl.serve.kernels.cpu import NormActKernels, decode_layer_kernel
 from llmctl.serve.layers.attention import AttnMetadata
 from llmctl.serve.layers.lowbit import LowBitLinear
 from llmctl.serve.layers.quant_linear import PackedLinear, WideningBF16Linear
@@ -67,13 +74,31 @@ class Step(ctypes.Structure):
     """:file:`csrc/decode_layer.cpp`'s ``Step``."""
 
     _fields_ = [("m", _I64), ("hidden", _I64), ("q_heads", _I64), ("kv_heads", _I64),
-                ("head_dim", _I64), ("freqs", _PTR), ("positions", _PTR), ("slots", _PTR),
+                ("head_dim", _I64), ("positions", _PTR), ("slots", _PTR),
                 ("block_tables", _PTR), ("max_blocks", _I64), ("context_lens", _PTR),
                 ("block_size", _I64), ("scale", _F32), ("eps", _F32), ("x", _PTR), ("h", _PTR),
                 ("qkv", _PTR), ("attn", _PTR), ("attn_f", _PTR), ("proj", _PTR),
-                ("gate_up", _PTR), ("act", _PTR), ("num_threads", _INT), ("window", _I64),
+                ("gate_up", _PTR), ("act_out", _PTR), ("num_threads", _INT),
                 ("lora", _PTR), ("lora_n", _I64), ("layer", _I64), ("sums", _PTR),
-                ("softcap", _F32), ("rot", _I64)]
+                ("softcap", _F32), ("act", _I64), ("residual_scale", _F32)]
+
+
+class LayerArgs(ctypes.Structure):
+    """:file:`csrc/decode_layer.cpp`'s ``Layer``: one layer's matrices, RoPE table,
+    window and norms (null: the layer has none)."""
+
+    _fields_ = [("qkv", _PTR), ("o", _PTR), ("gate_up", _PTR), ("down", _PTR),
+                ("freqs", _PTR), ("rot", _I64), ("window", _I64), ("input_is_x", _I64),
+                ("attn_out_norm", _PTR), ("post_norm", _PTR), ("mlp_out_norm", _PTR),
+                ("next_norm", _PTR)]
+
+
+# the gated MLP's activation by HF name -> decode_layer.cpp's Step.act
+ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def matrix(layer) -> tuple[Matrix, int] | None:
@@ -115,14 +140,12 @@ class DecodeLayers:
         self.max_rows = max_rows  # the fewest any matrix takes, at most MAX_ROWS
         self._fn = fn
         self._matrices = matrices  # kept alive: the C side holds pointers into them
-        following = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
-        # each layer's sliding window (0: none), set in the Step before its call
-        windows = spec.layer_windows or (None,) * len(model.layers)
-        self._windows = [w or 0 for w in windows]
         # the per-layer arguments that never change, bound once (this is the decode loop)
-        self._layer_args = [
-            (*(ctypes.byref(m) for m in mats), layer.post_norm.data_ptr(), nxt.data_ptr())
-            for mats, layer, nxt in zip(matrices, model.layers, following)]
+        self._layers = [LayerArgs(*(ctypes.addressof(m) for m in mats),
+                                  **self._layer_fields(model, i))
+                        for i, mats in enumerate(matrices)]
+        self._layer_refs = [ctypes.byref(la) for la in self._layers]
+        self._windows = [la.window for la in self._layers]  # each layer's (0: none)
         rows, qkv_n, gate_up_n = max_rows, matrices[0][0].n, matrices[0][2].n
         q_size = spec.num_heads * spec.head_dim
         bf16 = torch.bfloat16
@@ -132,7 +155,7 @@ class DecodeLayers:
             "attn_f": torch.empty(rows * q_size, dtype=torch.float32),
             "proj": torch.empty(rows * spec.hidden_size, dtype=bf16),
             "gate_up": torch.empty(rows * gate_up_n, dtype=bf16),
-            "act": torch.empty(rows * gate_up_n // 2, dtype=bf16),
+            "act_out": torch.empty(rows * gate_up_n // 2, dtype=bf16),
             # a widened bf16 product's float32 sums, before its bias (kind 2 only)
             "sums": torch.empty(rows * max((m.n for mats in matrices for m in mats
                                             if m.kind == 2 and m.bias), default=0),
@@ -140,20 +163,43 @@ class DecodeLayers:
         }
         self._step = Step(hidden=spec.hidden_size, q_heads=spec.num_heads,
                           kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                          freqs=model.rope_kv.freqs.data_ptr(), rot=model.rope_kv.rot,
-                          scale=model.scale,
-                          eps=spec.rms_norm_eps,
+                          scale=model.scale, eps=spec.rms_norm_eps,
+                          softcap=spec.attn_softcap or 0.0, act=ACTIVATIONS[spec.hidden_act],
+                          residual_scale=spec.residual_multiplier,
                           **{k: v.data_ptr() for k, v in self._scratch.items()})
+
+    @staticmethod
+    def _layer_fields(model, i: int) -> dict:
+        """Layer ``i``'s table, window and norms, as the layer loop reads them."""
+        layer, layers = model.layers[i], model.layers
+        following = layers[i + 1].input_norm if i + 1 < len(layers) else model.norm
+        rope_kv = model.layer_rope[i][1]
+        return {"freqs": rope_kv.freqs.data_ptr(), "rot": rope_kv.rot,
+                "window": model.windows[i] or 0, "input_is_x": layer.input_norm is None,
+                "attn_out_norm": _ptr(layer.attn_out_norm), "post_norm": _ptr(layer.post_norm),
+                "mlp_out_norm": _ptr(layer.mlp_out_norm), "next_norm": _ptr(following)}
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether every layer computes what the C layer does (the module doc's list)."""
+        spec = model.spec
+        if not isinstance(model.norm_act, NormActKernels) or model.norm is None:
+            return False
+        if spec.hidden_act not in ACTIVATIONS:
+            return False
+        ropes = getattr(model, "layer_rope", None)
+        if ropes is None or len(ropes) != len(model.layers) or \
+                any(rope_kv is None for _, rope_kv in ropes):
+            return False
+        return all(layer.qk_norm is None for layer in model.layers)
 
     @classmethod
     def build(cls, model) -> DecodeLayers | None:
         fn = decode_layer_kernel()
-        if fn is None or model.rope_kv is None or model.dtype != torch.bfloat16:
+        if fn is None or model.dtype != torch.bfloat16 or not cls.supports(model):
             return None
         matrices, max_rows = [], None
         for layer in model.layers:
-            if layer.qk_norm is not None:
-                return None
             forms = [matrix(getattr(layer, n)) for n in ("qkv", "o", "gate_up", "down")]
             if any(f is None for f in forms):
                 return None
@@ -175,8 +221,11 @@ class DecodeLayers:
                  kv_scales: torch.Tensor | None = None,
                  lora: LoRABatch | None = None) -> torch.Tensor:
         """Every layer on ``x`` (residual, updated) and ``h`` (the first layer's normed
-        input); returns the final norm's output, as ``forward`` does. ``lora``: the step's
-        adapter rows, with ``native`` segments (the caller checks)."""
+        input; ``x`` itself where the first layer has no input norm); returns the final
+        norm's output, as ``forward`` does. ``lora``: the step's adapter rows, with
+        ``native`` segments (the caller checks)."""
+        if h.data_ptr() == x.data_ptr():  # no input norm: h is x, the norms need their own
+            h = torch.empty_like(x)
         grp = meta.groups[0]
         st = self._step
         st.m = x.shape[0]
@@ -195,11 +244,9 @@ class DecodeLayers:
         s_half = kv_scales.stride(1) * 4 if kv_scales is not None else 0
         s_ptr = kv_scales.data_ptr() if kv_scales is not None else None
         kind = _KV_KINDS[kv_cache.dtype]
-        for layer, ((qkv, o, gate_up, down, post, nxt), window) in enumerate(
-                zip(self._layer_args, self._windows)):
-            st.window, st.layer = window, layer
-            fn(ref, qkv, o, gate_up, down, k_ptr, k_ptr + half, s_ptr,
-               s_ptr + s_half if s_ptr else None, kind, post, nxt)
+        for layer, args in enumerate(self._layer_refs):
+            st.layer = layer
+            fn(ref, args, k_ptr, k_ptr + half, s_ptr, s_ptr + s_half if s_ptr else None, kind)
             k_ptr += 2 * half
             if s_ptr:
                 s_ptr += 2 * s_half

@@ -1,4 +1,4 @@
-// One Llama decoder layer for a decode step (up to 256 tokens on bf16 weights, 8 on
+// One decoder layer for a decode step (up to 256 tokens on bf16 weights, 8 on
 // int4/int8 codes with VNNI, 12 on torch-layout bf16 weights with AVX2:
 // llmctl/serve/layers/decode_layers.py), bfloat16 activations, in one call.
 //
@@ -10,8 +10,17 @@
 // Nothing new is computed here.
 //
 //   qkv = W_qkv h;  RoPE(q, k), K/V -> cache;  a = attention(q, cache)
-//   x += W_o a;  h = RMSNorm(x) w_post;  x += W_down silu_mul(W_gate_up h);
-//   h = RMSNorm(x) w_next
+//   o = W_o a;  o = RMSNorm(o) w_attn_out (sandwich/post norms);  x += o * rs
+//   h = RMSNorm(x) w_post (or h = x without a pre-MLP norm)
+//   m = W_down act_mul(W_gate_up h);  m = RMSNorm(m) w_mlp_out;  x += m * rs
+//   h = RMSNorm(x) w_next (or h = x: the next layer reads the residual stream)
+// as llmctl/serve/model/decoder.py's layer loop does it (LlamaModel.forward, _branch,
+// _add_norm): act_mul is SwiGLU or GeGLU (norm_act.cpp), rs Granite's residual
+// multiplier (1: no product; else bf16(x * float(rs)), torch's bf16 product with a
+// Python float), a norm on a branch is add_rms_norm_bf16 without a residual, an add
+// without a norm torch's bf16 add (bf16(x + b)). Per layer (Layer): its sliding window,
+// its RoPE table (Gemma 3's sliding layers have their own; rot < head_dim: partial
+// rotary) and which norms it has; per model (Step): the attention scale and soft-cap.
 //
 // Each matrix (Matrix.kind) is, with the kernel and the arguments its Python layer
 // (llmctl/serve/layers/quant_linear.py, lowbit.py) passes:
@@ -25,7 +34,8 @@
 // mix kinds. A bias (bf16) is added as the Python layer adds it: kinds 0, 1 and 3 round
 // the product to bf16 and then add (torch's `out + bias`: one more rounding); kind 2
 // adds it to the float32 sums and rounds once (WideningBF16Linear). A layer with a q/k
-// norm stays on the Python path. The cache is bf16 (kv_kind 0), int8 codes with their
+// norm stays on the Python path (torch's RMSNorm op there, whose float32 sum this file
+// cannot reproduce bit for bit). The cache is bf16 (kv_kind 0), int8 codes with their
 // scales per slot (1) or fp8 codes with the layer's static scales (2)
 // (llmctl/serve/layers/kv_quant.py), written and read by the _i8 and _f8 kernels; attention,
 // RoPE, the norms and SwiGLU are portable C with AVX-512 or AVX2 bodies where compiled in.
@@ -95,6 +105,8 @@ void add_rms_norm_bf16(uint16_t* x, const uint16_t* residual, const uint16_t* we
                        uint16_t* out, int64_t rows, int64_t cols, float eps, int num_threads);
 void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
                    int num_threads);
+void gelu_tanh_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
+                        int num_threads);
 
 // A matrix as llmctl/serve/layers/decode_layers.py's DecodeLayers describes it (ctypes Structure).
 struct Matrix {
@@ -108,7 +120,6 @@ struct Matrix {
 
 struct Step {  // what every layer of one step shares
   int64_t m, hidden, q_heads, kv_heads, head_dim;
-  const float* freqs;
   const int64_t* positions;
   const int64_t* slots;
   const int64_t* block_tables;
@@ -123,15 +134,30 @@ struct Step {  // what every layer of one step shares
   float* attn_f;  // scratch, same, float32
   uint16_t* proj;  // scratch [m, hidden]
   uint16_t* gate_up;  // scratch [m, gate_up n]
-  uint16_t* act;  // scratch [m, gate_up n / 2]
+  uint16_t* act_out;  // scratch [m, gate_up n / 2]
   int num_threads;
-  int64_t window;  // this layer's sliding window, 0: none (set before each layer's call)
   const LoraSeg* lora;  // the step's adapter row ranges (lora.h), lora_n of them (0: none)
   int64_t lora_n;
   int64_t layer;  // this layer's index, for the adapters' tables (set before each call)
   float* sums;  // scratch [m, widest n] float32: a kind 2 product's sums before its bias
   float softcap;  // attention logit soft-capping, 0: none
-  int64_t rot;  // the rotated dimensions of a head (freqs: [positions, rot / 2, 2])
+  int64_t act;  // the gated MLP's activation: 0 SiLU (SwiGLU), 1 tanh GeLU (GeGLU)
+  float residual_scale;  // each branch's output times this before the residual add
+};
+
+struct Layer {  // one layer's descriptors, bound once (decode_layers.py's Layer)
+  const Matrix* qkv;
+  const Matrix* o;
+  const Matrix* gate_up;
+  const Matrix* down;
+  const float* freqs;  // its RoPE table [positions, rot / 2, 2]
+  int64_t rot;  // the rotated dimensions of a head
+  int64_t window;  // its sliding window, 0: none
+  int64_t input_is_x;  // no input norm (OLMo 2): attention reads the residual stream
+  const uint16_t* attn_out_norm;  // RMSNorm weights [hidden] or null
+  const uint16_t* post_norm;  // before the MLP; null: the MLP reads the residual stream
+  const uint16_t* mlp_out_norm;
+  const uint16_t* next_norm;  // the next layer's input norm (or the final norm); null: none
 };
 
 // out = W x (+ bias) for the step's rows, then the adapters' terms of fused linear `target`
@@ -177,48 +203,74 @@ static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Ste
                   st.num_threads);
 }
 
-void decode_layer_bf16(const Step* step, const Matrix* qkv, const Matrix* o,
-                       const Matrix* gate_up, const Matrix* down, void* k_cache,
-                       void* v_cache, float* k_scale, float* v_scale, int64_t kv_kind,
-                       const uint16_t* post_norm, const uint16_t* next_norm) {
-  const Step& st = *step;
-  const int64_t d = st.head_dim, q_size = st.q_heads * d, width = qkv->n;
-  apply(*qkv, st.h, st.qkv, st, 0);
+// RoPE + cache write and attention of the step's q/k/v in st.qkv, into st.attn (bf16)
+static void attention(const Step& st, const Layer& ly, void* k_cache, void* v_cache,
+                      float* k_scale, float* v_scale, int64_t kv_kind) {
+  const int64_t d = st.head_dim, q_size = st.q_heads * d, width = ly.qkv->n;
   const uint16_t* v_new = st.qkv + q_size + st.kv_heads * d;
   if (kv_kind == 2) {
     uint8_t* kc = static_cast<uint8_t*>(k_cache);
     uint8_t* vc = static_cast<uint8_t*>(v_cache);
-    rope_kv_bf16_f8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.rot,
-                    st.freqs, st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
+    rope_kv_bf16_f8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, ly.rot,
+                    ly.freqs, st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
     paged_attention_bf16_f8(st.qkv, kc, vc, k_scale, v_scale, st.block_tables, st.max_blocks,
                             st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
-                            st.block_size, st.scale, st.attn_f, st.num_threads, st.window,
+                            st.block_size, st.scale, st.attn_f, st.num_threads, ly.window,
                             st.softcap);
   } else if (kv_kind == 1) {
     int8_t* kc = static_cast<int8_t*>(k_cache);
     int8_t* vc = static_cast<int8_t*>(v_cache);
-    rope_kv_bf16_i8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.rot,
-                    st.freqs, st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
+    rope_kv_bf16_i8(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, ly.rot,
+                    ly.freqs, st.positions, st.slots, kc, vc, k_scale, v_scale, st.num_threads);
     paged_attention_bf16_i8(st.qkv, kc, vc, k_scale, v_scale, st.block_tables, st.max_blocks,
                             st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
-                            st.block_size, st.scale, st.attn_f, st.num_threads, st.window,
+                            st.block_size, st.scale, st.attn_f, st.num_threads, ly.window,
                             st.softcap);
   } else {
     uint16_t* kc = static_cast<uint16_t*>(k_cache);
     uint16_t* vc = static_cast<uint16_t*>(v_cache);
-    rope_kv_bf16(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, st.rot,
-                 st.freqs, st.positions, st.slots, kc, vc, st.num_threads);
+    rope_kv_bf16(st.qkv, width, v_new, width, st.m, st.q_heads, st.kv_heads, d, ly.rot,
+                 ly.freqs, st.positions, st.slots, kc, vc, st.num_threads);
     paged_attention_bf16(st.qkv, kc, vc, st.block_tables, st.max_blocks, st.context_lens,
                          st.m, 1, width, st.q_heads, st.kv_heads, d, st.block_size, st.scale,
-                         st.attn_f, st.num_threads, st.window, st.softcap);
+                         st.attn_f, st.num_threads, ly.window, st.softcap);
   }
   for (int64_t i = 0; i < st.m * q_size; ++i) st.attn[i] = float_to_bf16(st.attn_f[i]);
-  apply(*o, st.attn, st.proj, st, 1);
-  add_rms_norm_bf16(st.x, st.proj, post_norm, st.h, st.m, st.hidden, st.eps, st.num_threads);
-  apply(*gate_up, st.h, st.gate_up, st, 2);
-  silu_mul_bf16(st.gate_up, st.act, st.m, gate_up->n / 2, st.num_threads);
-  apply(*down, st.act, st.proj, st, 3);
-  add_rms_norm_bf16(st.x, st.proj, next_norm, st.h, st.m, st.hidden, st.eps, st.num_threads);
+}
+
+// A branch's output b [m, hidden] into the residual stream, as the layer loop's _branch
+// and _add_norm do: b = RMSNorm(b) w_out (in place), b = bf16(b * rs), then x += b and
+// h = RMSNorm(x) w_norm, or without w_norm x = bf16(x + b) alone (h not written).
+static void add_branch(const Step& st, uint16_t* b, const uint16_t* out_norm,
+                       const uint16_t* norm) {
+  const int64_t n = st.m * st.hidden;
+  if (out_norm != nullptr)
+    add_rms_norm_bf16(b, nullptr, out_norm, b, st.m, st.hidden, st.eps, st.num_threads);
+  if (st.residual_scale != 1.f)
+    for (int64_t i = 0; i < n; ++i) b[i] = float_to_bf16(bf16_to_float(b[i]) * st.residual_scale);
+  if (norm != nullptr) {
+    add_rms_norm_bf16(st.x, b, norm, st.h, st.m, st.hidden, st.eps, st.num_threads);
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      st.x[i] = float_to_bf16(bf16_to_float(st.x[i]) + bf16_to_float(b[i]));
+  }
+}
+
+// One layer; its input is st.h (or st.x where it has no input norm), and st.h holds the
+// next layer's normed input after it (where that layer has an input norm).
+void decode_layer_bf16(const Step* step, const Layer* layer, void* k_cache, void* v_cache,
+                       float* k_scale, float* v_scale, int64_t kv_kind) {
+  const Step& st = *step;
+  const Layer& ly = *layer;
+  apply(*ly.qkv, ly.input_is_x ? st.x : st.h, st.qkv, st, 0);
+  attention(st, ly, k_cache, v_cache, k_scale, v_scale, kv_kind);
+  apply(*ly.o, st.attn, st.proj, st, 1);
+  add_branch(st, st.proj, ly.attn_out_norm, ly.post_norm);
+  apply(*ly.gate_up, ly.post_norm != nullptr ? st.h : st.x, st.gate_up, st, 2);
+  (st.act == 1 ? gelu_tanh_mul_bf16 : silu_mul_bf16)(st.gate_up, st.act_out, st.m,
+                                                     ly.gate_up->n / 2, st.num_threads);
+  apply(*ly.down, st.act_out, st.proj, st, 3);
+  add_branch(st, st.proj, ly.mlp_out_norm, ly.next_norm);
 }
 
 }  // extern "C"

@@ -236,7 +236,8 @@ def family(model_type: str) -> Family:
     if row is None:
         raise UnsupportedArchitectureError(
             f"model type {model_type!r} is not in llmctl's family table",
-            f"known: {', '.join(sorted(FAMILIES))}")
+            f"known: {', '.join(sorted(FAMILIES))}; adding a family: docs/architecture.md, "
+            "'Where to add'")
     return row
 
 

@@ -122,3 +122,23 @@ def test_imported_config_keeps_the_family_fields(gguf_family, tmp_path):
     assert config["layer_types"] == original["layer_types"]
     assert config["rope_parameters"] == original["rope_parameters"]
     assert (config["sliding_window"], config["query_pre_attn_scalar"]) == (8, 16)
+
+
+@pytest.mark.parametrize("name, gguf_type", [("phi3", "Q8_0"), ("granite", "Q4_0"),
+                                             ("gemma3", "Q4_1")])
+def test_legacy_quants_served_natively_match_their_float_reading(gguf_family, tmp_path, name,
+                                                                 gguf_type):
+    """Q4_0/Q4_1/Q8_0 stay codes on the low-bit kernel: Phi-3's fused projections, Granite's
+    permuted q/k rows, Gemma 3's shifted norms, against the same file read as float."""
+    from llmctl.gguf.writer import export_gguf
+    from llmctl.serve.engine.llm import LLM
+    from llmctl.serve.layers.lowbit import LowBitLinear
+    from tests.serve.model.test_model import engine_logits
+
+    path = export_gguf(gguf_family(name), tmp_path / f"{name}-{gguf_type}.gguf", gguf_type)
+    native = LLM(str(path), kv_cache_memory="4MiB")
+    ref = LLM(str(path), kv_cache_memory="4MiB", gguf_weights="float")
+    assert not isinstance(ref.engine.target.model.layers[0].qkv, LowBitLinear)
+    got, want = engine_logits(native, IDS, 9), engine_logits(ref, IDS, 9)
+    # the bound of tests/serve/layers/test_lowbit.py: same weights, bf16 activations
+    torch.testing.assert_close(got, want, atol=0.25, rtol=0.02)

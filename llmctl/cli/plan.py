@@ -150,6 +150,15 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
+def _window_detail(p) -> str:
+    """How sliding-window layers enter KV per token: the average over one sequence."""
+    windows = [w for w in p.arch.layer_windows if w is not None]
+    if not windows:
+        return ""
+    return (f" (average over {p.options.context} tokens; {len(windows)} of "
+            f"{p.arch.num_layers} layers hold at most {max(windows)})")
+
+
 def _render(console, model: str, source: str, p, extra_notes: list[str]) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -173,7 +182,7 @@ def _render(console, model: str, source: str, p, extra_notes: list[str]) -> None
     mem.add_row("weights", _fmt_bytes(m.weight_bytes))
     mem.add_row("activation workspace (estimate)", _fmt_bytes(m.activation_bytes))
     mem.add_row("left for the KV cache", _fmt_bytes(m.kv_budget_bytes))
-    mem.add_row("KV per token", f"{m.kv_bytes_per_token / 1024:.1f} KiB")
+    mem.add_row("KV per token" + _window_detail(p), f"{m.kv_bytes_per_token / 1024:.1f} KiB")
     mem.add_row("KV capacity", f"{m.kv_capacity_tokens:,} tokens")
     mem.add_row(f"sequences of {o.context} tokens at once", str(m.max_concurrency))
     console.print(mem)

@@ -19,7 +19,6 @@ from llmctl.quant.method import BlockLoss
 from llmctl.quant.stats import TapStats
 
 
-
 class LayerStream:
     """Runs the calibration activations ``X`` (samples, seq, hidden) through a layer.
 

@@ -8,6 +8,8 @@ with its family's features switched on (see tests/serve/model/test_families.py).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -132,7 +134,6 @@ def test_what_awq_and_smoothquant_smooth_per_family(tiny_family, name):
 @pytest.fixture(scope="module")
 def no_gqa(tmp_path_factory):
     """Tiny families with as many KV heads as query heads (v -> o_proj folds)."""
-    import json
 
     from tests.tiny import FAMILY_CONFIGS, build_tiny_llama
 
@@ -311,7 +312,6 @@ def test_fused_split_slices_group_quantized_codes(tiny_family, tmp_path):
     """Phi-3's qkv_proj and gate_up_proj, asymmetric int4 in groups of 16, read by the
     engine as q/k/v and gate/up: each part's codes, scales and zero points dequantize to
     exactly its rows of the whole (decoded by llmctl's compressed-tensors reader)."""
-    import json
 
     from llmctl.models.spec import FAMILIES
     from llmctl.quant.reference import _tensors, decode_weight
@@ -349,3 +349,18 @@ quant_stage:
             assert torch.equal(w.dequantize(torch.float32), full[start:start + rows])
             start += rows
         assert start == full.shape[0]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "olmo2"])
+def test_the_dry_run_says_what_awq_smooths(tiny_family, name):
+    from typer.testing import CliRunner
+
+    from llmctl.cli.app import build_app
+
+    args = ["quantize", str(tiny_family(name)), "-r", "w4a16-awq", "--dry-run"]
+    result = CliRunner().invoke(build_app(), args)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert "smoothing folds, in every layer: " + "; ".join(AWQ_SMOOTHS[name]) in text
+    data = CliRunner().invoke(build_app(), [*args, "--json"])
+    assert json.loads(data.stdout)["plan"]["smoothing"] == AWQ_SMOOTHS[name]

@@ -7,6 +7,11 @@ subprocess so its logging and memory stay out of ours. It reads a local HF direc
 offline and works with transformers 5; optimum-onnx does not (it pins
 transformers<4.58, see shared/FACTS.md).
 
+Families: the builder's graphs of llama, qwen2, qwen3, gemma and granite compute what
+transformers computes (float32 logits within 1e-4; tests/engines/test_families.py checks
+llama, qwen3, gemma and granite); :data:`REFUSED_FAMILIES` and any config with
+sliding-window attention (mistral's included) are refused before the build, naming why.
+
 Precisions (``-p`` of the builder x ``-e`` execution provider):
 
 - ``fp32``: CPU or CUDA.
@@ -174,7 +179,7 @@ class OnnxTarget(Target):
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-8:])
             raise LlmctlError(f"the ONNX model builder failed (exit {proc.returncode}):\n{tail}",
                               "run with LLMCTL_DEBUG=1 for the command, or try another "
-                              "precision; the builder supports llama/mistral/qwen families")
+                              "precision; --target torch-compile builds every family")
         copy_metadata(ctx.source.path, ctx.out, drop_quantization=True)
         genai = json.loads((ctx.out / "genai_config.json").read_text())["model"]
         summary = graph_summary(ctx.out / "model.onnx")

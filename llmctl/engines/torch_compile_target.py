@@ -1,6 +1,7 @@
 """``--target torch-compile``: an AOTInductor package of the decoder forward.
 
-``torch.export`` traces :class:`~llmctl.engines.static_decoder.StaticDecoder` with
+``torch.export`` traces :class:`~llmctl.engines.static_decoder.StaticDecoder` (every
+family the serving engine runs, sliding windows included) with
 dynamic batch (1..max_batch_size), chunk length and cache length, and
 ``torch._inductor.aoti_compile_and_package`` turns it into ``model.pt2``: generated C++
 kernels compiled with gcc plus the weights. Loading it (:mod:`llmctl.engines.aoti_runtime`)
@@ -94,7 +95,10 @@ class TorchCompileTarget(Target):
             torch.set_num_threads(opts.threads)
         dtype = torch_dtype(ctx.common.precision)
         model_dir = float_checkpoint(ctx.source, ctx.workdir)
-        config_max = int(ctx.source.config.get("max_position_embeddings", 2048))
+        from llmctl.models.spec import ModelArch
+
+        # the family's default where config.json leaves the context out (Gemma 2: 8192)
+        config_max = ModelArch.from_config(ctx.source.config).max_position_embeddings or 2048
         max_len = min(ctx.common.max_seq_len or min(config_max, 2048), config_max)
         max_batch = ctx.common.max_batch_size
         ctx.log(f"tracing the decoder ({ctx.common.precision}, batch 1..{max_batch}, "

@@ -69,6 +69,36 @@ def test_static_decoder_equals_transformers(tiny_family, name):
     np.testing.assert_allclose(_chunked(forward), _hf_logits(path), **TOL)
 
 
+def test_static_decoder_windows_a_mistral_past_its_window(tmp_path):
+    """Mistral's window covers every layer (8 here; 40 tokens): the masks, not a refusal."""
+    from llmctl.engines.static_decoder import build_static_decoder
+    from tests.tiny import build_tiny_llama
+
+    path = build_tiny_llama(tmp_path / "mistral", model_type="mistral", sliding_window=8,
+                            head_dim=16)
+    decoder, spec = build_static_decoder(path, torch.float32, 64)
+    assert spec.layer_windows == (8, 8)
+    empty = torch.zeros(spec.num_layers, 1, spec.num_kv_heads, 1, spec.head_dim)
+    with torch.inference_mode():
+        got = decoder(torch.tensor([IDS]), torch.tensor([0]), empty, empty)[0][0].numpy()
+    np.testing.assert_allclose(got, _hf_logits(path), **TOL)
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_static_decoder_in_bfloat16_stays_close(tiny_family, name):
+    """bf16 weights and activations (what ``--precision bf16`` traces) against float32
+    transformers: every logit within 0.35, the serving engine's bf16 bound."""
+    from llmctl.engines.static_decoder import build_static_decoder
+
+    path = tiny_family(name)
+    decoder, spec = build_static_decoder(path, torch.bfloat16, 64)
+    empty = torch.zeros(spec.num_layers, 1, spec.num_kv_heads, 1, spec.head_dim,
+                        dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = decoder(torch.tensor([IDS]), torch.tensor([0]), empty, empty)[0][0].numpy()
+    np.testing.assert_allclose(got, _hf_logits(path), atol=0.35, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["gemma3", "phi3"])
 def test_torch_compile_package_equals_transformers(tiny_family, tmp_path, name):
     from llmctl.engines.engine_dir import open_engine
@@ -88,13 +118,15 @@ def test_torch_compile_package_equals_transformers(tiny_family, tmp_path, name):
     assert engine.generate([IDS], max_tokens=8, ignore_eos=True)[0] == want
 
 
-@pytest.mark.parametrize("name", ONNX_BUILT)
+@pytest.mark.parametrize("name", [*ONNX_BUILT, "qwen3"])
 def test_onnx_engine_equals_transformers(tiny_family, tmp_path, name):
     _need_onnx()
     from llmctl.engines.engine_dir import open_engine
+    from tests.tiny import build_tiny_llama
 
-    path = tiny_family(name)
-    engine = open_engine(_build(path, "onnx", tmp_path / name, precision="fp32"), threads=1)
+    path = (build_tiny_llama(tmp_path / "qwen3", model_type="qwen3", head_dim=16)
+            if name == "qwen3" else tiny_family(name))
+    engine = open_engine(_build(path, "onnx", tmp_path / "engine", precision="fp32"), threads=1)
     rt = engine.runtime
     state = rt.new_state()
     got = _chunked(lambda ids, start: rt.forward([state], [ids], all_logits=True)[0])

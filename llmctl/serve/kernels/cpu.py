@@ -125,6 +125,7 @@ ARGTYPES = {
     "add_rms_norm_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_mul_bf16": [_PTR, _PTR, _I64, _I64, _INT],
     "gelu_tanh_mul_bf16": [_PTR, _PTR, _I64, _I64, _INT],
+    "rms_norm_groups_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _F32, _INT],
     "lowbit_gemm": [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
                     _I64, _INT, _INT, _INT],
     "lowbit_simd": [],
@@ -364,6 +365,7 @@ class NormActKernels:
         self._norm = lib.add_rms_norm_bf16
         self._silu = lib.silu_mul_bf16
         self._gelu_tanh = lib.gelu_tanh_mul_bf16
+        self._groups = lib.rms_norm_groups_bf16
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -374,6 +376,30 @@ class NormActKernels:
         self._norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
                    weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
                    torch.get_num_threads())
+        return out
+
+    def qk_norm(self, qk: torch.Tensor, weight: torch.Tensor, q_size: int, head_dim: int,
+                per_head: bool, eps: float) -> torch.Tensor:
+        """q and k of ``qk [T, q_size + kv_size]`` (rows may be strided apart) RMS-normed
+        into a new contiguous tensor: per head with ``weight [heads + kv_heads, head_dim]``
+        (Qwen3, Gemma 3), or over each whole projection with ``weight [q_size + kv_size]``
+        (OLMo 2); add_rms_norm's roundings, ``bf16(w * bf16(x * inv))``."""
+        if qk.stride(1) != 1:
+            qk = qk.contiguous()
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
+        rows, width = qk.shape
+        out = torch.empty((rows, width), dtype=qk.dtype, device=qk.device)
+        threads, ld, w = torch.get_num_threads(), qk.stride(0), weight.data_ptr()
+        if per_head:
+            self._groups(qk.data_ptr(), ld, out.data_ptr(), width, rows, width // head_dim,
+                         head_dim, w, head_dim, eps, threads)
+            return out
+        k_size, k_at = width - q_size, 2 * q_size  # bytes to k: bf16 elements * 2
+        self._groups(qk.data_ptr(), ld, out.data_ptr(), width, rows, 1, q_size, w, 0, eps,
+                     threads)
+        self._groups(qk.data_ptr() + k_at, ld, out.data_ptr() + k_at, width, rows, 1, k_size,
+                     w + k_at, 0, eps, threads)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

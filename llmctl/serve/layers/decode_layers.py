@@ -30,12 +30,13 @@ LoRA: a step with adapter rows runs here too when its segments are native
 (:class:`LoRABatch.native`); each fused linear adds its adapters' terms with
 :file:`csrc/lora.cpp`, the kernel the layer loop calls, so the bits stay the layer loop's.
 
-It applies when every matrix of every layer has one of those forms, no q/k norm (the
-layer loop norms q and k with torch's RMSNorm op, whose float32 sum the C side does not
-reproduce bit for bit), every layer's RoPE on the native kernel, the fused norm and
-activation kernels, bfloat16 activations, a bfloat16, int8 or fp8 cache, and the step is
-one attention group of single-token sequences on the native kernel;
-:meth:`DecodeLayers.build` returns None otherwise (the layer loop runs).
+It applies when every matrix of every layer has one of those forms, no q/k norm or one
+the layer loop computes with :meth:`NormActKernels.qk_norm` (``model.qk_norm_native``;
+torch's RMSNorm op sums in an order the C side does not reproduce), every layer's RoPE
+on the native kernel, the fused norm and activation kernels, bfloat16 activations, a
+bfloat16, int8 or fp8 cache, and the step is one attention group of single-token
+sequences on the native kernel; :meth:`DecodeLayers.build` returns None otherwise (the
+layer loop runs).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class LayerArgs(ctypes.Structure):
     _fields_ = [("qkv", _PTR), ("o", _PTR), ("gate_up", _PTR), ("down", _PTR),
                 ("freqs", _PTR), ("rot", _I64), ("window", _I64), ("input_is_x", _I64),
                 ("attn_out_norm", _PTR), ("post_norm", _PTR), ("mlp_out_norm", _PTR),
-                ("next_norm", _PTR)]
+                ("next_norm", _PTR), ("qk_norm", _PTR), ("qk_norm_per_head", _I64)]
 
 
 # the gated MLP's activation by HF name -> decode_layer.cpp's Step.act
@@ -177,11 +178,16 @@ class DecodeLayers:
         return {"freqs": rope_kv.freqs.data_ptr(), "rot": rope_kv.rot,
                 "window": model.windows[i] or 0, "input_is_x": layer.input_norm is None,
                 "attn_out_norm": _ptr(layer.attn_out_norm), "post_norm": _ptr(layer.post_norm),
-                "mlp_out_norm": _ptr(layer.mlp_out_norm), "next_norm": _ptr(following)}
+                "mlp_out_norm": _ptr(layer.mlp_out_norm), "next_norm": _ptr(following),
+                "qk_norm": _ptr(layer.qk_norm),
+                "qk_norm_per_head": model.spec.qk_norm_over == "head"}
 
     @staticmethod
     def supports(model) -> bool:
-        """Whether every layer computes what the C layer does (the module doc's list)."""
+        """Whether every layer computes what the C layer does (the module doc's list). A
+        q/k norm counts where the model says its layer loop norms q and k with
+        :meth:`NormActKernels.qk_norm` (``model.qk_norm_native``), the kernel the C
+        layer calls; torch's RMSNorm op sums in another order."""
         spec = model.spec
         if not isinstance(model.norm_act, NormActKernels) or model.norm is None:
             return False
@@ -191,7 +197,10 @@ class DecodeLayers:
         if ropes is None or len(ropes) != len(model.layers) or \
                 any(rope_kv is None for _, rope_kv in ropes):
             return False
-        return all(layer.qk_norm is None for layer in model.layers)
+        if spec.qk_norm_over not in ("head", "projection"):
+            return False
+        return getattr(model, "qk_norm_native", False) or \
+            all(layer.qk_norm is None for layer in model.layers)
 
     @classmethod
     def build(cls, model) -> DecodeLayers | None:

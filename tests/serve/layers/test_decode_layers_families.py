@@ -8,10 +8,12 @@ stream), Llama 3.1. The tiny checkpoints of tests/data/families (head_dim 16: th
 attention loop), in this CPU's native build (AVX512-BF16 forms here) and the AVX2 build
 (the widening bf16 form), bf16, int8 and fp8 caches.
 
-A q/k norm is not the fused layer's (the layer loop norms q and k with torch's RMSNorm op):
-Gemma 3 and OLMo 2 run here with their q/k norms removed from the engine's model (the same
-model on both paths), and :meth:`DecodeLayers.build` returns None with them in place, for
-an activation it has no kernel for, and where a layer's RoPE runs in torch.
+A q/k norm is the fused layer's only where the layer loop norms q and k with the native
+kernel (:meth:`NormActKernels.qk_norm`, ``model.qk_norm_native``), not torch's RMSNorm op:
+Gemma 3 (per head) and OLMo 2 (per projection) run here once with their q/k norms removed
+from the engine's model (the same model on both paths) and once with a layer loop that
+norms them natively; :meth:`DecodeLayers.build` returns None for torch's q/k norm, for an
+activation it has no kernel for, and where a layer's RoPE runs in torch.
 """
 
 from __future__ import annotations
@@ -89,6 +91,32 @@ def test_each_family_decodes_bit_for_bit_like_the_layer_loop(tiny_family, name, 
         assert _fused(llm) is None  # the q/k norm stays with the layer loop
         for layer in net.layers:
             layer.qk_norm = None
+    assert _fused(llm) is not None
+    _fused_equals_layer_loop(llm, path, monkeypatch)
+
+
+def _native_qk_norm(self, layer, qkv, t):
+    """LlamaModel._qk_norm on NormActKernels.qk_norm (what qk_norm_native declares)."""
+    qk = qkv[:, :self.q_size + self.kv_size]
+    if layer.qk_norm is None:
+        return qk
+    return self.norm_act.qk_norm(qk, layer.qk_norm, self.q_size, self.spec.head_dim,
+                                 self.spec.qk_norm_over == "head", self.spec.rms_norm_eps)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", QK_NORMED)
+def test_native_qk_norms_decode_bit_for_bit_like_the_layer_loop(tiny_family, name, variant,
+                                                                monkeypatch):
+    """Gemma 3's per-head and OLMo 2's per-projection q/k norms, where the layer loop
+    computes them with the kernel the fused layer calls."""
+    path = tiny_family(name)
+    monkeypatch.setattr(decoder.LlamaModel, "_qk_norm", _native_qk_norm)
+    llm = _engine(path, monkeypatch)
+    net = llm.engine.target.model
+    assert all(layer.qk_norm is not None for layer in net.layers)
+    assert _fused(llm) is None  # not declared: torch's op in the layer loop
+    net.qk_norm_native = True
     assert _fused(llm) is not None
     _fused_equals_layer_loop(llm, path, monkeypatch)
 

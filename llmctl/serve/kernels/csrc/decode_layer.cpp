@@ -34,9 +34,9 @@
 // mix kinds. A bias (bf16) is added as the Python layer adds it: kinds 0, 1 and 3 round
 // the product to bf16 and then add (torch's `out + bias`: one more rounding); kind 2
 // adds it to the float32 sums and rounds once (WideningBF16Linear). A layer with a q/k
-// norm stays on the Python path (torch's RMSNorm op there, whose float32 sum this file
-// cannot reproduce bit for bit). The cache is bf16 (kv_kind 0), int8 codes with their
-// scales per slot (1) or fp8 codes with the layer's static scales (2)
+// norm runs here only where the layer loop norms q and k with norm_act.cpp's kernel
+// (NormActKernels.qk_norm), not torch's RMSNorm op. The cache is bf16 (kv_kind 0), int8
+// codes with their scales per slot (1) or fp8 codes with the layer's static scales (2)
 // (llmctl/serve/layers/kv_quant.py), written and read by the _i8 and _f8 kernels; attention,
 // RoPE, the norms and SwiGLU are portable C with AVX-512 or AVX2 bodies where compiled in.
 //
@@ -107,6 +107,9 @@ void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t
                    int num_threads);
 void gelu_tanh_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
                         int num_threads);
+void rms_norm_groups_bf16(const uint16_t* x, int64_t ld, uint16_t* out, int64_t out_ld,
+                          int64_t rows, int64_t groups, int64_t cols, const uint16_t* weight,
+                          int64_t w_ld, float eps, int num_threads);
 
 // A matrix as llmctl/serve/layers/decode_layers.py's DecodeLayers describes it (ctypes Structure).
 struct Matrix {
@@ -158,6 +161,8 @@ struct Layer {  // one layer's descriptors, bound once (decode_layers.py's Layer
   const uint16_t* post_norm;  // before the MLP; null: the MLP reads the residual stream
   const uint16_t* mlp_out_norm;
   const uint16_t* next_norm;  // the next layer's input norm (or the final norm); null: none
+  const uint16_t* qk_norm;  // q/k norm weights or null: [heads + kv_heads, head_dim] per
+  int64_t qk_norm_per_head;  // head, else [(heads + kv_heads) * head_dim] per projection
 };
 
 // out = W x (+ bias) for the step's rows, then the adapters' terms of fused linear `target`
@@ -238,6 +243,21 @@ static void attention(const Step& st, const Layer& ly, void* k_cache, void* v_ca
   for (int64_t i = 0; i < st.m * q_size; ++i) st.attn[i] = float_to_bf16(st.attn_f[i]);
 }
 
+// q and k in st.qkv RMS-normed in place, as NormActKernels.qk_norm does in the layer loop
+// (norm_act.cpp's rms_norm_groups_bf16): per head, or over each whole projection
+static void qk_norm(const Step& st, const Layer& ly) {
+  const int64_t d = st.head_dim, width = ly.qkv->n, q_size = st.q_heads * d;
+  if (ly.qk_norm_per_head) {
+    rms_norm_groups_bf16(st.qkv, width, st.qkv, width, st.m, st.q_heads + st.kv_heads, d,
+                         ly.qk_norm, d, st.eps, st.num_threads);
+    return;
+  }
+  rms_norm_groups_bf16(st.qkv, width, st.qkv, width, st.m, 1, q_size, ly.qk_norm, 0, st.eps,
+                       st.num_threads);
+  rms_norm_groups_bf16(st.qkv + q_size, width, st.qkv + q_size, width, st.m, 1,
+                       st.kv_heads * d, ly.qk_norm + q_size, 0, st.eps, st.num_threads);
+}
+
 // A branch's output b [m, hidden] into the residual stream, as the layer loop's _branch
 // and _add_norm do: b = RMSNorm(b) w_out (in place), b = bf16(b * rs), then x += b and
 // h = RMSNorm(x) w_norm, or without w_norm x = bf16(x + b) alone (h not written).
@@ -263,6 +283,7 @@ void decode_layer_bf16(const Step* step, const Layer* layer, void* k_cache, void
   const Step& st = *step;
   const Layer& ly = *layer;
   apply(*ly.qkv, ly.input_is_x ? st.x : st.h, st.qkv, st, 0);
+  if (ly.qk_norm != nullptr) qk_norm(st, ly);
   attention(st, ly, k_cache, v_cache, k_scale, v_scale, kv_kind);
   apply(*ly.o, st.attn, st.proj, st, 1);
   add_branch(st, st.proj, ly.attn_out_norm, ly.post_norm);

@@ -171,6 +171,34 @@ void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t
   }
 }
 
+// q/k norm: each row of x (ld elements apart) holds `groups` groups of `cols` values, each
+// RMS-normed on its own with weight row g (weight + g * w_ld; w_ld 0: one weight for every
+// group) into out (out_ld apart; out may be x), with add_rms_norm_bf16's arithmetic:
+// per head (Qwen3, Gemma 3: groups = heads, cols = head_dim) or over a whole projection
+// (OLMo 2: one group of heads * head_dim).
+void rms_norm_groups_bf16(const uint16_t* x, int64_t ld, uint16_t* out, int64_t out_ld,
+                          int64_t rows, int64_t groups, int64_t cols, const uint16_t* weight,
+                          int64_t w_ld, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= kParallelRows)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* xr = x + r * ld + g * cols;
+      const uint16_t* w = weight + g * w_ld;
+      uint16_t* o = out + r * out_ld + g * cols;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < cols; ++c) {
+        const float f = bf16_to_float(xr[c]);
+        sum += f * f;
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c)
+        o[c] = float_to_bf16(bf16_to_float(w[c]) * round_bf16(bf16_to_float(xr[c]) * inv));
+    }
+  }
+}
+
 // gate_up [rows, 2 * inter] -> out [rows, inter] = gelu_tanh(gate) * up, roundings as above.
 void gelu_tanh_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
                         int num_threads) {

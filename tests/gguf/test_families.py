@@ -162,3 +162,34 @@ def test_legacy_quant_exports_run_in_llama_cpp_ordered_by_precision(llama_cpp, g
                                                     np.asarray(IDS[1:])).kld.mean())
     assert kld["F32"] < 1e-6 and kld["Q8_0"] < 2e-3, kld
     assert kld["F32"] < kld["Q8_0"] < kld["Q4_0"], kld
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "granite",
+                                        "olmo2"])
+def test_tensor_names_are_gguf_pys_for_the_arch(model_type):
+    """Every HF name maps where gguf-py's tensor_mapping maps it for that llama.cpp arch
+    (Gemma 1/2 have no output tensor there: their exports are tied or refused, above)."""
+    import gguf
+
+    from llmctl.models.architectures import expand_tensor_names, get_architecture
+
+    arch = get_architecture(model_type)
+    gguf_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch.gguf_arch)
+    mapping = gguf.get_tensor_name_map(gguf_arch, 2)
+    has_output = gguf.MODEL_TENSOR.OUTPUT in gguf.MODEL_TENSORS[gguf_arch]
+    for hf_name, ours in expand_tensor_names(arch, 2).items():
+        want = None if ours == "output.weight" and not has_output else ours
+        assert mapping.get_name(hf_name, try_suffixes=(".weight",)) == want, hf_name
+
+
+def test_gemma_norms_take_the_converters_one_and_give_it_back():
+    from llmctl.models.architectures import from_gguf, get_architecture, to_gguf
+
+    gemma, olmo = get_architecture("gemma2"), get_architecture("olmo2")
+    w = np.float32([-0.25, 0.0, 0.5])
+    name = "model.layers.0.pre_feedforward_layernorm.weight"
+    np.testing.assert_array_equal(to_gguf(gemma, name, w, 4, 2), w + 1)
+    np.testing.assert_array_equal(from_gguf(gemma, name, w + 1, 4, 2), w)
+    np.testing.assert_array_equal(to_gguf(olmo, name, w, 4, 2), w)
+    proj = "model.layers.0.mlp.up_proj.weight"
+    np.testing.assert_array_equal(to_gguf(gemma, proj, w, 4, 2), w)

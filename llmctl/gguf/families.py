@@ -26,8 +26,10 @@ from llmctl.models.layers.rope import rotary_dim
 from llmctl.models.spec import ModelArch, text_config
 
 GEMMAS = ("gemma", "gemma2", "gemma3")
-# the gated MLP's activation each llama.cpp graph applies (ggml_gelu is the tanh form)
-_ACTIVATION = {arch: "gelu_pytorch_tanh" for arch in GEMMAS}
+# the gated MLP's activations each llama.cpp graph stands for: ggml_gelu is the tanh form
+# read through an fp16 table, as near to exact GeLU as to the tanh form (~1e-3), and
+# llama.cpp's converter writes Gemma's "gelu" configs to the same graph
+_ACTIVATION = {arch: ("gelu_pytorch_tanh", "gelu", "gelu_new") for arch in GEMMAS}
 # RoPE types the writer expresses per arch (llama3 through rope_freqs; longrope: Phi-3's)
 _ROPE_TYPES = {"phi3": ("default", "longrope"), "gemma3": ("default", "linear")}
 _DEFAULT_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -55,9 +57,9 @@ def llama_cpp_attention_scale(arch: str, spec: ModelArch) -> float:
 
 def _problems(arch: str, spec: ModelArch) -> list[str]:
     out = []
-    act = _ACTIVATION.get(arch, "silu")
-    if spec.hidden_act != act:
-        out.append(f"its graph applies {act}, the model {spec.hidden_act}")
+    acts = _ACTIVATION.get(arch, ("silu",))
+    if spec.hidden_act not in acts:
+        out.append(f"its graph applies {acts[0]}, the model {spec.hidden_act}")
     if arch in _TIED and not spec.tie_word_embeddings:
         out.append("its graph uses token_embd as the output, the model has its own lm_head")
     if not math.isclose(spec.attention_scale, llama_cpp_attention_scale(arch, spec),

@@ -71,10 +71,15 @@ def test_what_llama_cpp_cannot_run_is_refused_in_one_line(tiny_family, tmp_path,
     assert not (tmp_path / f"{name}.gguf").exists()
 
 
-def test_soft_caps_are_refused_where_the_graph_has_none(gguf_family, tmp_path):
-    model = gguf_family("gemma3", final_logit_softcapping=30.0)
-    with pytest.raises(UnsupportedArchitectureError, match="gemma3 graph .* no final logit"):
-        quantize_to_gguf(model, tmp_path / "capped.gguf", "F32")
+@pytest.mark.parametrize("name, change, reason", [
+    ("gemma3", {"final_logit_softcapping": 30.0}, "gemma3 graph .* no final logit"),
+    ("olmo2", {"hidden_act": "gelu"}, "olmo2 graph .* applies silu, the model gelu"),
+])
+def test_what_the_graph_does_not_compute_is_refused(gguf_family, tmp_path, name, change,
+                                                    reason):
+    model = gguf_family(name, **change)
+    with pytest.raises(UnsupportedArchitectureError, match=reason):
+        quantize_to_gguf(model, tmp_path / "refused.gguf", "F32")
 
 
 def _state(directory) -> dict[str, np.ndarray]:

@@ -287,12 +287,13 @@ def _weights_only_reference(out):
     return model
 
 
-@pytest.mark.parametrize("recipe", ["w4a16-gptq", "fp8-rtn"])
+@pytest.mark.parametrize("recipe", ["w4a16-gptq", "fp8-rtn", "int8-smoothquant"])
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_the_engine_serves_each_family_s_checkpoint(quantized_family, name, recipe):
     """llmctl's engine on the checkpoint, float32 on dequantized weights: a 7-token
-    prefill then one token at a time, within 2e-4 of the dequantized transformers model;
-    W4A16 also on the int4 kernels (bf16 activations: 0.25, as for Llama)."""
+    prefill then one token at a time, within 2e-4 of the dequantized transformers model
+    (W8A8 int8 and FP8: the weights; the engine does not quantize activations); W4A16
+    also on the int4 kernels (bf16 activations: 0.25, as for Llama)."""
     from llmctl.serve.engine.llm import LLM
     from llmctl.serve.model.scoring import teacher_forced_logits
 

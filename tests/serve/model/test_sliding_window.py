@@ -122,14 +122,6 @@ def test_configs_the_engine_cannot_honour_are_refused(tmp_path):
         ModelSpec.from_config({"model_type": "mistral", **BASE, "sliding_window": 0})
 
 
-def test_the_static_decoder_is_refused_past_the_window(mistral):
-    """build-engine's traced decoder attends fully: past the window it would be wrong."""
-    from llmctl.engines.static_decoder import build_static_decoder
-
-    with pytest.raises(UnsupportedArchitectureError, match="--max-seq-len 16"):
-        build_static_decoder(mistral, torch.float32, 64)
-
-
 # --- the engine against transformers --------------------------------------------------------
 def test_greedy_equals_transformers_far_past_the_window(windowed):
     """A batch of prompts shorter than, about and several times the window; 200 tokens."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from llmctl.errors import UnsupportedArchitectureError
 from llmctl.serve.core.block_manager import DROPPED, BlockManager

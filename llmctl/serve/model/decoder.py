@@ -90,17 +90,6 @@ class ModelSpec:
     logits_scaling: float = 1.0
 
     @property
-    def llama_form(self) -> bool:
-        """A layer as Llama's: pre-norms, SwiGLU, whole-head RoPE with one table, the
-        1/sqrt(d) score scale, nothing scaled or capped (what the fused decode layers
-        compute; per-head q/k norm is theirs to check)."""
-        return (self.norms == "pre" and self.hidden_act in SWIGLU
-                and self.partial_rotary_factor == 1.0 and self.local_rope is None
-                and self.attention_scale == self.head_dim ** -0.5
-                and self.attn_softcap is None and self.residual_multiplier == 1.0
-                and self.qk_norm_over == "head")
-
-    @property
     def kv_window(self) -> int | None:
         """Keys further back than this from every future query are never read again: the
         largest window when every layer has one; None (keep everything) when any layer
@@ -173,9 +162,6 @@ class Layer:
             setattr(self, name, parts.get(name))
 
 
-# whether csrc/rope_kv.cpp rotates part of a head (a table narrower than head_dim / 2)
-PARTIAL_ROPE_KERNEL = False
-
 # the activations the engine's MLP computes: its kernels and fused decode layers are SwiGLU
 SWIGLU = ("silu", "swish")
 
@@ -191,6 +177,19 @@ class TorchNormAct:
     @staticmethod
     def act_mul(name: str):
         return fused_gated(name)
+
+    @staticmethod
+    def qk_norm(qk: torch.Tensor, weight: torch.Tensor, q_size: int, head_dim: int,
+                per_head: bool, eps: float) -> torch.Tensor:
+        """q and k of ``qk [T, q + kv]`` RMS-normed per head (``weight [heads, d]``) or
+        over each whole projection (``weight [q + kv]``), as
+        :meth:`llmctl.serve.kernels.cpu.NormActKernels.qk_norm` computes it."""
+        t = qk.shape[0]
+        if per_head:
+            return (fused_rms_norm(qk.reshape(t, -1, head_dim), None, eps) * weight).view(t, -1)
+        q = fused_rms_norm(qk[:, :q_size], None, eps) * weight[:q_size]
+        k = fused_rms_norm(qk[:, q_size:], None, eps) * weight[q_size:]
+        return torch.cat([q, k], dim=-1)
 
 
 def _act_mul(ops, name: str):
@@ -238,15 +237,16 @@ class LlamaModel:
         windows = spec.layer_windows or (None,) * len(layers)
         local = table(spec.local_rope) if spec.local_rope is not None else None
         local_kv = rope_kv_kernel(device, dtype, local) if local is not None else None
-        if spec.partial_rotary_factor != 1.0 and not PARTIAL_ROPE_KERNEL:
-            self.rope_kv = local_kv = None
         self.layer_rope = [(local, local_kv) if w and local is not None
                            else (self.freqs, self.rope_kv) for w in windows]
         self.windows = windows
         # Gemma rounds sqrt(hidden) to the model's dtype first (its transformers code)
         self.embed_scale = (None if spec.embedding_multiplier == 1.0 else
                             torch.tensor(spec.embedding_multiplier, dtype=dtype, device=device))
-        self.decode_layers = DecodeLayers.build(self) if spec.llama_form else None
+        # q/k norms on the native kernel where the elementwise ops are (what the fused
+        # decode layers compute, so DecodeLayers may take them)
+        self.qk_norm_native = not isinstance(self.norm_act, TorchNormAct)
+        self.decode_layers = DecodeLayers.build(self)  # None where it cannot reproduce us
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None,
@@ -325,17 +325,12 @@ class LlamaModel:
     def _qk_norm(self, layer: Layer, qkv: torch.Tensor, t: int) -> torch.Tensor:
         """q and k of ``qkv`` (``[t, q + kv]``), RMS-normed per head or over each whole
         projection where the family norms them."""
-        qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :self.q_size + self.kv_size]
         if layer.qk_norm is None:
-            return qkv[:, :qk_size]
-        eps = self.spec.rms_norm_eps
-        if self.spec.qk_norm_over == "head":
-            heads = qkv[:, :qk_size].view(t, -1, self.spec.head_dim)
-            return fused_rms_norm(heads, None, eps) * layer.qk_norm
-        w = layer.qk_norm
-        q = fused_rms_norm(qkv[:, :self.q_size], None, eps) * w[:self.q_size]
-        k = fused_rms_norm(qkv[:, self.q_size:qk_size], None, eps) * w[self.q_size:]
-        return torch.cat([q, k], dim=-1)
+            return qk
+        spec = self.spec
+        return self.norm_act.qk_norm(qk, layer.qk_norm, self.q_size, spec.head_dim,
+                                     spec.qk_norm_over == "head", spec.rms_norm_eps)
 
     def _branch(self, out_norm: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
         """A branch's output as the residual add takes it: normed after (Gemma 2/3,

@@ -9,11 +9,10 @@ attention loop), in this CPU's native build (AVX512-BF16 forms here) and the AVX
 (the widening bf16 form), bf16, int8 and fp8 caches.
 
 A q/k norm is the fused layer's only where the layer loop norms q and k with the native
-kernel (:meth:`NormActKernels.qk_norm`, ``model.qk_norm_native``), not torch's RMSNorm op:
-Gemma 3 (per head) and OLMo 2 (per projection) run here once with their q/k norms removed
-from the engine's model (the same model on both paths) and once with a layer loop that
-norms them natively; :meth:`DecodeLayers.build` returns None for torch's q/k norm, for an
-activation it has no kernel for, and where a layer's RoPE runs in torch.
+kernel (:meth:`NormActKernels.qk_norm`, ``model.qk_norm_native``), as the engine's bf16
+layer loop does: Gemma 3 (per head) and OLMo 2 (per projection) included;
+:meth:`DecodeLayers.build` returns None for torch's q/k norm, for an activation it has no
+kernel for, and where a layer's RoPE runs in torch.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from llmctl.serve.engine.llm import LLM
 from llmctl.serve.kernels import cpu as cpu_kernels
 from llmctl.serve.layers import decode_layers, quant_linear
 from llmctl.serve.layers.decode_layers import DecodeLayers
-from llmctl.serve.model import decoder
 from tests.serve.conftest import PROMPTS, encode
 from tests.serve.paged_cases import needs_kernels
 
@@ -49,8 +47,6 @@ def variant(request, monkeypatch):
 
 
 def _engine(path, monkeypatch, kv_cache_dtype: str = "auto") -> LLM:
-    # Phi-3 rotates half of each head: the native RoPE takes partial tables (rope_kv.cpp)
-    monkeypatch.setattr(decoder, "PARTIAL_ROPE_KERNEL", True)
     # no prefix caching: a second run's prompts would start from cached blocks
     return LLM(str(path), dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_num_seqs=6,
                kv_cache_memory="8MiB", bf16_gemm="own", enable_prefix_caching=False)
@@ -84,39 +80,14 @@ def _fused_equals_layer_loop(llm: LLM, path, monkeypatch) -> None:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_each_family_decodes_bit_for_bit_like_the_layer_loop(tiny_family, name, variant,
                                                              monkeypatch):
+    """Every family's engine takes the fused layers (Gemma 3's and OLMo 2's q/k norms on
+    the native kernel in both paths) and decodes as its layer loop does."""
     path = tiny_family(name)
     llm = _engine(path, monkeypatch)
     net = llm.engine.target.model
+    assert net.qk_norm_native
     if name in QK_NORMED:
-        assert _fused(llm) is None  # the q/k norm stays with the layer loop
-        for layer in net.layers:
-            layer.qk_norm = None
-    assert _fused(llm) is not None
-    _fused_equals_layer_loop(llm, path, monkeypatch)
-
-
-def _native_qk_norm(self, layer, qkv, t):
-    """LlamaModel._qk_norm on NormActKernels.qk_norm (what qk_norm_native declares)."""
-    qk = qkv[:, :self.q_size + self.kv_size]
-    if layer.qk_norm is None:
-        return qk
-    return self.norm_act.qk_norm(qk, layer.qk_norm, self.q_size, self.spec.head_dim,
-                                 self.spec.qk_norm_over == "head", self.spec.rms_norm_eps)
-
-
-@needs_kernels
-@pytest.mark.parametrize("name", QK_NORMED)
-def test_native_qk_norms_decode_bit_for_bit_like_the_layer_loop(tiny_family, name, variant,
-                                                                monkeypatch):
-    """Gemma 3's per-head and OLMo 2's per-projection q/k norms, where the layer loop
-    computes them with the kernel the fused layer calls."""
-    path = tiny_family(name)
-    monkeypatch.setattr(decoder.LlamaModel, "_qk_norm", _native_qk_norm)
-    llm = _engine(path, monkeypatch)
-    net = llm.engine.target.model
-    assert all(layer.qk_norm is not None for layer in net.layers)
-    assert _fused(llm) is None  # not declared: torch's op in the layer loop
-    net.qk_norm_native = True
+        assert all(layer.qk_norm is not None for layer in net.layers)
     assert _fused(llm) is not None
     _fused_equals_layer_loop(llm, path, monkeypatch)
 
@@ -142,12 +113,14 @@ def test_what_the_fused_layer_does_not_compute_keeps_the_layer_loop(tiny_family,
         pytest.skip("no matrix kernel for the fused layers on this CPU")
     gemma3 = _engine(tiny_family("gemma3"), monkeypatch).engine.target.model
     assert any(layer.qk_norm is not None for layer in gemma3.layers)
+    assert DecodeLayers.build(gemma3) is not None
+    gemma3.qk_norm_native = False  # a layer loop norming q/k with torch's op
     assert DecodeLayers.build(gemma3) is None
     gemma2 = _engine(tiny_family("gemma2"), monkeypatch).engine.target.model
     assert DecodeLayers.build(gemma2) is not None
     gemma2.spec = dataclasses.replace(gemma2.spec, hidden_act="gelu")
     assert DecodeLayers.build(gemma2) is None
-    monkeypatch.setattr(decoder, "PARTIAL_ROPE_KERNEL", False)
-    phi3 = LLM(str(tiny_family("phi3")), dtype="bfloat16", kv_cache_memory="8MiB",
-               bf16_gemm="own").engine.target.model
-    assert phi3.rope_kv is None and DecodeLayers.build(phi3) is None
+    phi3 = _engine(tiny_family("phi3"), monkeypatch).engine.target.model
+    assert DecodeLayers.build(phi3) is not None
+    phi3.layer_rope = [(table, None) for table, _ in phi3.layer_rope]  # RoPE in torch
+    assert DecodeLayers.build(phi3) is None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -223,6 +224,16 @@ def markdown(report: dict) -> str:
     return "\n".join(lines + ["", "Raw numbers: the JSON file next to this one.", ""])
 
 
+def one_family(args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build(args.one, Path(tmp) / args.one, args.scale)
+        config = json.loads((path / "config.json").read_text())
+        return {"family": args.one, "source": SHAPES[args.one]["source"],
+                "layers": config["num_hidden_layers"],
+                "decode": run_decode(path, args.rounds, args.threads, args.bandwidth),
+                "batch": run_batch(path, args.rounds, args.threads)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(SHAPES))
@@ -230,10 +241,16 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--scale", choices=("full", "small"), default="full")
     common.add_run_arguments(ap)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: one family
+    ap.add_argument("--one-out", help=argparse.SUPPRESS)
+    ap.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.one:
+        Path(args.one_out).write_text(json.dumps(one_family(args)))
+        return 0
     names = args.families.split(",")
     report = common.start_run("family-perf", {"rounds": args.rounds, "families": names,
                                               "scale": args.scale, "shapes": SHAPES,
@@ -242,16 +259,14 @@ def main(argv=None) -> int:
                               out=Path(args.out_dir))
     report["copy_bandwidth_bytes_s"] = bandwidth = copy_bandwidth()
     report["families"] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            print(name, file=sys.stderr, flush=True)
-            path = build(name, Path(tmp) / name, args.scale)
-            config = json.loads((path / "config.json").read_text())
-            report["families"].append({
-                "family": name, "source": SHAPES[name]["source"],
-                "layers": config["num_hidden_layers"],
-                "decode": run_decode(path, args.rounds, args.threads, bandwidth),
-                "batch": run_batch(path, args.rounds, args.threads)})
+    for name in names:  # each family in its own process: nothing it held outlives it
+        print(name, file=sys.stderr, flush=True)
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            subprocess.run([sys.executable, __file__, "--one", name, "--scale", args.scale,
+                            "--rounds", str(args.rounds), "--threads", str(args.threads),
+                            "--bandwidth", str(bandwidth), "--one-out", out.name],
+                           check=True)
+            report["families"].append(json.loads(Path(out.name).read_text()))
     rounds = [r for f in report["families"] for r in f["decode"]["rounds"] + f["batch"]["rounds"]]
     common.finish_run(report, rounds)
     print(common.write_report(Path(args.out_dir), "family-perf", report, markdown(report)))

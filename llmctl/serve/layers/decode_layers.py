@@ -30,9 +30,9 @@ LoRA: a step with adapter rows runs here too when its segments are native
 (:class:`LoRABatch.native`); each fused linear adds its adapters' terms with
 :file:`csrc/lora.cpp`, the kernel the layer loop calls, so the bits stay the layer loop's.
 
-It applies when every matrix of every layer has one of those forms, no q/k norm or one
-the layer loop computes with :meth:`NormActKernels.qk_norm` (``model.qk_norm_native``;
-torch's RMSNorm op sums in an order the C side does not reproduce), every layer's RoPE
+It applies when every matrix of every layer has one of those forms, q/k norms as the
+layer loop computes them on native ops (:meth:`NormActKernels.qk_norm`; torch's RMSNorm
+op sums in an order the C side does not reproduce), every layer's RoPE
 on the native kernel, the fused norm and activation kernels, bfloat16 activations, a
 bfloat16, int8 or fp8 cache, and the step is one attention group of single-token
 sequences on the native kernel; :meth:`DecodeLayers.build` returns None otherwise (the
@@ -184,23 +184,17 @@ class DecodeLayers:
 
     @staticmethod
     def supports(model) -> bool:
-        """Whether every layer computes what the C layer does (the module doc's list). A
-        q/k norm counts where the model says its layer loop norms q and k with
-        :meth:`NormActKernels.qk_norm` (``model.qk_norm_native``), the kernel the C
-        layer calls; torch's RMSNorm op sums in another order."""
+        """Whether every layer computes what the C layer does (the module doc's list)."""
         spec = model.spec
         if not isinstance(model.norm_act, NormActKernels) or model.norm is None:
             return False
         if spec.hidden_act not in ACTIVATIONS:
             return False
-        ropes = getattr(model, "layer_rope", None)
-        if ropes is None or len(ropes) != len(model.layers) or \
-                any(rope_kv is None for _, rope_kv in ropes):
+        if any(rope_kv is None for _, rope_kv in model.layer_rope):
             return False
-        if spec.qk_norm_over not in ("head", "projection"):
-            return False
-        return getattr(model, "qk_norm_native", False) or \
-            all(layer.qk_norm is None for layer in model.layers)
+        # with the native elementwise ops the layer loop norms q/k on NormActKernels.qk_norm
+        # too: the kernel this layer calls
+        return spec.qk_norm_over in ("head", "projection")
 
     @classmethod
     def build(cls, model) -> DecodeLayers | None:

@@ -243,9 +243,6 @@ class LlamaModel:
         # Gemma rounds sqrt(hidden) to the model's dtype first (its transformers code)
         self.embed_scale = (None if spec.embedding_multiplier == 1.0 else
                             torch.tensor(spec.embedding_multiplier, dtype=dtype, device=device))
-        # q/k norms on the native kernel where the elementwise ops are (what the fused
-        # decode layers compute, so DecodeLayers may take them)
-        self.qk_norm_native = not isinstance(self.norm_act, TorchNormAct)
         self.decode_layers = DecodeLayers.build(self)  # None where it cannot reproduce us
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
@@ -309,18 +306,13 @@ class LlamaModel:
             if reread:
                 k, v = codec.read(layer_cache, layer_scales, slots, q.dtype)
             attn = paged_attention(q, k, v, layer_cache, meta, self.scale, self.windows[i],
-                                   layer_scales, **self._softcap)
+                                   layer_scales, softcap=spec.attn_softcap)
             o = self._branch(layer.attn_out_norm, self._linear(lora, i, "o", attn.to(x.dtype)))
             h = _add_norm(ops, x, o, layer.post_norm, eps)
             mlp = self._linear(lora, i, "down", self.act_mul(self._linear(lora, i, "gate_up", h)))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h = _add_norm(ops, x, self._branch(layer.mlp_out_norm, mlp), following, eps)
         return h
-
-    @property
-    def _softcap(self) -> dict:
-        cap = self.spec.attn_softcap
-        return {"softcap": cap} if cap else {}
 
     def _qk_norm(self, layer: Layer, qkv: torch.Tensor, t: int) -> torch.Tensor:
         """q and k of ``qkv`` (``[t, q + kv]``), RMS-normed per head or over each whole

@@ -9,8 +9,7 @@ attention loop), in this CPU's native build (AVX512-BF16 forms here) and the AVX
 (the widening bf16 form), bf16, int8 and fp8 caches.
 
 A q/k norm is the fused layer's only where the layer loop norms q and k with the native
-kernel (:meth:`NormActKernels.qk_norm`, ``model.qk_norm_native``), as the engine's bf16
-layer loop does: Gemma 3 (per head) and OLMo 2 (per projection) included;
+kernel (:meth:`NormActKernels.qk_norm`), as the engine's bf16 layer loop does: Gemma 3 (per head) and OLMo 2 (per projection) included;
 :meth:`DecodeLayers.build` returns None for torch's q/k norm, for an activation it has no
 kernel for, and where a layer's RoPE runs in torch.
 """
@@ -26,6 +25,7 @@ from llmctl.serve.engine.llm import LLM
 from llmctl.serve.kernels import cpu as cpu_kernels
 from llmctl.serve.layers import decode_layers, quant_linear
 from llmctl.serve.layers.decode_layers import DecodeLayers
+from llmctl.serve.model.decoder import TorchNormAct
 from tests.serve.conftest import PROMPTS, encode
 from tests.serve.paged_cases import needs_kernels
 
@@ -85,7 +85,6 @@ def test_each_family_decodes_bit_for_bit_like_the_layer_loop(tiny_family, name, 
     path = tiny_family(name)
     llm = _engine(path, monkeypatch)
     net = llm.engine.target.model
-    assert net.qk_norm_native
     if name in QK_NORMED:
         assert all(layer.qk_norm is not None for layer in net.layers)
     assert _fused(llm) is not None
@@ -114,7 +113,7 @@ def test_what_the_fused_layer_does_not_compute_keeps_the_layer_loop(tiny_family,
     gemma3 = _engine(tiny_family("gemma3"), monkeypatch).engine.target.model
     assert any(layer.qk_norm is not None for layer in gemma3.layers)
     assert DecodeLayers.build(gemma3) is not None
-    gemma3.qk_norm_native = False  # a layer loop norming q/k with torch's op
+    gemma3.norm_act = TorchNormAct()  # the layer loop on torch's ops (q/k norms included)
     assert DecodeLayers.build(gemma3) is None
     gemma2 = _engine(tiny_family("gemma2"), monkeypatch).engine.target.model
     assert DecodeLayers.build(gemma2) is not None

@@ -60,7 +60,7 @@ def build_tiny_llama(out: Path, *, seed: int = 0, tie: bool = False, layers: int
     # and comparisons between implementations are not decided by float noise.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim == 2:
+            if param.ndim >= 2:  # matrices, and the stacked experts [E, out, in]
                 param.normal_(0.0, 0.15)
     model.save_pretrained(str(out))
     json.loads((out / "config.json").read_text())
@@ -68,10 +68,15 @@ def build_tiny_llama(out: Path, *, seed: int = 0, tie: bool = False, layers: int
 
 
 FAMILY_CONFIGS = Path(__file__).parent / "data" / "families"
-# every family llmctl runs, as a tiny config (tests/data/families/<name>.json): each
+# the mixtures of experts (tests/data/families/<name>.json too): the engine runs them
+# (tests/serve/model/test_moe.py); quantize, GGUF and the static engines do not yet, so
+# they stay out of FAMILY_NAMES, which those commands' family tests run
+MOE_FAMILY_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# every dense family llmctl runs, as a tiny config (tests/data/families/<name>.json): each
 # exercises its family's features (soft-caps, (1 + w) norms, post-norms, q/k norms,
 # multipliers, per-layer RoPE, LongRoPE with partial rotary, sliding windows)
-FAMILY_NAMES = tuple(sorted(p.stem for p in FAMILY_CONFIGS.glob("*.json")))
+FAMILY_NAMES = tuple(sorted(p.stem for p in FAMILY_CONFIGS.glob("*.json")
+                            if p.stem not in MOE_FAMILY_NAMES))
 
 
 def build_family(out: Path, name: str, *, seed: int = 0) -> Path:

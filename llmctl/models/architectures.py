@@ -77,7 +77,8 @@ def architecture_for_gguf(gguf_arch: str) -> Architecture:
     for arch in ARCHITECTURES.values():
         if arch.gguf_arch == gguf_arch:
             return arch
-    known = sorted({a.gguf_arch for a in ARCHITECTURES.values()})
+    # (the mixtures of experts have no GGUF name yet: llmctl does not export them)
+    known = sorted({a.gguf_arch for a in ARCHITECTURES.values() if a.gguf_arch})
     raise UnsupportedArchitectureError(
         f"GGUF architecture {gguf_arch!r} is not supported",
         f"llmctl reads GGUF files of: {', '.join(known)}",

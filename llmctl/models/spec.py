@@ -89,6 +89,17 @@ class MoeLayout:
     experts: tuple[str, str, str]  # gate, up, down of expert {e}
     shared: tuple[str, str, str] | None = None  # an always-on shared expert, if any
     shared_gate: str | None = None
+    # renormalise the top-k probabilities to sum 1: always (Mixtral) or the config key
+    # that says so (Qwen: norm_topk_prob)
+    renormalize: bool | str = True
+    # the routing weights stay float32 (Mixtral) or are cast to the router logits' dtype
+    # (Qwen); the same numbers in float32, a different rounding in bfloat16
+    float32_weights: bool = False
+    # whether config.json's decoder_sparse_step / mlp_only_layers make some layers dense
+    dense_layers: bool = False
+    # transformers 5's fused 3-D form of the experts ([E, 2I, H] gate then up rows;
+    # [E, H, I]), which other writers may leave on disk; save_pretrained writes `experts`
+    fused: tuple[str, str] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 @dataclass(frozen=True)
@@ -179,6 +190,12 @@ _GEMMA3_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096,
                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
 
 
+# Qwen2MoeConfig / Qwen3MoeConfig defaults (a diffed config.json leaves them out)
+_QWEN_MOE_DEFAULTS = {"norm_topk_prob": False, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "max_position_embeddings": 32768}
+_QWEN2_MOE_DEFAULTS = _QWEN_MOE_DEFAULTS | {"qkv_bias": True,
+                                           "shared_expert_intermediate_size": 5632}
+
 _QWEN_MOE_EXPERTS = ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj",
                      "mlp.experts.{e}.down_proj")
 
@@ -213,20 +230,26 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            embed_sqrt_hidden=True, attention_scale="query_pre_attn_scalar", local_rope=True,
            act_key="hidden_activation", act_default="gelu_pytorch_tanh",
            config_defaults=_GEMMA3_DEFAULTS),
-    # known to the cost model (llmctl plan) only
-    Family("mixtral", windows="every_layer", moe=MoeLayout(
-        ("num_local_experts",), "intermediate_size", "block_sparse_moe.gate",
-        ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
-         "block_sparse_moe.experts.{e}.w2"))),
-    Family("qwen2_moe", qkv_bias=True, o_bias=False, windows="layer_types", moe=MoeLayout(
-        ("num_experts",), "moe_intermediate_size", "mlp.gate", _QWEN_MOE_EXPERTS,
-        shared=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
-                "mlp.shared_expert.down_proj"),
-        shared_gate="mlp.shared_expert_gate")),
+    # mixtures of experts (llmctl.models.layers.moe): the engine runs them; the GGUF
+    # names are llama.cpp's for the attention and norms only (no MoE export yet)
+    Family("mixtral", "MixtralForCausalLM", windows="every_layer", qkv_bias=False, o_bias=False,
+           moe=MoeLayout(("num_local_experts",), "intermediate_size", "block_sparse_moe.gate",
+                         ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+                          "block_sparse_moe.experts.{e}.w2"), float32_weights=True),
+           config_defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                            "rope_theta": 1_000_000.0}),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias="qkv_bias", o_bias=False,
+           windows="layer_types", config_defaults=_QWEN2_MOE_DEFAULTS, moe=MoeLayout(
+               ("num_experts",), "moe_intermediate_size", "mlp.gate", _QWEN_MOE_EXPERTS,
+               shared=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+                       "mlp.shared_expert.down_proj"),
+               shared_gate="mlp.shared_expert_gate", renormalize="norm_topk_prob",
+               dense_layers=True)),
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
-    Family("qwen3_moe", qk_norm=True, windows="layer_types", moe=MoeLayout(
-        ("num_experts", "num_local_experts"), "moe_intermediate_size", "mlp.gate",
-        _QWEN_MOE_EXPERTS)),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, windows="layer_types",
+           config_defaults=_QWEN_MOE_DEFAULTS, moe=MoeLayout(
+               ("num_experts", "num_local_experts"), "moe_intermediate_size", "mlp.gate",
+               _QWEN_MOE_EXPERTS, renormalize="norm_topk_prob", dense_layers=True)),
 )}
 
 
@@ -403,6 +426,9 @@ class ModelArch:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum 1
+    # per layer: a mixture of experts (True) or the dense MLP; () for a dense model
+    moe_layers: tuple[bool, ...] = ()
 
     @property
     def model_type(self) -> str:
@@ -451,11 +477,13 @@ class ModelArch:
         layers = int(need("num_hidden_layers"))
         moe = row.moe
         experts = per_token = expert_width = shared = 0
+        moe_layers: tuple[bool, ...] = ()
         if moe is not None:
             experts, per_token = int(need(*moe.experts_key)), int(need("num_experts_per_tok"))
             expert_width = int(need(moe.expert_width_key))
             shared = int(cfg.get("shared_expert_intermediate_size") or 0) if moe.shared else 0
             width = int(cfg.get("intermediate_size") or 0)
+            moe_layers = _sparse_layers(cfg, moe, layers, experts)
         else:
             width = int(need("intermediate_size")) if known_only \
                 else int(cfg.get("intermediate_size") or 0)
@@ -480,7 +508,19 @@ class ModelArch:
             hidden_act=str(cfg.get(row.act_key) or row.act_default),
             **_scalings(cfg, row, hidden, head_dim),
             num_experts=experts, experts_per_token=per_token,
-            expert_intermediate_size=expert_width, shared_expert_intermediate_size=shared)
+            expert_intermediate_size=expert_width, shared_expert_intermediate_size=shared,
+            norm_topk_prob=moe is not None and _feature(cfg, moe.renormalize),
+            moe_layers=moe_layers)
+
+
+def _sparse_layers(cfg: dict, moe: MoeLayout, layers: int, experts: int) -> tuple[bool, ...]:
+    """Per layer, whether it is a mixture of experts: transformers' Qwen-MoE rule (not in
+    ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``); every layer where the
+    family has no dense layers (Mixtral)."""
+    if not moe.dense_layers:
+        return (experts > 0,) * layers
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    return tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
 
 
 def _scalings(cfg: dict, row: Family, hidden: int, head_dim: int) -> dict[str, Any]:

@@ -10,6 +10,8 @@ quantizer's block forward (:mod:`llmctl.quant.block`) and the static decoder
 - :mod:`.attention`: q/k norm, grouped-query expansion, masks, score scale and
   soft-capping.
 - :mod:`.mlp`: the gated MLP's activation by name (SwiGLU, GeGLU).
+- :mod:`.moe`: the sparse mixture-of-experts block: routing, grouped experts, weighted
+  combine, shared expert (Mixtral, Qwen2-MoE, Qwen3-MoE).
 - :mod:`.registry`: the lookup by name that refuses an unknown variant with the known ones.
 
 A family that computes something new adds a function or an entry here and a field in
@@ -20,6 +22,7 @@ a module call per op.
 
 from llmctl.models.layers.attention import attend, qk_norm, repeat_kv, sliding_causal_mask
 from llmctl.models.layers.mlp import ACTIVATIONS, activation, fused_gated, gated
+from llmctl.models.layers.moe import MoeWeights, Routing, grouped_experts, route, sparse_moe
 from llmctl.models.layers.norm import RMSNorm, add_rms_norm, fused_rms_norm, rms_norm
 from llmctl.models.layers.rope import (
     ROPE_TYPES,
@@ -33,8 +36,8 @@ from llmctl.models.layers.rope import (
 )
 
 __all__ = [
-    "ACTIVATIONS", "ROPE_TYPES", "RMSNorm", "RoPE", "activation", "add_rms_norm", "attend",
-    "fused_gated", "fused_rms_norm", "gated", "inv_freq", "qk_norm", "repeat_kv",
-    "rms_norm", "rope_cos_sin", "rope_freqs", "rotary_dim", "rotate_halves",
-    "rotate_pairs", "sliding_causal_mask",
+    "ACTIVATIONS", "ROPE_TYPES", "MoeWeights", "RMSNorm", "RoPE", "Routing", "activation",
+    "add_rms_norm", "attend", "fused_gated", "fused_rms_norm", "gated", "grouped_experts",
+    "inv_freq", "qk_norm", "repeat_kv", "rms_norm", "rope_cos_sin", "rope_freqs",
+    "rotary_dim", "rotate_halves", "rotate_pairs", "route", "sliding_causal_mask", "sparse_moe",
 ]

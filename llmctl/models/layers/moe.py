@@ -1,0 +1,140 @@
+"""The sparse mixture-of-experts block: routing, the grouped expert computation, the
+weighted combine and Qwen2-MoE's gated shared expert, as transformers 5 computes them.
+
+For the ``T`` tokens ``x [T, H]`` of a step, with ``E`` experts of width ``I``::
+
+    logits = x @ W_router^T                                    # [T, E]
+    p = softmax(logits) in float32;  w, e = top_k(p)           # [T, k] each
+    w = w / sum(w)                 (Mixtral always; Qwen when norm_topk_prob)
+    y_t = sum_j  w_tj * down_e(act(gate_e(x_t)) * up_e(x_t))   with e = e_tj
+    y_t += sigmoid(x_t . g) * shared(x_t)                      (Qwen2-MoE)
+
+The grouped computation is transformers' default (``grouped_mm`` experts): the ``T * k``
+(token, expert) pairs sorted by expert, each expert's gated MLP on its own rows only (one
+pair of products per expert that any token picked; the others are never read), the rows
+scaled by their routing weight, put back in token order and summed over the ``k`` slots
+of each token (``[T, k, H].sum(1)``: the same reduction, so float32 agrees to the last
+bits of the matmuls). Mixtral keeps the routing weights in float32 (its products and sum
+then run in float32 for bfloat16 weights); Qwen casts them to the logits' dtype first.
+
+Pure functions of tensors: the engine (:mod:`llmctl.serve.model.decoder`), the quantizer
+and the reference forwards share them. Expert weights are stacked: ``gate_up [E, 2I, H]``
+(gate rows, then up rows, transformers 5's ``experts.gate_up_proj``) and
+``down [E, H, I]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmctl.models.layers.mlp import fused_gated
+from llmctl.models.spec import ModelArch
+
+# ``[T, 2I] -> [T, I]``: act(gate) * up on a fused gate/up product (mlp.fused_gated)
+ActMul = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a family turns router logits into ``k`` experts and their weights."""
+
+    num_experts: int
+    top_k: int
+    normalize: bool  # renormalise the top-k probabilities to sum 1
+    float32_weights: bool  # keep the weights float32 (Mixtral), else the logits' dtype
+
+    @classmethod
+    def of(cls, arch: ModelArch) -> Routing:
+        moe = arch.family.moe
+        if moe is None:
+            raise ValueError(f"{arch.model_type} is not a mixture of experts")
+        return cls(arch.num_experts, arch.experts_per_token, arch.norm_topk_prob,
+                   moe.float32_weights)
+
+
+def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, k], experts [T, k])`` of router ``logits [T, E]``: the softmax over
+    all ``E`` in float32, its ``k`` largest (in descending order, as ``torch.topk``
+    returns them), renormalised where the family does."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not routing.float32_weights:
+        weights = weights.to(logits.dtype)
+    return weights, experts
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor, act_mul: ActMul
+                    ) -> torch.Tensor:
+    """``sum_j weights[t, j] * expert_{experts[t, j]}(x_t)`` for every token (module doc):
+    the (token, slot) pairs sorted by expert, each picked expert's MLP on its rows only."""
+    t, k = experts.shape
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # one host sync for the group sizes, as transformers' grouped fallback does
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    rows = x[order // k]  # pair p's token is p // k
+    out = torch.empty(t * k, down.shape[1], dtype=gate_up.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            seg = rows[start:start + n].to(gate_up.dtype)
+            out[start:start + n] = F.linear(act_mul(F.linear(seg, gate_up[e])), down[e])
+            start += n
+    weighted = out * weights.reshape(-1)[order].unsqueeze(-1)
+    unsorted = torch.empty_like(weighted)
+    unsorted[order] = weighted  # back to (token, slot) order
+    return unsorted.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+@dataclass
+class MoeWeights:
+    """One layer's mixture of experts: the router, the stacked experts and the optional
+    shared expert (``shared_gate_up [2S, H]``, ``shared_down [H, S]``, its sigmoid gate
+    ``shared_gate [1, H]``)."""
+
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2I, H]
+    down: torch.Tensor  # [E, H, I]
+    routing: Routing
+    shared_gate_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.router, self.gate_up, self.down, self.shared_gate_up,
+                            self.shared_down, self.shared_gate) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def active_nbytes(self) -> int:
+        """The bytes one token reads: the router, ``k`` of the ``E`` experts and the
+        shared expert: ``nbytes - (E - k) / E * experts' bytes``."""
+        experts = sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+        idle = experts * (self.routing.num_experts - self.routing.top_k) // \
+            self.routing.num_experts
+        return self.nbytes - idle
+
+
+def sparse_moe(x: torch.Tensor, w: MoeWeights, act_mul: ActMul) -> torch.Tensor:
+    """The block's output for ``x [T, H]`` (module doc), in ``x``'s dtype."""
+    weights, experts = route(F.linear(x, w.router), w.routing)
+    y = grouped_experts(x, weights, experts, w.gate_up, w.down, act_mul)
+    if w.shared_gate_up is not None:
+        shared = F.linear(act_mul(F.linear(x, w.shared_gate_up)), w.shared_down)
+        y = y + torch.sigmoid(F.linear(x, w.shared_gate)) * shared
+    return y
+
+
+def moe_block(x: torch.Tensor, w: MoeWeights, activation: str = "silu") -> torch.Tensor:
+    """:func:`sparse_moe` with the activation by its config.json name."""
+    return sparse_moe(x, w, fused_gated(activation))

@@ -108,6 +108,17 @@ ToolCallParser = Annotated[Literal["hermes", "llama3_json"] | None, Opt(
                                "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5) or "
                                "llama3_json (a JSON call as the message: Llama 3.1+).",
     show_default=False)]
+ReasoningParser = Annotated[Literal["deepseek_r1", "qwen3"] | None, Opt(
+    "--reasoning-parser", help="Split a reasoning model's thinking (<think>...</think>) from "
+                               "its answer: returned as the message's reasoning (and "
+                               "reasoning_content), never in content. deepseek_r1: output "
+                               "is thinking until </think>; qwen3: only inside <think> "
+                               "(vLLM's flag and names).", show_default=False)]
+DefaultChatTemplateKwargs = Annotated[str | None, Opt(
+    "--default-chat-template-kwargs",
+    help="""A JSON object of chat template variables for every chat request, e.g. """
+         """'{"enable_thinking": false}'; a request's chat_template_kwargs override it.""",
+    show_default=False)]
 EngineNice = Annotated[int, Opt(
     "--engine-nice", help="CPU niceness of the engine processes (0-19), so the API process "
                           "runs first on shared cores.")]
@@ -163,6 +174,8 @@ def serve(
     enable_lora_runtime_updates: EnableLoraRuntimeUpdates = False,
     max_request_bytes: MaxRequestBytes = None, metrics_public: MetricsPublic = False,
     allow_special_tokens_in_content: AllowSpecialTokensInContent = False,
+    reasoning_parser: ReasoningParser = None,
+    default_chat_template_kwargs: DefaultChatTemplateKwargs = None,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""

@@ -81,10 +81,13 @@ async def sse_events(assembly: Assembly, updates, include_usage: bool,
     sent_role: set[int] = set()
     names = responses.token_names(req)
     completion_tokens = 0
+    reasoning_tokens = 0 if jobs[0].reasoning is not None else None  # None: no parser
     readers: dict[int, Any] = {}  # chat with tools: each choice's ChoiceTools
     try:
         async for index, upd in updates:
             completion_tokens += len(upd.token_ids)
+            if reasoning_tokens is not None:
+                reasoning_tokens += upd.reasoning_tokens
             if kind == "chat":
                 first = index not in sent_role
                 sent_role.add(index)
@@ -93,6 +96,9 @@ async def sse_events(assembly: Assembly, updates, include_usage: bool,
                     reader = readers.setdefault(index, jobs[0].tools.new_choice())
                     text, calls, reason = reader.update(upd.text, upd.finish_reason)
                     upd = dataclasses.replace(upd, text=text, finish_reason=reason)
+                if not (first or upd.text or upd.reasoning or calls or upd.finish_reason
+                        or upd.logprobs):
+                    continue  # all held back (a reasoning tag may be beginning)
                 chunk = chat_chunk(rid, created, model, index, upd, first, names, calls)
             else:
                 chunk = completion_chunk(rid, created, model, index, upd, names)
@@ -101,7 +107,8 @@ async def sse_events(assembly: Assembly, updates, include_usage: bool,
             prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
             object_ = "chat.completion.chunk" if kind == "chat" else "text_completion"
             yield sse({"id": rid, "object": object_, "created": created, "model": model,
-                       "choices": [], "usage": usage_block(prompt_tokens, completion_tokens)})
+                       "choices": [], "usage": usage_block(prompt_tokens, completion_tokens,
+                                                           reasoning_tokens)})
         yield "data: [DONE]\n\n"
     except APIError as exc:
         # Headers are gone: report in-band; no [DONE] marks the response incomplete.

@@ -34,6 +34,8 @@ class HandoffOptions:
     otlp_traces_endpoint: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # hermes / llama3_json: vLLM has the same names
+    reasoning_parser: str | None = None  # deepseek_r1 / qwen3: vLLM has the same names
+    default_chat_template_kwargs: str | None = None  # JSON text, as vLLM's flag takes it
     kv_cache_dtype: str | None = None  # given on the command line (None: the engine's default)
     extra_args: tuple[str, ...] = ()
 
@@ -73,6 +75,10 @@ def vllm_command(opts: HandoffOptions) -> list[str]:
         cmd += ["--enable-auto-tool-choice"]
     if opts.tool_call_parser:
         cmd += ["--tool-call-parser", opts.tool_call_parser]
+    if opts.reasoning_parser:
+        cmd += ["--reasoning-parser", opts.reasoning_parser]
+    if opts.default_chat_template_kwargs:
+        cmd += ["--default-chat-template-kwargs", opts.default_chat_template_kwargs]
     if opts.kv_cache_dtype:
         cmd += ["--kv-cache-dtype", opts.kv_cache_dtype]
     return cmd + list(opts.extra_args)
@@ -140,6 +146,9 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         **{flag: "trtllm-serve 1.2 has no tool-call parsing option: serve with --engine "
                  "vllm or the built-in engine for tool_choice auto"
            for flag in ("--enable-auto-tool-choice", "--tool-call-parser")},
+        **{flag: f"{flag} is not forwarded to trtllm-serve (its reasoning parser is an "
+                 "LLM API option): serve with --engine vllm or the built-in engine"
+           for flag in ("--reasoning-parser", "--default-chat-template-kwargs")},
     },
 }
 

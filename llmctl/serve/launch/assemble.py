@@ -18,7 +18,11 @@ from llmctl.errors import ConfigError
 from llmctl.serve.api.app import create_app
 from llmctl.serve.api.handler import RequestHandler, ServerConfig
 from llmctl.serve.engine.async_engine import AsyncEngine
-from llmctl.serve.launch.startup import ServeSettings
+from llmctl.serve.launch.startup import (
+    ServeSettings,
+    default_chat_template_kwargs,
+    reasoning_parser,
+)
 from llmctl.serve.openai.frontend import Frontend
 from llmctl.serve.openai.models import ServedModel, vocab_and_grammars
 
@@ -91,7 +95,9 @@ def build_server(opts: ServeOptions) -> tuple[RequestHandler, AsyncEngine]:
                                request_timeout=settings.request_timeout)
     frontend = Frontend(engine.tokenizer, model, grammars, async_engine.lora_names,
                         auto_tool_parser=opts.auto_tool_parser,
-                        allow_special_tokens_in_content=settings.allow_special_tokens_in_content)
+                        allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
+                        reasoning_parser=reasoning_parser(settings),
+                        default_chat_template_kwargs=default_chat_template_kwargs(settings))
     return RequestHandler(async_engine, frontend, config, tracing), async_engine
 
 

@@ -77,6 +77,8 @@ class ServeSettings:
     max_request_bytes: str | None = None  # a size ("16MiB", "1000000"); None: from the context
     metrics_public: bool = False
     allow_special_tokens_in_content: bool = False
+    reasoning_parser: str | None = None  # a REASONING_PARSERS name (vLLM's flag and names)
+    default_chat_template_kwargs: str | None = None  # a JSON object (vLLM's flag)
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 
@@ -118,6 +120,8 @@ def check(settings: ServeSettings) -> bool:
         supervision(settings)  # --replicas / --max-rss mistakes before anything loads
         loras(settings)  # a malformed --lora, a missing adapter or too high a rank
     auto_tool_parser(settings)
+    reasoning_parser(settings)
+    default_chat_template_kwargs(settings)
     max_request_bytes(settings)
     if settings.otlp_traces_endpoint and engine == "llmctl":
         from llmctl.serve.api.tracing import otlp_traces_url
@@ -183,6 +187,36 @@ def auto_tool_parser(settings: ServeSettings) -> str | None:
     return name if settings.enable_auto_tool_choice else None
 
 
+def reasoning_parser(settings: ServeSettings) -> str | None:
+    """``--reasoning-parser``, checked against the parsers there are."""
+    from llmctl.serve.openai.reasoning.parsers import REASONING_PARSERS
+
+    name = settings.reasoning_parser
+    if name is not None and name not in REASONING_PARSERS:
+        raise UsageError(f"unknown --reasoning-parser {name!r}; choose one of: "
+                         f"{', '.join(REASONING_PARSERS)}", "see `llmctl serve -h`")
+    return name
+
+
+def default_chat_template_kwargs(settings: ServeSettings) -> dict[str, Any]:
+    """``--default-chat-template-kwargs`` as a dict (a JSON object, or a usage error)."""
+    import json
+
+    text = settings.default_chat_template_kwargs
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--default-chat-template-kwargs is not valid JSON: {exc}",
+                         """give a JSON object, e.g. '{"enable_thinking": false}'""") from None
+    if not isinstance(value, dict):
+        raise UsageError("--default-chat-template-kwargs must be a JSON object, not "
+                         f"{type(value).__name__}",
+                         """give a JSON object, e.g. '{"enable_thinking": false}'""")
+    return value
+
+
 def supervision(settings: ServeSettings):
     """How the engine processes are run (:class:`llmctl.serve.proc.engine.Supervision`)."""
     from llmctl.serve.proc.engine import Supervision, split_cpus, usable_cpus
@@ -230,6 +264,8 @@ def handoff_command(settings: ServeSettings) -> list[str]:
         otlp_traces_endpoint=settings.otlp_traces_endpoint,
         enable_auto_tool_choice=settings.enable_auto_tool_choice,
         tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+        default_chat_template_kwargs=settings.default_chat_template_kwargs,
         kv_cache_dtype=settings.kv_cache_dtype if "kv_cache_dtype" in settings.given else None)
     cmd = HANDOFF_ENGINES[settings.engine](opts)
     if note := kv_scale_note(resolved.path, opts.kv_cache_dtype):

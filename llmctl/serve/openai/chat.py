@@ -9,6 +9,7 @@ from llmctl.serve.openai.jobs import Job
 from llmctl.serve.openai.models import OpenAIModels
 from llmctl.serve.openai.prompts import Prompts
 from llmctl.serve.openai.protocol import ChatCompletionRequest
+from llmctl.serve.openai.reasoning.parsers import ReasoningParser
 from llmctl.serve.openai.sampling import Sampling
 from llmctl.serve.openai.tools.request import ToolPlan
 
@@ -16,10 +17,12 @@ from llmctl.serve.openai.tools.request import ToolPlan
 class OpenAIChat:
     kind = "chat"  # the response shape (llmctl.serve.openai.responses)
 
-    def __init__(self, prompts: Prompts, sampling: Sampling, models: OpenAIModels) -> None:
+    def __init__(self, prompts: Prompts, sampling: Sampling, models: OpenAIModels,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.prompts = prompts
         self.sampling = sampling
         self.models = models
+        self.reasoning = reasoning  # --reasoning-parser; None: the output is all content
 
     def encode(self, req: ChatCompletionRequest) -> list[int]:
         return self.prompts.chat(req)
@@ -31,7 +34,9 @@ class OpenAIChat:
              tools: ToolPlan | None = None) -> tuple[list[Job], Any]:
         """``tools``: the request's plan when already made (:meth:`tool_plan`)."""
         tools = tools if tools is not None else self.tool_plan(req)
+        reasoning = self.reasoning.plan(ids) if self.reasoning is not None else None
         params = self.sampling.params(req, len(ids), req.token_limit, req.num_logprobs,
-                                      cap=cap, overrides=tools.sampling_overrides())
+                                      cap=cap, overrides=tools.sampling_overrides(),
+                                      reasoning=reasoning)
         return [Job(f"chatcmpl-{uuid.uuid4().hex}-0", ids, 0, tools=tools,
-                    lora=self.models.adapter_of(req.model))], params
+                    lora=self.models.adapter_of(req.model), reasoning=reasoning)], params

@@ -5,11 +5,13 @@ both hold, so a batch line gets what the HTTP API would answer."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from llmctl.serve.openai.chat import OpenAIChat
 from llmctl.serve.openai.completions import OpenAICompletions
 from llmctl.serve.openai.models import OpenAIModels, ServedModel
 from llmctl.serve.openai.prompts import Prompts
+from llmctl.serve.openai.reasoning.parsers import reasoning_parser as reasoning_parser_for
 from llmctl.serve.openai.responses import Assembly, Responses
 from llmctl.serve.openai.sampling import Sampling
 from llmctl.serve.openai.tokenization import OpenAITokenization
@@ -23,14 +25,20 @@ class Frontend:
     def __init__(self, tokenizer, model: ServedModel, grammar_factory=None,
                  lora_names: Callable[[], tuple[str, ...]] = tuple, *,
                  auto_tool_parser: str | None = None,
-                 allow_special_tokens_in_content: bool = False) -> None:
+                 allow_special_tokens_in_content: bool = False,
+                 reasoning_parser: str | None = None,
+                 default_chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        """``reasoning_parser``: a REASONING_PARSERS name (--reasoning-parser);
+        ``default_chat_template_kwargs``: template variables under each request's."""
         self.tokenizer = tokenizer
         self.model = model
         self.models = OpenAIModels(model, lora_names)  # lora_names: the engine's (they change)
-        self.prompts = Prompts(tokenizer, model, allow_special_tokens_in_content)
+        self.prompts = Prompts(tokenizer, model, allow_special_tokens_in_content,
+                               default_chat_template_kwargs)
         self.sampling = Sampling(model, grammar_factory, auto_tool_parser)
         self.completions = OpenAICompletions(self.prompts, self.sampling, self.models)
-        self.chat = OpenAIChat(self.prompts, self.sampling, self.models)
+        self.chat = OpenAIChat(self.prompts, self.sampling, self.models,
+                               reasoning_parser_for(reasoning_parser, tokenizer))
         self.tokenization = OpenAITokenization(self.prompts)
         self.responses = Responses(tokenizer, self.models)
 

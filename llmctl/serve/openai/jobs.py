@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmctl.serve.openai.reasoning.parsers import ReasoningPlan
 from llmctl.serve.openai.tools.request import ToolPlan
 
 
@@ -20,6 +21,8 @@ class Job:
     trace: Any = None  # the request's RequestTrace (llmctl.serve.api.tracing) when tracing
     tools: ToolPlan = field(default_factory=ToolPlan)  # chat: how its choices are read
     lora: str | None = None  # the LoRA adapter it runs with (its ``model``); None: base
+    # chat with --reasoning-parser: how its choices split into thinking and answer
+    reasoning: ReasoningPlan | None = None
 
 
 def response_id(jobs: list[Job]) -> str:

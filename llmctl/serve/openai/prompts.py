@@ -63,14 +63,25 @@ def request_chars(req) -> int:
     return sum(len(p) for p in prompts)
 
 
+# apply_chat_template's own arguments and those the server fills from the request
+_SERVER_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "chat_template"})
+
+
 class Prompts:
     """Requests' prompts as token ids, checked (:mod:`llmctl.serve.engine.request_checks`)
     before anything is submitted."""
 
     def __init__(self, tokenizer, model: ServedModel,
-                 allow_special_tokens_in_content: bool = False) -> None:
+                 allow_special_tokens_in_content: bool = False,
+                 default_template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
+        # --default-chat-template-kwargs: under every request's chat_template_kwargs
+        self.default_template_kwargs = dict(default_template_kwargs or {})
         # chat: special tokens' text inside messages becomes those tokens (the template's
         # ones always do); off by default: message text stays text (content_tokens.py)
         self.allow_special_tokens_in_content = allow_special_tokens_in_content
@@ -117,6 +128,16 @@ class Prompts:
     def echo_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
+    def template_kwargs(self, req) -> dict[str, Any]:
+        """The server's default template variables with the request's over them; the
+        ones the server sets itself (messages, tools, ...) are a 400, not a clash."""
+        given = getattr(req, "chat_template_kwargs", None) or {}
+        if taken := sorted(_SERVER_TEMPLATE_ARGS & set(given)):
+            raise errors.bad_request(
+                f"chat_template_kwargs cannot set {', '.join(taken)}: the server passes "
+                "them from the request's own fields", "chat_template_kwargs")
+        return {**self.default_template_kwargs, **given}
+
     def chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
         """The prompt ids of a conversation: its chat template's text, tokenized without
         special tokens (the template writes them) unless the request asks for more."""
@@ -129,6 +150,7 @@ class Prompts:
         if tools := template_tools(req):
             extra["tools"] = tools
             warn_if_template_ignores_tools(self.tokenizer)
+        extra.update(self.template_kwargs(req))
 
         def render(messages: list[dict]) -> str:
             try:

@@ -253,6 +253,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = Field(None, max_length=MAX_TOOL_CALLS)
     tool_call_id: str | None = None
+    # an earlier answer's thinking, as the server returned it (both names, as vLLM
+    # takes them); templates that keep it read ``reasoning_content``
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self):
@@ -276,6 +280,8 @@ class ChatMessage(BaseModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if reasoning := self.reasoning_content or self.reasoning:
+            message["reasoning_content"] = reasoning
         if self.tool_calls:
             # templates (Hermes, Qwen2.5, Llama 3.1) write arguments with ``tojson``: they
             # expect an object, so JSON text is parsed first (as vLLM does); text that is
@@ -330,6 +336,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # extra variables for the chat template (e.g. {"enable_thinking": false}), over the
+    # server's --default-chat-template-kwargs
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -403,6 +412,7 @@ class TokenizeChatRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # on top of what the chat template writes
+    chat_template_kwargs: dict[str, Any] | None = None  # as chat completions take them
     return_token_strs: bool = False
 
     @model_validator(mode="after")

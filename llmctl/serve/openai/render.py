@@ -15,6 +15,10 @@ class Update:
     text: str
     finish_reason: str | None
     logprobs: list[Any] | None  # TokenLogprobs for the new tokens, when requested
+    # chat with a reasoning parser: the thinking part (``text`` is then the answer part)
+    # and how many of ``token_ids`` were thinking
+    reasoning: str = ""
+    reasoning_tokens: int = 0
 
 
 def updates_from_output(out) -> list[Update]:
@@ -78,9 +82,14 @@ class Choice:
     logprobs: list[Any] = field(default_factory=list)
     wants_logprobs: bool = False
     tool_calls: list[dict[str, Any]] | None = None  # chat: the calls read out of ``text``
+    reasoning: str | None = None  # chat with a reasoning parser: the thinking
+    reasoning_tokens: int = 0
 
     def add(self, upd: Update) -> None:
         self.text += upd.text
+        if upd.reasoning:
+            self.reasoning = (self.reasoning or "") + upd.reasoning
+        self.reasoning_tokens += upd.reasoning_tokens
         self.num_tokens += len(upd.token_ids)
         if upd.finish_reason:
             self.finish_reason = upd.finish_reason
@@ -89,9 +98,16 @@ class Choice:
             self.logprobs.extend(upd.logprobs)
 
 
-def usage_block(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_block(prompt_tokens: int, completion_tokens: int,
+                reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; ``reasoning_tokens`` (with a reasoning parser) goes in
+    ``completion_tokens_details`` (it is part of ``completion_tokens``)."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                             "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 def _token_text(tokenizer, token_id: int) -> str:
@@ -140,7 +156,8 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], usa
                   tokenizer=None) -> dict[str, Any]:
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "message": chat_message(c.text, c.tool_calls),
+        "choices": [{"index": c.index,
+                     "message": chat_message(c.text, c.tool_calls, c.reasoning),
                      "finish_reason": c.finish_reason,
                      "logprobs": chat_logprobs(c.logprobs, tokenizer)
                      if c.wants_logprobs and tokenizer is not None else None}
@@ -149,11 +166,19 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], usa
     }
 
 
-def chat_message(content: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """OpenAI's assistant message: with tool calls, content is null when empty."""
-    if not tool_calls:
-        return {"role": "assistant", "content": content}
-    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
+def chat_message(content: str, tool_calls: list[dict[str, Any]] | None,
+                 reasoning: str | None = None) -> dict[str, Any]:
+    """OpenAI's assistant message: with tool calls, content is null when empty. With a
+    reasoning parser (``reasoning`` not None) the thinking is in ``reasoning`` (vLLM's
+    field) and ``reasoning_content`` (its older name, which clients still read), and an
+    empty answer (``max_tokens`` reached while thinking) is null, not "" ."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message.update(content=content or None, reasoning=reasoning or None,
+                       reasoning_content=reasoning or None)
+    if tool_calls:
+        message.update(content=content or None, tool_calls=tool_calls)
+    return message
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, upd: Update,
@@ -170,7 +195,9 @@ def chat_chunk(rid: str, created: int, model: str, index: int, upd: Update, firs
     """``tool_calls``: the chunk's call deltas (index, then id, type and name once, then
     pieces of arguments), as OpenAI streams them."""
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
-    if upd.text or first:
+    if upd.reasoning:  # its own deltas, under both names (as in chat_message)
+        delta["reasoning"] = delta["reasoning_content"] = upd.reasoning
+    if upd.text or (first and not upd.reasoning):
         delta["content"] = upd.text if upd.text or tool_calls is None else None
     if tool_calls:
         delta["tool_calls"] = tool_calls

@@ -29,9 +29,10 @@ class Sampling:
 
     def params(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
                prompt_logprobs: int | None = None, cap: int | None = None,
-               overrides: dict[str, Any] | None = None):
+               overrides: dict[str, Any] | None = None, reasoning=None):
         """``cap``: the tenant's max_tokens per request, bounding an unset max_tokens;
-        ``overrides``: SamplingParams fields set by a feature (a ToolPlan's)."""
+        ``overrides``: SamplingParams fields set by a feature (a ToolPlan's);
+        ``reasoning``: the request's ReasoningPlan, whose thinking no grammar masks."""
         from llmctl.serve.core.sampling_params import SamplingParams
 
         prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -52,6 +53,12 @@ class Sampling:
                 raise errors.bad_request(exc.message, exc.param) from None
             extra["logit_bias"] = bias
         extra.update(overrides or {})
+        if reasoning is not None and extra.get("logits_constraint") is not None:
+            try:
+                extra["logits_constraint"] = reasoning.gate(extra["logits_constraint"])
+            except ValueError as exc:
+                param = "response_format" if req.response_format is not None else "tools"
+                raise errors.bad_request(str(exc), param) from None
         try:  # protocol.py has checked every field; this is the engine's own last word
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,

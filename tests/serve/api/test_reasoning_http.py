@@ -253,6 +253,49 @@ def test_the_grammar_applies_to_the_answer_only(client, served):
         assert content.lstrip().startswith("{")
 
 
+TIME = {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["tz"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+CALL = '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'
+
+
+def test_tool_calls_are_read_from_the_answer_only(client, served):
+    sampling = served.server.frontend.sampling
+    before, sampling.auto_tool_parser = sampling.auto_tool_parser, "hermes"
+    thought = f"Maybe {CALL.replace('CET', 'UTC')}? No."  # a call in the thinking is thought
+    args = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 250}
+    try:
+        with scripted(served, f"<think>{thought}</think>", answer=CALL):
+            out = client.chat.completions.create(**args)
+            deltas = list(client.chat.completions.create(stream=True, **args))
+    finally:
+        sampling.auto_tool_parser = before
+    choice = out.choices[0]
+    assert choice.message.model_dump()["reasoning"] == thought
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time",
+                                                                         {"tz": "CET"})
+    streamed_reasoning = "".join(getattr(c.delta, "reasoning", None) or ""
+                                 for d in deltas for c in d.choices)
+    arguments = "".join(t.function.arguments or "" for d in deltas for c in d.choices
+                        for t in c.delta.tool_calls or ())
+    assert streamed_reasoning == thought and json.loads(arguments) == {"tz": "CET"}
+
+
+def test_a_named_tool_grammar_waits_for_the_answer(client, served):
+    seen: list[bool] = []
+    with scripted(served, f"<think>{THOUGHT}</think>", answer=None, seen=seen):
+        out = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=40, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+    choice = out.choices[0]
+    assert seen and all(seen)
+    assert choice.message.model_dump()["reasoning"] == THOUGHT
+    assert choice.finish_reason == "tool_calls"
+    assert json.loads(choice.message.tool_calls[0].function.arguments)["tz"] in ("UTC", "CET")
+
+
 def test_malformed_bodies_are_400s_while_a_stream_completes(client, served):
     bad = [({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
            ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),

@@ -347,3 +347,29 @@ def test_cli_parser_names_are_the_registry():
 
     literal = typing.get_args(typing.get_args(ReasoningParser)[0])[0]
     assert set(typing.get_args(literal)) == set(REASONING_PARSERS)
+
+
+def test_hand_off_forwards_to_vllm_and_refuses_trtllm():
+    import sys
+
+    from llmctl.errors import UsageError
+    from llmctl.serve.handoff.engines import HandoffOptions, refuse_unsupported, vllm_command
+
+    cmd = vllm_command(HandoffOptions(model_path="p", served_name="s", host="h", port=1,
+                                      python=sys.executable, reasoning_parser="qwen3",
+                                      default_chat_template_kwargs='{"enable_thinking": false}'))
+    assert cmd[-4:] == ["--reasoning-parser", "qwen3", "--default-chat-template-kwargs",
+                        '{"enable_thinking": false}']
+    refuse_unsupported("vllm", {"--reasoning-parser", "--default-chat-template-kwargs"})
+    for flag in ("--reasoning-parser", "--default-chat-template-kwargs"):
+        with pytest.raises(UsageError, match=flag):
+            refuse_unsupported("trtllm", {flag})
+
+
+def test_an_earlier_answers_reasoning_may_come_back(client, served):
+    # clients replay the assistant message as they got it: both names are taken
+    history = [*MESSAGES, {"role": "assistant", "content": "4", "reasoning_content": "2+2"},
+               {"role": "user", "content": "And 3 + 3?"}]
+    with scripted(served, f"<think>{THOUGHT}</think>"):
+        out = client.chat.completions.create(model="tiny", messages=history, max_tokens=60)
+    assert out.choices[0].message.content == ANSWER

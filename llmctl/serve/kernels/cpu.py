@@ -137,6 +137,7 @@ ARGTYPES = {
     "lowbit_avx2_rows": [],
     "gemm_bf16": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
     "gemm_bf16_available": [],
+    "gemm_bf16_amx_rows": [],
     "gemm_bf16w_avx2": [_PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT, _INT],
     "gemm_bf16w_avx2_available": [],
     "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64],
@@ -150,7 +151,8 @@ ARGTYPES = {
 }
 RESTYPES = {"lowbit_simd": ctypes.c_int, "lowbit_vnni_rows": ctypes.c_int,
             "lowbit_avx2_rows": ctypes.c_int,
-            "gemm_bf16_available": ctypes.c_int, "gemm_bf16w_avx2_available": ctypes.c_int,
+            "gemm_bf16_available": ctypes.c_int, "gemm_bf16_amx_rows": ctypes.c_int,
+            "gemm_bf16w_avx2_available": ctypes.c_int,
             "prefill_attention_bf16": ctypes.c_int,
             "prefill_attention_available": ctypes.c_int}
 
@@ -513,6 +515,13 @@ def gemm_bf16_kernel():
     if lib is None or not lib.gemm_bf16_available():
         return None
     return lib.gemm_bf16
+
+
+def gemm_bf16_amx_rows() -> int:
+    """The fewest rows :file:`csrc/gemm_bf16.cpp` runs on the AMX tile unit (a build
+    with AMX-BF16 whose process the kernel granted the tile state), else 0."""
+    lib = _library()
+    return int(lib.gemm_bf16_amx_rows()) if lib is not None and lib.gemm_bf16_available() else 0
 
 
 def gemm_bf16w_avx2_kernel():

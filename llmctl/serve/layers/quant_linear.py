@@ -96,8 +96,8 @@ class PackedLinear:
 
     ``gemm`` picks (:func:`llmctl.serve.model.weights.bf16_gemm_plan` decides per model):
     "own" (every batch, one copy of the weight), "onednn", or "both" (own for up to
-    :data:`SMALL_ROWS` rows, oneDNN above: two copies, as on CPUs with AMX, whose oneDNN
-    tile kernels are not measured here). Measurements are in the kernel's header.
+    :meth:`both_rows` rows, oneDNN above: two copies, as on CPUs with AMX: SMALL_ROWS, or
+    AMX_ROWS where the own kernel has the tile unit too). Measurements are in the kernel's header.
 
     oneDNN against ``F.linear`` (2 threads, SmolLM2's four layer matmuls, interleaved
     A/B): bf16 1.78 vs 2.50 ms per layer at 128 rows, 9.9 vs 10.9 ms at 1024 rows; the
@@ -113,6 +113,9 @@ class PackedLinear:
                  "itemsize")
     BATCH_HINT = 1024
     SMALL_ROWS = 4  # "both": the own kernel's rows (memory-bound: the copy pays there)
+    # ... when the own kernel has the AMX tile unit (gemm_bf16.cpp): decode batches and
+    # speculative verification stay there, prefill goes to oneDNN
+    AMX_ROWS = 64
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
                  gemm: str = "onednn") -> None:
@@ -121,9 +124,16 @@ class PackedLinear:
         self.bias = bias
         self.own = bf16_gemm_layer(weight) if gemm in ("own", "both") else None
         self.own_rows = 0 if self.own is None else (
-            sys.maxsize if gemm == "own" else self.SMALL_ROWS)
+            sys.maxsize if gemm == "own" else self.both_rows())
         self.weight = (None if self.own_rows == sys.maxsize
                        else torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT))
+
+    @classmethod
+    def both_rows(cls) -> int:
+        """The rows "both" gives the own kernel on this CPU."""
+        from llmctl.serve.kernels.cpu import gemm_bf16_amx_rows
+
+        return cls.AMX_ROWS if gemm_bf16_amx_rows() else cls.SMALL_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.own is not None and x.shape[0] <= self.own_rows and x.dim() == 2 \

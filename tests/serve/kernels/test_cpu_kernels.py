@@ -346,44 +346,67 @@ def test_packed_linear_matches_f_linear_for_bf16_and_float32(monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_own_kernel_is_the_float32_product_rounded_once(with_bias):
-    """csrc/gemm_bf16.cpp at any number of rows (one row block, several, uneven splits):
-    exact bf16 products summed in float32 and rounded once, so each output is the
-    float64 product rounded to bf16 up to one step (the sum's float32 rounding may cross
-    a bf16 boundary). "both" keeps the own kernel to SMALL_ROWS rows and gives larger
-    batches to oneDNN, bit for bit the oneDNN-only layer."""
+def test_bf16_own_kernel_is_the_float32_product_rounded_once(with_bias, isa):
+    """csrc/gemm_bf16.cpp at any number of rows (one row block, several, uneven splits),
+    in each variant with the kernel (native: with the AMX tile unit from 8 rows where the
+    CPU has it; avx512-bf16: vdpbf16ps at every row count): exact bf16 products summed
+    in float32 and rounded once, so each output is the float64 product rounded to bf16 up
+    to one step (the sum's float32 rounding may cross a bf16 boundary). "both" keeps the
+    own kernel to both_rows() rows and gives larger batches to oneDNN, bit for bit the
+    oneDNN-only layer."""
     from llmctl.serve.layers.quant_linear import PackedLinear, packing_available
 
     if cpu_kernels.gemm_bf16_kernel() is None:
-        assert "avx512_bf16" not in cpu_flags()  # only a CPU without it may lack the kernel
-        pytest.skip("this CPU has no AVX512-BF16")
+        # only a variant without it (avx512, avx2, portable) or a CPU without it lacks it
+        assert isa not in ("native", "avx512-bf16") or "avx512_bf16" not in cpu_flags()
+        pytest.skip(f"the {isa} build has no AVX512-BF16 kernel")
     if not packing_available(torch.bfloat16, torch.device("cpu")):
         pytest.skip("torch here has no oneDNN weight packing")
     gen = torch.Generator().manual_seed(5)
-    w = torch.randn((40, 96), generator=gen).bfloat16()  # 40: pads to a pair of blocks
-    b = torch.randn(40, generator=gen).bfloat16() if with_bias else None
-    own, both, plain = (PackedLinear(w, b, gemm=g) for g in ("own", "both", "onednn"))
-    assert own.weight is None and both.weight is not None and both.own_rows == 4
     def ulp(v: torch.Tensor) -> torch.Tensor:  # one bf16 step at v's magnitude
         return 2.0 ** (torch.floor(torch.log2(v.abs().clamp_min(1e-30))) - 7)
 
-    for rows in (1, 2, 3, 4, 5, 8, 9, 13, 40):
-        x = torch.randn((rows, 96), generator=gen).bfloat16()
-        exact = x.double() @ w.double().T
-        got = own(x)
-        if rows <= 4:
-            assert torch.equal(both(x), got)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
-        want = exact.float().bfloat16().double()
-        bound = ulp(exact)
-        if b is not None:  # the bias is added to the rounded product: one more rounding
-            want = want + b.double()
-            bound = bound + ulp(want)
-        assert ((got.double() - want).abs() <= bound).all()
-    x = torch.randn((5, 96), generator=gen).bfloat16()
-    assert torch.equal(both(x), plain(x))
-    x3 = torch.randn((2, 3, 96), generator=gen).bfloat16()  # 3-D: flattened to 6 rows
-    assert torch.equal(own(x3), own(x3.reshape(6, 96)).view(2, 3, 40))
+    # k = 96: whole 32-input chunks for the AMX tiles; 104: 8 more inputs after them
+    for k in (96, 104):
+        w = torch.randn((40, k), generator=gen).bfloat16()  # 40: pads to a pair of blocks
+        b = torch.randn(40, generator=gen).bfloat16() if with_bias else None
+        own, both, plain = (PackedLinear(w, b, gemm=g) for g in ("own", "both", "onednn"))
+        assert own.weight is None and both.weight is not None
+        assert both.own_rows == PackedLinear.both_rows()
+        # rows around the AMX path's threshold (8), its 16-row tiles and 32-row passes
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 32, 33, 40, 70):
+            x = torch.randn((rows, k), generator=gen).bfloat16()
+            exact = x.double() @ w.double().T
+            got = own(x)
+            if rows <= both.own_rows:
+                assert torch.equal(both(x), got)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
+            want = exact.float().bfloat16().double()
+            bound = ulp(exact)
+            if b is not None:  # the bias is added to the rounded product: one more rounding
+                want = want + b.double()
+                bound = bound + ulp(want)
+            assert ((got.double() - want).abs() <= bound).all(), (k, rows)
+        x = torch.randn((both.own_rows + 1, k), generator=gen).bfloat16()
+        assert torch.equal(both(x), plain(x))
+    x3 = torch.randn((2, 3, k), generator=gen).bfloat16()  # 3-D: flattened to 6 rows
+    assert torch.equal(own(x3), own(x3.reshape(6, k)).view(2, 3, 40))
+
+
+@needs_kernels
+def test_the_bf16_kernel_takes_the_amx_tile_unit_where_the_cpu_has_it():
+    """csrc/gemm_bf16.cpp's AMX path: on in a native build on a CPU with AMX-BF16 (Linux
+    grants the tile state), off in the avx512-bf16 variant (no AMX in its -march), so on
+    such a CPU the test above runs both paths; "both" then keeps decode batches (up to
+    AMX_ROWS) on the own kernel."""
+    from llmctl.serve.layers.quant_linear import PackedLinear
+
+    if cpu_kernels.gemm_bf16_kernel() is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    has_amx = "amx_bf16" in cpu_flags() and cpu_kernels.selected_variant() == "native"
+    assert cpu_kernels.gemm_bf16_amx_rows() == (8 if has_amx else 0)
+    assert PackedLinear.both_rows() == (PackedLinear.AMX_ROWS if has_amx
+                                        else PackedLinear.SMALL_ROWS)
 
 
 def test_the_bf16_gemm_plan_follows_the_setting_the_cpu_and_memory(monkeypatch):

@@ -22,9 +22,29 @@
 // The hardware prefetchers keep up with one stream per core (a software prefetch 4 KiB
 // ahead measured no better). Products are exact in float32; the sum is float32 over the
 // inputs in order, rounded once to bfloat16.
+//
+// AMX (Intel Xeon 4th gen on, where the build's -march has AMX-BF16): from kAmxRows rows
+// the same layout feeds the tile unit. A pair's step t is the 64-byte row t of an AMX B
+// tile for each of its blocks (16 columns of 2 inputs, the dword order TDPBF16PS takes),
+// so 16 steps of a block are one tile loaded with a 128-byte stride, the weights stay
+// where they are. 16 rows x 32 inputs of x are an A tile (x copied once per call into a
+// zero-padded buffer of whole 16-row blocks, so no tile reads past it); C tiles hold 16
+// rows x 16 columns of float32 sums. Per pair: up to 32 rows at once (4 C, 2 A, 2 B tiles:
+// all eight), inputs past the last whole 32 (k % 32) by vdpbf16ps on the stored sums.
+// TDPBF16PS sums each 32-input chunk before adding it (not the vdpbf16ps order), so the
+// two paths differ in the last float32 bits; which one runs depends on the row count
+// only, so the fused decode layers and the layer loop still agree bit for bit. Linux
+// grants a process the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, once);
+// refused, every row count takes the vdpbf16ps path.
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "simd_math.h"
 
@@ -84,6 +104,106 @@ void tile(const Problem& p, int64_t u, int64_t row0) {
 using Tile = void (*)(const Problem&, int64_t, int64_t);
 constexpr Tile kTiles[kRowBlock + 1] = {nullptr,  tile<1>, tile<2>, tile<3>, tile<4>,
                                         tile<5>,  tile<6>, tile<7>, tile<8>};
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// From this many rows the tile unit: below it a pair's stream is read from memory at the
+// same speed either way and the A tiles would be mostly padding.
+constexpr int64_t kAmxRows = 8;
+
+bool amx_granted() {
+  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): once per process
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+struct TileConfig {  // ldtilecfg's 64-byte operand, palette 1
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Sums of rows r0 .. r0 + 16 * blocks - 1 (blocks 1 or 2) of the padded x times pair u,
+// into sums[blocks * 2][16][16] (row block, column block); whole 32-input chunks only.
+void amx_pair(const uint16_t* xp, int64_t k, const uint8_t* base, int64_t r0, int blocks,
+              float (*sums)[16][16]) {
+  const int64_t chunks = k / 32, lda = k * 2, step = kPair * kStepBytes;
+  const uint16_t* a0 = xp + r0 * k;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* b = base + c * 16 * step;
+    _tile_loadd(6, b, step);
+    _tile_loadd(7, b + kStepBytes, step);
+    _tile_loadd(4, a0 + c * 32, lda);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (blocks == 2) {
+      _tile_loadd(5, a0 + 16 * k + c * 32, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  if (blocks == 2) {
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+  }
+}
+
+// Rows of pair u through the tile unit; the tail inputs and the rounding per row.
+void amx_rows(const Problem& p, const uint16_t* xp, int64_t m, int64_t u) {
+  const int64_t steps = p.k / 2, tail0 = p.k / 32 * 16;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(p.w) + u * steps * kPair * kStepBytes;
+  alignas(64) float sums[4][16][16];
+  for (int64_t r0 = 0; r0 < m; r0 += 32) {
+    const int blocks = m - r0 > 16 ? 2 : 1;
+    amx_pair(xp, p.k, base, r0, blocks, sums);
+    for (int64_t i = 0; i < 16 * blocks && r0 + i < m; ++i) {
+      const int64_t row = r0 + i;
+      __m512 acc[kPair] = {_mm512_load_ps(sums[2 * (i / 16)][i % 16]),
+                           _mm512_load_ps(sums[2 * (i / 16) + 1][i % 16])};
+      for (int64_t t = tail0; t < steps; ++t) {
+        const uint8_t* src = base + t * kPair * kStepBytes;
+        const __m512bh a = pair(p.x + row * p.ldx + 2 * t);
+        acc[0] = _mm512_dpbf16_ps(acc[0], a, (__m512bh)_mm512_loadu_si512(src));
+        acc[1] = _mm512_dpbf16_ps(acc[1], a, (__m512bh)_mm512_loadu_si512(src + kStepBytes));
+      }
+      for (int j = 0; j < kPair; ++j) {
+        const int64_t col0 = (u * kPair + j) * kCols;
+        if (col0 >= p.n_valid) continue;
+        const int64_t n = p.n_valid - col0 < kCols ? p.n_valid - col0 : kCols;
+        const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+        _mm256_mask_storeu_epi16(p.out + row * p.ldo + col0, keep, to_bf16(acc[j]));
+      }
+    }
+  }
+}
+
+void gemm_amx(const Problem& p, int64_t m, int64_t pairs, int num_threads) {
+  // x in whole 16-row blocks, rows past m zero, k contiguous (an A tile's stride)
+  static thread_local std::vector<uint16_t> padded;
+  const int64_t rows = (m + 15) / 16 * 16;
+  padded.assign(static_cast<size_t>(rows * p.k), 0);
+  for (int64_t r = 0; r < m; ++r)
+    std::memcpy(padded.data() + r * p.k, p.x + r * p.ldx, static_cast<size_t>(p.k) * 2);
+  const uint16_t* xp = padded.data();  // the caller's buffer (thread_local is per thread)
+#pragma omp parallel num_threads(num_threads)
+  {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < pairs; ++u) amx_rows(p, xp, m, u);
+    _tile_release();
+  }
+}
+#else
+constexpr int64_t kAmxRows = 0;
+#endif
 #else
 constexpr bool kSimd = false;
 #endif
@@ -95,12 +215,24 @@ extern "C" {
 // 1 when this build has the kernel (a CPU with AVX512-BF16), else 0.
 int gemm_bf16_available(void) { return kSimd ? 1 : 0; }
 
+// The fewest rows that take the tile unit (AMX-BF16 compiled in and granted), else 0.
+int gemm_bf16_amx_rows(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_granted() ? static_cast<int>(kAmxRows) : 0;
+#else
+  return 0;
+#endif
+}
+
 // out [m, ldo] = x [m, ldx] w^T, bf16 in and out, k even, any m.
 void gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t m, int64_t blocks,
                int64_t k, uint16_t* out, int64_t ldo, int64_t n_valid, int num_threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (m <= 0) return;
   const Problem p{x, ldx, w, k, out, ldo, n_valid};
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (m >= kAmxRows && amx_granted()) return gemm_amx(p, m, blocks / kPair, num_threads);
+#endif
   // row blocks as even as possible: 12 rows -> 6 + 6, not 8 + 4
   const int64_t nb = (m + kRowBlock - 1) / kRowBlock, base = m / nb, extra = m % nb;
 #pragma omp parallel for schedule(static) num_threads(num_threads)

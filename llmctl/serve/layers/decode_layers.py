@@ -36,7 +36,8 @@ op sums in an order the C side does not reproduce), every layer's RoPE
 on the native kernel, the fused norm and activation kernels, bfloat16 activations, a
 bfloat16, int8 or fp8 cache, and the step is one attention group of single-token
 sequences on the native kernel; :meth:`DecodeLayers.build` returns None otherwise (the
-layer loop runs).
+layer loop runs). A mixture-of-experts layer (router, experts) has no C form: such a
+model runs the layer loop.
 """
 
 from __future__ import annotations
@@ -189,6 +190,9 @@ class DecodeLayers:
         if not isinstance(model.norm_act, NormActKernels) or model.norm is None:
             return False
         if spec.hidden_act not in ACTIVATIONS:
+            return False
+        # the C layer computes one dense MLP per layer: a mixture of experts runs the loop
+        if any(getattr(layer, "moe", None) is not None for layer in model.layers):
             return False
         if any(rope_kv is None for _, rope_kv in model.layer_rope):
             return False

@@ -1,6 +1,6 @@
 """The Llama-family forward pass, written for the paged KV cache.
 
-One decoder covers llama, mistral, qwen2 and qwen3: they differ in data, not code
+One decoder covers every family of the table: they differ in data, not code
 (their rows of :data:`llmctl.models.spec.FAMILIES`, read into
 :class:`llmctl.models.spec.ModelArch`): qkv biases (qwen2 always, llama/qwen3 when
 ``attention_bias``), an RMSNorm over each head of q and k before RoPE (qwen3), tied embeddings, and which
@@ -17,6 +17,11 @@ Per layer, for the flat stream of this step's ``T`` tokens::
     x = x + W_o · attention(q, cache via block tables)      # GQA, causal (windowed)
     h = RMSNorm(x);  g, u = split(h @ W_gate_up)            # fused gate/up
     x = x + W_down · (silu(g) * u)                          # SwiGLU
+
+A mixture-of-experts layer (Mixtral, Qwen2/3-MoE: ``ModelSpec.moe_layers``) replaces
+the last line by the block of :mod:`llmctl.models.layers.moe` (routing, each picked
+expert's SwiGLU on its tokens only, the weighted sum, Qwen2-MoE's gated shared expert),
+on the torch path: the fused native decode layers refuse such a model.
 
 RMSNorm: ``x / sqrt(mean(x^2) + eps) * w``. The torch path is the shared building blocks
 of :mod:`llmctl.models.layers` (RMSNorm, RoPE, the gated MLP); the native kernels of
@@ -38,7 +43,13 @@ import torch
 import torch.nn.functional as F
 
 from llmctl.models.architectures import get_architecture
-from llmctl.models.layers import activation, add_rms_norm, fused_gated, fused_rms_norm
+from llmctl.models.layers import (
+    activation,
+    add_rms_norm,
+    fused_gated,
+    fused_rms_norm,
+    sparse_moe,
+)
 from llmctl.models.spec import ModelArch
 from llmctl.serve.kernels.cpu import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.layers.attention import AttnMetadata, paged_attention
@@ -88,6 +99,14 @@ class ModelSpec:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # a mixture of experts (ModelArch's fields): per layer whether it is sparse (() for a
+    # dense model), E experts of width expert_intermediate_size, k per token
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
 
     @property
     def kv_window(self) -> int | None:
@@ -125,6 +144,10 @@ class ModelSpec:
             "max_position_embeddings": arch.max_position_embeddings or 2048,
             "norms": arch.family.norms, "qk_norm_over": arch.family.qk_norm_over,
             "norm_offset": arch.family.norm_offset,
+            # the dense MLP's width; 0 where every layer is a mixture of experts, so that
+            # a LoRA on gate/up/down (which those layers do not have) does not fit
+            "intermediate_size": 0 if arch.moe_layers and all(arch.moe_layers)
+            else arch.intermediate_size,
             "eos_token_ids": eos,
             "quantization_config": config.get("quantization_config"),
             "torch_dtype": config.get("torch_dtype") or config.get("dtype")})
@@ -153,9 +176,10 @@ class Layer:
     # order. The norms by slot (spec.NORM_LAYOUTS; None where the family has none):
     # input_norm before attention, attn_out_norm on its output, post_norm before the MLP
     # (Llama's post_attention_layernorm), mlp_out_norm on the MLP's output. Gemma's
-    # (1 + w) is folded into the weights at load.
-    __slots__ = ("input_norm", "qkv", "qk_norm", "o", "attn_out_norm", "post_norm",
-                 "gate_up", "down", "mlp_out_norm")
+    # (1 + w) is folded into the weights at load. moe: a mixture-of-experts layer's
+    # router and experts (llmctl.models.layers.moe.MoeWeights), in place of gate_up/down.
+    __slots__ = ("attn_out_norm", "down", "gate_up", "input_norm", "mlp_out_norm", "moe",
+                 "o", "post_norm", "qk_norm", "qkv")
 
     def __init__(self, **parts) -> None:
         for name in self.__slots__:
@@ -231,6 +255,9 @@ class LlamaModel:
         self.scale = spec.attention_scale or spec.head_dim ** -0.5
         self.norm_act = norm_act_kernels(device, dtype) or TorchNormAct()
         self.act_mul = _act_mul(self.norm_act, spec.hidden_act)
+        # the experts' act(gate) * up: torch's on any rows (the native kernels serve the
+        # dense layers)
+        self.moe_act_mul = fused_gated(spec.hidden_act)
         self.rope_kv = rope_kv_kernel(device, dtype, self.freqs)
         # per layer: its RoPE table and native RoPE + cache write (Gemma 3's sliding
         # layers rotate with their own), its window
@@ -309,7 +336,11 @@ class LlamaModel:
                                    layer_scales, softcap=spec.attn_softcap)
             o = self._branch(layer.attn_out_norm, self._linear(lora, i, "o", attn.to(x.dtype)))
             h = _add_norm(ops, x, o, layer.post_norm, eps)
-            mlp = self._linear(lora, i, "down", self.act_mul(self._linear(lora, i, "gate_up", h)))
+            if layer.moe is not None:
+                mlp = self._moe(layer, lora, i, h)
+            else:
+                mlp = self._linear(lora, i, "down",
+                                   self.act_mul(self._linear(lora, i, "gate_up", h)))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h = _add_norm(ops, x, self._branch(layer.mlp_out_norm, mlp), following, eps)
         return h
@@ -340,6 +371,20 @@ class LlamaModel:
             lora.apply(i, target, x, y)
         return y
 
+    def _moe(self, layer: Layer, lora: LoRABatch | None, i: int, h: torch.Tensor
+             ) -> torch.Tensor:
+        """Layer ``i``'s mixture of experts on ``h``. An adapter with terms on this layer's
+        MLP cannot be applied (the loader refuses expert modules; gate/up/down of a dense
+        layer's width could still name a sparse layer): refused, not skipped."""
+        if lora is not None and any(
+                adapter.layers[i].get(t) is not None
+                for adapter, _ in lora.segments for t in ("gate_up", "down")):
+            from llmctl.serve.lora.adapter import LoRAError
+
+            raise LoRAError(f"a LoRA adapter adapts the MLP of layer {i}, a mixture of "
+                            "experts", "LoRA on experts is not supported: adapt attention")
+        return sparse_moe(h, layer.moe, self.moe_act_mul)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head's logits in float32: divided by Granite's ``logits_scaling``,
         soft-capped as Gemma 2 caps them (``cap * tanh(logits / cap)``)."""
@@ -351,12 +396,19 @@ class LlamaModel:
 
     @property
     def bytes_read_per_step(self) -> int:
-        """Weight bytes a forward step reads (what MBU counts): everything held, except the
-        embedding table when the head multiplies a copy of it (packed, int8) or its own
-        weight: the lookup reads only a step's rows."""
+        """Weight bytes a batch-1 decode step reads (what MBU counts): everything held,
+        except the embedding table when the head multiplies a copy of it (packed, int8)
+        or its own weight (the lookup reads only a step's rows), and except the experts a
+        token does not pick: a mixture-of-experts layer reads its router, shared expert
+        and ``k`` of its ``E`` experts, ``(E - k) / E`` of the experts' bytes fewer
+        (:attr:`MoeWeights.active_nbytes`). A batch of ``B`` tokens reads up to
+        ``min(E, B k)`` experts; this counts one token's."""
         total = self.nbytes
         if getattr(self.lm_head, "weight", None) is not self.embed:
             total -= self.embed.numel() * self.embed.element_size()
+        for layer in self.layers:
+            if layer.moe is not None:
+                total -= layer.moe.nbytes - layer.moe.active_nbytes
         return total
 
     @property

@@ -5,6 +5,12 @@ the model in its final form plus one layer in flight. q/k/v and gate/up are fuse
 one linear each when their formats allow (fewer, larger matmuls per step). A GGUF file's
 quantized tensors come through :class:`llmctl.serve.model.gguf_weights.GGUFWeights` instead:
 any reader with ``name in reader``, ``reader(name)`` and ``reader.layer_weight(name)``.
+
+A mixture-of-experts layer's experts are stacked into ``[E, 2I, H]`` (gate rows, then up
+rows) and ``[E, H, I]`` tensors (:class:`llmctl.models.layers.moe.MoeWeights`), from the
+per-expert names ``save_pretrained`` writes (``experts.{e}.gate_proj`` / Mixtral's
+``w1``, ``w3``, ``w2``) or transformers 5's fused 3-D ``experts.gate_up_proj`` and
+``experts.down_proj``; float weights only (a quantized expert is refused by name).
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from typing import Any
 
 import torch
 
-from llmctl.errors import NotAModelError
-from llmctl.models.spec import FAMILIES, NORM_LAYOUTS, ModelArch
+from llmctl.errors import NotAModelError, UnsupportedArchitectureError
+from llmctl.models.layers.moe import MoeWeights, Routing
+from llmctl.models.spec import FAMILIES, NORM_LAYOUTS, ModelArch, MoeLayout
 from llmctl.serve.layers.lowbit import (
     AffineCodes,
     LowBitLinear,
@@ -239,15 +246,63 @@ class _ModelBuilder:
         attn, mlp = f"{p}.self_attn", f"{p}.mlp"
         norms = {slot: self.norm(f"{p}.{name}.weight")
                  for slot, name in NORM_LAYOUTS[spec.norms].items()}
+        sparse = bool(spec.moe_layers) and spec.moe_layers[i]
         return Layer(
             input_norm=norms.get("input"),
             qkv=fused([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], spec.qkv_bias),
             qk_norm=self.qk_norm(attn) if spec.qk_norm else None,
             o=fused([f"{attn}.o_proj"], spec.o_bias),
             attn_out_norm=norms.get("attn_out"), post_norm=norms.get("mlp_in"),
-            gate_up=fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"], spec.mlp_bias),
-            down=fused([f"{mlp}.down_proj"], spec.mlp_bias), mlp_out_norm=norms.get("mlp_out"),
+            gate_up=None if sparse else fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"],
+                                              spec.mlp_bias),
+            down=None if sparse else fused([f"{mlp}.down_proj"], spec.mlp_bias),
+            mlp_out_norm=norms.get("mlp_out"), moe=self.moe(p) if sparse else None,
         )
+
+    def float_weight(self, name: str) -> torch.Tensor:
+        """Module ``name``'s float weight in the model's dtype; a quantized one is refused
+        (the engine's experts are float: bf16 or float32)."""
+        weight = self.read.layer_weight(name)
+        if not isinstance(weight, torch.Tensor):
+            raise UnsupportedArchitectureError(
+                f"{name} is quantized ({type(weight).__name__}): the engine runs float "
+                "mixture-of-experts weights only",
+                "serve the bf16 or float32 checkpoint")
+        return weight.to(device=self.device, dtype=self.dtype)
+
+    def experts(self, p: str, layout: MoeLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up [E, 2I, H], down [E, H, I])`` of layer ``p``'s experts."""
+        gate, up, down = (f"{p}.{name}" for name in layout.experts)
+        if f"{gate.format(e=0)}.weight" in self.read \
+                or f"{gate.format(e=0)}.weight_packed" in self.read:
+            e_range = range(self.spec.num_experts)
+            gate_up = torch.stack([torch.cat([self.float_weight(gate.format(e=e)),
+                                              self.float_weight(up.format(e=e))])
+                                   for e in e_range])
+            return gate_up, torch.stack([self.float_weight(down.format(e=e)) for e in e_range])
+        stacked = [f"{p}.{name}" for name in layout.fused]
+        missing = [n for n in stacked if n not in self.read]
+        if missing:
+            raise NotAModelError(
+                f"the checkpoint has neither {gate.format(e=0)}.weight nor {missing[0]}",
+                "the weights do not match config.json; re-export the model")
+        return tuple(self.read(n).to(device=self.device, dtype=self.dtype) for n in stacked)
+
+    def moe(self, p: str) -> MoeWeights:
+        """Layer ``p``'s router, stacked experts and shared expert (module doc)."""
+        spec = self.spec
+        layout = FAMILIES[spec.model_type].moe
+        gate_up, down = self.experts(p, layout)
+        routing = Routing(spec.num_experts, spec.experts_per_token, spec.norm_topk_prob,
+                          layout.float32_weights)
+        weights = MoeWeights(self.float_weight(f"{p}.{layout.router}"), gate_up, down, routing)
+        if layout.shared is not None and spec.shared_expert_intermediate_size:
+            s_gate, s_up, s_down = (f"{p}.{name}" for name in layout.shared)
+            weights.shared_gate_up = torch.cat([self.float_weight(s_gate),
+                                                self.float_weight(s_up)])
+            weights.shared_down = self.float_weight(s_down)
+            weights.shared_gate = self.float_weight(f"{p}.{layout.shared_gate}")
+        return weights
 
     def embed_and_head(self, lm_head: str):
         """The embedding table and the output projection; a tied head's table is read once

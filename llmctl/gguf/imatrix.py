@@ -117,7 +117,7 @@ def compute_imatrix(model_dir: Path, calibration: str, *, samples: int = 32,
     from llmctl.models.loading import load_model, load_tokenizer
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = get_architecture(config["model_type"])
+    arch = get_architecture(config["model_type"], refuse_moe="the importance matrix")
     names = expand_tensor_names(arch, config["num_hidden_layers"])
     source = load_text_source(calibration, field)
     tokenizer = load_tokenizer(model_dir)

@@ -262,7 +262,7 @@ def write_gguf(directory: Path, out: Path, plan: list[TensorPlan], ftype: int, *
 
     directory = Path(directory)
     config = read_config(directory)
-    arch = get_architecture(config["model_type"])
+    arch = get_architecture(config["model_type"], refuse_moe="GGUF export")
     vocab = vocab or read_hf_vocab(directory, config)
     extra = generated_tensors(config)
     spec = ModelArch.from_config(config)
@@ -312,7 +312,7 @@ def build_plan(directory: Path, default_type: str, **rules: Any
                ) -> tuple[dict[str, Any], list[SourceTensor], list[TensorPlan]]:
     """Config, source tensors and the per-tensor plan for a file llmctl writes."""
     config = read_config(directory)
-    arch = get_architecture(config["model_type"])
+    arch = get_architecture(config["model_type"], refuse_moe="GGUF export")
     check_exportable(config)
     tensors = source_tensors(directory, config, arch)
     extra = [TensorPlan(name, None, a.shape, "F32", a.nbytes, "generated")

@@ -61,15 +61,25 @@ ARCHITECTURES: dict[str, Architecture] = {
     t: row for t, row in FAMILIES.items() if row.causal_lm_class is not None}
 
 
-def get_architecture(model_type: str) -> Architecture:
+def get_architecture(model_type: str, *, refuse_moe: str | None = None) -> Architecture:
+    """The row of ``model_type``. ``refuse_moe``: the name of a command that does not
+    handle mixtures of experts yet (the engine runs them; quantize and GGUF export do
+    not): such a row is refused in one line rather than failing midway."""
     try:
-        return ARCHITECTURES[model_type]
+        row = ARCHITECTURES[model_type]
     except KeyError:
         raise UnsupportedArchitectureError(
             f"model type {model_type!r} is not supported",
             f"llmctl runs {', '.join(sorted(ARCHITECTURES))}; adding a family: "
             "docs/architecture.md, 'Where to add'",
         ) from None
+    if refuse_moe and row.moe is not None:
+        dense = sorted(t for t, a in ARCHITECTURES.items() if a.moe is None)
+        raise UnsupportedArchitectureError(
+            f"{refuse_moe} does not handle mixture-of-experts models ({model_type}) yet",
+            f"`llmctl serve` / `generate` run it as it is; {refuse_moe} takes: "
+            + ", ".join(dense))
+    return row
 
 
 def architecture_for_gguf(gguf_arch: str) -> Architecture:

@@ -240,3 +240,39 @@ def test_lora_on_experts_is_refused(tiny_family, tmp_path):
     assert "MLP of layer 0, a mixture of experts" in failed.error
     assert failed.outputs[0].finish_reason == "error"
     assert base.error is None and base.outputs[0].token_ids == hf_greedy(path, prompt, 4)
+
+
+# --- what the engine refuses, and the commands that do not take MoE yet ---------------------
+def test_quantized_experts_are_refused_by_name(tiny_family):
+    """A reader answering an expert with integer codes (a quantized checkpoint): the load
+    stops in one line naming the module."""
+    from llmctl.errors import UnsupportedArchitectureError
+    from llmctl.serve.model.weights import CheckpointReader, load_model
+
+    class Codes:  # stands in for a QuantWeight / AffineCodes
+        pass
+
+    class QuantizedExperts(CheckpointReader):
+        def layer_weight(self, name: str):
+            return Codes() if ".experts." in name else super().layer_weight(name)
+
+    path = tiny_family("qwen3_moe")
+    with pytest.raises(UnsupportedArchitectureError,
+                       match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj is quantized "
+                             r"\(Codes\): the engine runs float"):
+        load_model(path, dtype=torch.float32, device=torch.device("cpu"), backend="kernel",
+                   max_len=64, reader=QuantizedExperts(path))
+
+
+@pytest.mark.parametrize("name", MOE_FAMILY_NAMES)
+def test_quantize_and_gguf_export_refuse_moe_in_one_line(tiny_family, tmp_path, name):
+    from llmctl.errors import UnsupportedArchitectureError
+    from llmctl.gguf.writer import export_gguf
+    from llmctl.quant.run import prepare
+
+    path = tiny_family(name)
+    with pytest.raises(UnsupportedArchitectureError, match="GGUF export does not handle "
+                       f"mixture-of-experts models \\({name}\\)"):
+        export_gguf(path, tmp_path / "m.gguf", "F32")
+    with pytest.raises(UnsupportedArchitectureError, match="llmctl quantize does not handle"):
+        prepare(str(path), "w4a16-rtn")

@@ -75,7 +75,7 @@ class Target(abc.ABC):
         default a model type outside the families llmctl runs (the error names them)."""
         from llmctl.models.architectures import get_architecture
 
-        get_architecture(source.model_type)
+        get_architecture(source.model_type, refuse_moe=f"the {self.name} target")
 
     @abc.abstractmethod
     def build(self, ctx: BuildContext) -> TargetResult: ...

@@ -230,8 +230,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            embed_sqrt_hidden=True, attention_scale="query_pre_attn_scalar", local_rope=True,
            act_key="hidden_activation", act_default="gelu_pytorch_tanh",
            config_defaults=_GEMMA3_DEFAULTS),
-    # mixtures of experts (llmctl.models.layers.moe): the engine runs them; the GGUF
-    # names are llama.cpp's for the attention and norms only (no MoE export yet)
+    # mixtures of experts (llmctl.models.layers.moe): the engine runs them; no GGUF name
+    # yet (quantize, GGUF export and the build targets refuse them: get_architecture)
     Family("mixtral", "MixtralForCausalLM", windows="every_layer", qkv_bias=False, o_bias=False,
            moe=MoeLayout(("num_local_experts",), "intermediate_size", "block_sparse_moe.gate",
                          ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",

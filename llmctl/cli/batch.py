@@ -33,8 +33,8 @@ from llmctl.cli.serve import (
 )
 
 InputArg = Annotated[Path, typer.Argument(
-    help="JSONL of OpenAI batch requests: custom_id, method POST, url /v1/chat/completions "
-         "or /v1/completions, body.", show_default=False)]
+    help="JSONL of OpenAI batch requests: custom_id, method POST, url /v1/chat/completions, "
+         "/v1/completions or /v1/embeddings, body.", show_default=False)]
 OutputOpt = Annotated[Path, typer.Option(
     "--output", "-o", help="JSONL of results, one line per request in the order they finish "
                            "(match by custom_id). Lines already there are skipped (resume).",

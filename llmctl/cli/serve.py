@@ -119,6 +119,14 @@ DefaultChatTemplateKwargs = Annotated[str | None, Opt(
     help="""A JSON object of chat template variables for every chat request, e.g. """
          """'{"enable_thinking": false}'; a request's chat_template_kwargs override it.""",
     show_default=False)]
+Pooling = Annotated[Literal["last", "mean"] | None, Opt(
+    "--pooling", help="How /v1/embeddings pools the prompt's final hidden states: the last "
+                      "token's, or their mean. Default: the model's own (a "
+                      "sentence-transformers 1_Pooling config), else last.",
+    show_default=False)]
+EmbedNormalize = Annotated[bool, Opt(
+    "--embed-normalize/--no-embed-normalize",
+    help="L2-normalise /v1/embeddings vectors (a request's use_activation overrides).")]
 EngineNice = Annotated[int, Opt(
     "--engine-nice", help="CPU niceness of the engine processes (0-19), so the API process "
                           "runs first on shared cores.")]
@@ -176,6 +184,7 @@ def serve(
     allow_special_tokens_in_content: AllowSpecialTokensInContent = False,
     reasoning_parser: ReasoningParser = None,
     default_chat_template_kwargs: DefaultChatTemplateKwargs = None,
+    pooling: Pooling = None, embed_normalize: EmbedNormalize = True,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""

@@ -95,6 +95,7 @@ class EngineDirTarget:
     accounting, and ``engine.runner()`` for the forward pass."""
 
     serves_prompt_logprobs = True  # EngineRunner.execute_with_prompt
+    serves_pooling = False  # the runtime returns logits, not hidden states
     serves_loras = False  # the runtime holds its own weights
     dtype = None  # not metered: the runtime's precision is its own
 

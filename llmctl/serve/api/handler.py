@@ -94,7 +94,7 @@ class RequestHandler:
         return await anyio.to_thread.run_sync(functools.partial(fn, req, *args))
 
     # --- running -------------------------------------------------------------------
-    def check_fits_queue(self, jobs: list[Job]) -> None:
+    def check_fits_queue(self, jobs: list[Job], param: str = "prompt") -> None:
         """A request of more prompts than the queue holds could never be queued whole,
         however idle the server: a 400 naming the limit, not a 429 telling it to retry."""
         limit = self.engine.max_queue
@@ -102,7 +102,7 @@ class RequestHandler:
             raise errors.bad_request(
                 f"the request has {len(jobs)} prompts; this server queues at most {limit} "
                 f"requests (--max-queue {limit}), so it can never take them at once: send "
-                f"at most {limit} prompts per request", "prompt")
+                f"at most {limit} prompts per request", param)
 
     def _submit(self, jobs: list[Job], params, priority: int, grant: Grant) -> None:
         """Queue every prompt before answering, so refusals are plain HTTP errors (and
@@ -137,14 +137,38 @@ class RequestHandler:
                 events, media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                          **grant.headers})
-        task = asyncio.create_task(self._collect(assembly, grant))
-        watcher = asyncio.create_task(_wait_disconnect(http))
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:  # the client left: cancelling aborts the engine requests
-            task.cancel()
-            return Response(status_code=499)
-        watcher.cancel()
-        return JSONResponse(task.result(), headers=grant.headers)
+        return await _respond(self._collect(assembly, grant), http, grant.headers)
+
+    async def embed(self, req, jobs: list[Job], params, http: Request) -> Response:
+        """An embeddings request: its pooling engine requests submitted (all or none),
+        their final outputs collected into one body (no stream, no tokens to settle)."""
+        self.check_fits_queue(jobs, "input")
+        grant = self.tenancy.admit(tenant_of(http), sum(len(j.prompt_ids) for j in jobs), 0)
+        self._submit(jobs, params, req.priority, grant)
+        assembly = self.frontend.assembly("embedding", req, jobs)
+        return await _respond(self._collect_final(assembly, grant), http, grant.headers)
+
+    async def _collect_final(self, assembly, grant: Grant) -> dict:
+        """Each job's outputs into ``assembly`` until all finish or the deadline passes;
+        counted as finished requests (no tokens generated)."""
+        jobs = assembly.jobs
+        start = time.monotonic()
+        outputs = merged(self.engine, jobs)
+        try:
+            async for job, out in timed(outputs, self._deadline(),
+                                        self.config.settings.request_timeout):
+                assembly.collect(job, out)
+                if out.finished:
+                    self._observe(out, start, None)
+        except EngineDeadError as exc:
+            raise errors.unavailable(str(exc), exc.retry_after) from None
+        except RequestFailedError as exc:
+            raise errors.internal(f"embedding failed: {exc}") from None
+        finally:
+            await outputs.aclose()
+            self._abort_unfinished(jobs)
+            grant.settle(sum(len(j.prompt_ids) for j in jobs), 0)
+        return assembly.body()
 
     def _deadline(self) -> float | None:
         timeout = self.config.settings.request_timeout
@@ -210,6 +234,19 @@ class RequestHandler:
                 prompt_tokens=len(out.prompt_token_ids),
                 output_tokens=len(completion.token_ids),
                 ttft=None if first is None else first - start, e2e=now - start)
+
+
+async def _respond(body, http: Request, headers: dict[str, str]) -> Response:
+    """``body`` (a coroutine) as JSON, or 499 when the client leaves first (the
+    coroutine is cancelled, which aborts its engine requests)."""
+    task = asyncio.create_task(body)
+    watcher = asyncio.create_task(_wait_disconnect(http))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:
+        task.cancel()
+        return Response(status_code=499)
+    watcher.cancel()
+    return JSONResponse(task.result(), headers=headers)
 
 
 async def _wait_disconnect(request: Request) -> None:

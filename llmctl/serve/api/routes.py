@@ -11,6 +11,7 @@ from llmctl.serve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     tokenize_request_class,
 )
 
@@ -54,6 +55,16 @@ async def completions(request: Request):
     jobs, params = serving.jobs(req, prompts, cap)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await handler.run(serving.kind, req, jobs, params, request, include_usage)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request):
+    handler = handler_of(request)
+    serving = handler.frontend.embeddings
+    req = await handler.parse(request, EmbeddingRequest)
+    prompts = await handler.off_loop(serving.encode, req)
+    jobs, params = serving.jobs(req, prompts)
+    return await handler.embed(req, jobs, params, request)
 
 
 @router.post("/tokenize")

@@ -34,11 +34,16 @@ from llmctl.errors import UsageError
 from llmctl.serve.batch import files as batch_file
 from llmctl.serve.engine.client import EngineClient
 from llmctl.serve.openai import errors
+from llmctl.serve.openai.embeddings import EmbeddingAssembly
 from llmctl.serve.openai.errors import APIError
 from llmctl.serve.openai.frontend import Frontend
 from llmctl.serve.openai.jobs import Job
 from llmctl.serve.openai.models import ServedModel, vocab_and_grammars
-from llmctl.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.serve.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 from llmctl.serve.openai.responses import Assembly
 from llmctl.serve.openai.submit import submit_all
 from llmctl.serve.openai.validation import require_object
@@ -53,6 +58,7 @@ class Endpoint:
 ENDPOINTS = {
     "/v1/chat/completions": Endpoint(ChatCompletionRequest, lambda f: f.chat),
     "/v1/completions": Endpoint(CompletionRequest, lambda f: f.completions),
+    "/v1/embeddings": Endpoint(EmbeddingRequest, lambda f: f.embeddings),
 }
 URLS = tuple(ENDPOINTS)
 
@@ -81,7 +87,7 @@ class _Line:
     """One input line in the engine: its requests and the choices they fill."""
 
     custom_id: str
-    assembly: Assembly  # the request, its jobs and the choices they fill
+    assembly: Assembly | EmbeddingAssembly  # the request, its jobs and what they fill
     num_seqs: int
     left: int  # engine requests not finished
     closed: bool = False  # answered: its sequences no longer count in the window
@@ -319,6 +325,7 @@ def _open(model: str, engine_kwargs: dict[str, Any], served_model_name: str | No
           window: int | None, say: Callable[[str], None],
           auto_tool_parser: str | None = None) -> BatchRunner:
     from llmctl.serve.engine.sources import open_model
+    from llmctl.serve.launch.pooling import resolve_pooling
 
     opened = open_model(model, engine_kwargs)
     engine = opened.engine
@@ -327,9 +334,12 @@ def _open(model: str, engine_kwargs: dict[str, Any], served_model_name: str | No
                                                                        opened.aliases)
     vocab_size, grammars = vocab_and_grammars(engine)
     model = ServedModel(model_name=name, max_model_len=engine.max_model_len,
-                        vocab_size=vocab_size, extra_model_names=aliases)
+                        vocab_size=vocab_size, extra_model_names=aliases,
+                        hidden_size=engine.spec.hidden_size)
+    # /v1/embeddings lines pool as the model's own files say, else the last token's
     frontend = Frontend(engine.tokenizer, model, grammars, engine.lora_names,
-                        auto_tool_parser=auto_tool_parser)
+                        auto_tool_parser=auto_tool_parser,
+                        pooling=resolve_pooling(None, getattr(engine.target, "path", None)))
     return BatchRunner(engine, frontend, window or 4 * engine.config.max_num_seqs)
 
 

@@ -29,11 +29,16 @@ the HTTP layer maps requests onto this one-to-one:
 - ``logit_bias`` (OpenAI's): token id -> a bias in ``[-100, 100]`` added to that token's
   raw logit before anything else (``-100`` all but bans the token, ``+100`` all but forces
   it); at most ``MAX_LOGIT_BIAS_ENTRIES`` tokens. Log-probs stay those of the raw logits.
+- ``pooling`` (``"last"`` or ``"mean"``, :data:`~llmctl.serve.core.pooling.POOLING_TYPES`)
+  makes the request an embedding: the prompt is prefilled, nothing is sampled, and its
+  final output carries the prompt's final hidden states pooled that way
+  (:mod:`llmctl.serve.core.pooling`); its KV is freed at once. The sampling fields are
+  then unused.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -70,6 +75,7 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    pooling: Literal["last", "mean"] | None = None  # an embedding request (docstring)
 
     def __init__(self, **data) -> None:
         try:

@@ -26,7 +26,8 @@ Structured output: each sequence owns its constraint state (a
 :class:`~llmctl.serve.core.constraints.LogitsConstraint` from the request's factory), fed
 its output tokens once, as they are appended; recomputing after a preemption does not
 touch it. Prompt log-probs belong to the request (its ``n`` sequences share the prompt)
-and are collected position by position, so a recomputed chunk is not counted twice.
+and are collected position by position, so a recomputed chunk is not counted twice; an
+embedding request's pooled hidden states likewise (``Request.pooled``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from llmctl.serve.core.pooling import PooledHidden
 from llmctl.serve.core.sampling_params import SamplingParams
 
 
@@ -180,7 +182,7 @@ class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "priority",
                  "arrival_time", "serial", "seqs", "first_scheduled_time", "finish_time",
                  "eos_token_ids", "prompt_logprobs", "error", "tenant", "priority_class",
-                 "deadline", "prefill_chunks", "preemption_times", "lora")
+                 "deadline", "prefill_chunks", "preemption_times", "lora", "pooled")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, prompt: str | None, priority: int, arrival_time: float,
@@ -216,6 +218,9 @@ class Request:
         # the LoRA adapter its tokens run with (llmctl.serve.lora.adapter.LoRAAdapter),
         # held here so an unload lets it finish; None: the base model
         self.lora = lora
+        # an embedding request (params.pooling): its prompt's pooled hidden states
+        self.pooled = PooledHidden(params.pooling, len(self.prompt_token_ids)) \
+            if params.pooling is not None else None
 
     @property
     def needs_prompt_logits(self) -> bool:

@@ -35,6 +35,9 @@ API (what the HTTP server drives)::
   the prompt positions of that request, and its prompt skips the prefix cache until
   they are all collected. Targets that do not serve them
   (``Target.serves_prompt_logprobs``) refuse such requests.
+- Embeddings (``params.pooling``, :mod:`llmctl.serve.core.pooling`): prefill only, no
+  sampling; the step that completes the prompt finishes the request (blocks freed, none
+  committed) with its output's ``embedding``. Mean pooling skips the prefix cache.
 - ``stats()`` returns an :class:`~llmctl.serve.engine.stats.EngineStats`: num_running,
   num_waiting, kv_cache_usage, prefix_cache_hit_rate, num_preemptions, token counters,
   speculative acceptance, and deadline admission's inputs (admission_rate, queued_work:
@@ -86,7 +89,7 @@ from llmctl.serve.engine.request_checks import check_request
 from llmctl.serve.engine.stats import EngineCounters, EngineStats, kv_slots, queued_work
 from llmctl.serve.engine.target import Target
 from llmctl.serve.lora.adapter import LoRAError, LoRARegistry
-from llmctl.serve.model.runner import LogitRows, PromptLogits
+from llmctl.serve.model.runner import LogitRows, PooledRows, PromptRows
 from llmctl.serve.sample.sampler import Sampler
 from llmctl.serve.sample.spec_decode import DraftModelProposer, NgramProposer
 from llmctl.serve.sample.token_choice import append_tokens, draw, verify
@@ -96,11 +99,13 @@ log = logging.getLogger("llmctl.serve")
 
 
 class _PromptAwareBlockManager(BlockManager):
-    """A request collecting prompt log-probs must compute every prompt position: a
-    cached prefix would skip them (vLLM's KV cache manager makes the same exception)."""
+    """A request collecting prompt log-probs (or mean-pooling its prompt) must compute
+    every prompt position: a cached prefix would skip them (vLLM's KV cache manager makes
+    the same exception)."""
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        if seq.request.needs_prompt_logits:
+        pooled = seq.request.pooled
+        if seq.request.needs_prompt_logits or (pooled is not None and pooled.every_position):
             return []
         return super().find_cached_prefix(seq)
 
@@ -220,7 +225,8 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         params = check_request(request_id, ids, params, vocab_size=self.spec.vocab_size,
                                max_model_len=self.max_model_len,
-                               prompt_logprobs=self.target.serves_prompt_logprobs)
+                               prompt_logprobs=self.target.serves_prompt_logprobs,
+                               pooling=getattr(self.target, "serves_pooling", False))
         request = Request(request_id, ids, params, prompt=text, priority=priority,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
                           eos_token_ids=self.eos_token_ids, tenant=tenant,
@@ -336,10 +342,15 @@ class LLMEngine:
         phases, mark = self.phase_seconds, time.perf_counter()
         self.runner.copy_blocks(copies)
         logits, rows, prompt = self._forward(scheduled)
-        self._collect_prompt_logprobs(prompt)
+        self._collect_prompt_rows(prompt)
         live = [item for item in scheduled if item.seq.request.error is None]
+        touched: dict[str, list[Sequence]] = {}
         for item in live:
-            item.seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
+            if seq.request.pooled is not None and seq.num_computed_tokens == seq.num_tokens:
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED)  # an embedding: done
+                touched[seq.request.request_id] = [seq]
         now = time.perf_counter()
         phases["forward"] += now - mark
         mark = now
@@ -348,7 +359,6 @@ class LLMEngine:
         now = time.perf_counter()
         phases["sample"] += now - mark
         mark = now
-        touched: dict[str, list[Sequence]] = {}
         for seq, tokens, logprobs in new_tokens:
             if seq.request.error is None:  # (a sibling may have failed since)
                 with self._guard(seq.request):
@@ -366,14 +376,15 @@ class LLMEngine:
         return outputs
 
     def _execute(self, items: list[ScheduledSeq]
-                 ) -> tuple[torch.Tensor, list[LogitRows], list[PromptLogits]]:
-        if any(item.seq.request.needs_prompt_logits for item in items):
+                 ) -> tuple[torch.Tensor, list[LogitRows], list[PromptRows]]:
+        if any(item.seq.request.needs_prompt_logits or item.seq.request.pooled is not None
+               for item in items):
             return self.runner.execute_with_prompt(items)
         logits, rows = self.runner.execute(items)
         return logits, rows, []
 
     def _forward(self, scheduled: list[ScheduledSeq]
-                 ) -> tuple[torch.Tensor, list[LogitRows], list[PromptLogits]]:
+                 ) -> tuple[torch.Tensor, list[LogitRows], list[PromptRows]]:
         """The model pass over the step. If it raises, each sequence runs alone and the
         ones that raise alone fail their request; the others' rows come from their solo
         runs. Repeating the pass is safe: it only writes the KV slots of the tokens it
@@ -390,7 +401,7 @@ class LLMEngine:
                 scheduled = []
         parts: list[torch.Tensor] = []
         rows: list[LogitRows] = []
-        prompt: list[PromptLogits] = []
+        prompt: list[PromptRows] = []
         offset = 0
         for item in scheduled:
             try:
@@ -405,10 +416,13 @@ class LLMEngine:
         logits = torch.cat(parts) if parts else torch.empty((0, self.spec.vocab_size))
         return logits, rows, prompt
 
-    def _collect_prompt_logprobs(self, parts: list[PromptLogits]) -> None:
+    def _collect_prompt_rows(self, parts: list[PromptRows]) -> None:
         for part in parts:
             request = part.item.seq.request
             with self._guard(request):
+                if isinstance(part, PooledRows):
+                    request.pooled.add(part.first, part.hidden)
+                    continue
                 targets = request.prompt_token_ids[part.first:part.first + part.logits.shape[0]]
                 entries = Sampler.logprobs(part.logits, targets,
                                            [request.params.prompt_logprobs] * len(targets))

@@ -90,6 +90,7 @@ class CheckpointTarget(LoadedModel):
     weights on the paged runner, with LoRA adapters and prompt log-probs."""
 
     serves_prompt_logprobs = True
+    serves_pooling = True
     serves_loras = True
 
     def __init__(self, config: EngineConfig) -> None:

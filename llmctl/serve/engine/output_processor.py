@@ -51,7 +51,9 @@ class OutputProcessor:
     def retire(self, request: Request) -> None:
         """A request has had its last output: count it and forget it."""
         request.finish_time = time.time()
-        if all(s.finish_reason in ("stop", "length") for s in request.seqs):
+        # an embedding generates nothing: it would teach admission that outputs are empty
+        if request.pooled is None and all(s.finish_reason in ("stop", "length")
+                                          for s in request.seqs):
             self._rate_meter.record_finish(sum(s.num_output_tokens for s in request.seqs),
                                            request.params.max_tokens * request.params.n)
         self._counters.num_requests_finished += 1
@@ -79,6 +81,7 @@ class OutputProcessor:
             out.new_token_ids = out.token_ids[seq.num_emitted:]
             seq.num_emitted = len(out.token_ids)
         prompt_lps = request.prompt_logprobs
+        pooled = request.pooled
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, outputs=outputs,
@@ -93,4 +96,6 @@ class OutputProcessor:
                 num_cached_tokens=request.seqs[0].num_cached_tokens,
                 prefill_chunks=request.prefill_chunks,
                 preemption_times=request.preemption_times),
-            tenant=request.tenant, priority_class=request.priority_class)
+            tenant=request.tenant, priority_class=request.priority_class,
+            embedding=pooled.vector() if pooled is not None and pooled.complete
+            and request.error is None else None)

@@ -63,6 +63,9 @@ class RequestOutput:
     # who sent it and its class (Request.tenant / priority_class); None: not given
     tenant: str | None = None
     priority_class: str | None = None
+    # an embedding request's final output: its prompt's pooled final hidden states
+    # (llmctl.serve.core.pooling), not normalised; None otherwise
+    embedding: list[float] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

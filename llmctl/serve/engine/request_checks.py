@@ -73,17 +73,33 @@ def fit_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
     return max_tokens
 
 
+def check_embedding_fits(prompt_len: int, max_model_len: int, param: str = "input") -> None:
+    """An embedding's prompt may fill the context (nothing is generated after it)."""
+    if prompt_len > max_model_len:
+        raise ContextLengthError(f"the input has {prompt_len} tokens; this model's context "
+                                 f"is {max_model_len}", "shorten the input", param)
+
+
 def check_request(request_id: str, ids: list[int], params: SamplingParams, *,
-                  vocab_size: int, max_model_len: int, prompt_logprobs: bool
-                  ) -> SamplingParams:
+                  vocab_size: int, max_model_len: int, prompt_logprobs: bool,
+                  pooling: bool = False) -> SamplingParams:
     """``params`` with ``max_tokens`` filled in (the room left in the context), or raise
-    :class:`InvalidRequestError` / :class:`ContextLengthError` naming what to change."""
+    :class:`InvalidRequestError` / :class:`ContextLengthError` naming what to change.
+    ``prompt_logprobs`` / ``pooling``: whether the runner can return prompt log-probs /
+    embeddings (:mod:`llmctl.serve.core.pooling`)."""
     check_prompt_ids(ids, vocab_size)
     check_logit_bias(params.logit_bias, vocab_size)
     if params.prompt_logprobs is not None and not prompt_logprobs:
         raise InvalidRequestError("this engine's runner cannot return prompt log-probs",
                                   "serve the checkpoint instead of the engine directory, or "
                                   "do not ask for prompt logprobs (echo with logprobs)")
+    if params.pooling is not None:
+        if not pooling:
+            raise InvalidRequestError("this engine's runner cannot return embeddings",
+                                      "serve the checkpoint instead of the engine directory",
+                                      "input")
+        check_embedding_fits(len(ids), max_model_len)
+        return params  # max_tokens is not read: nothing is sampled
     max_tokens = fit_context(len(ids), params.max_tokens, max_model_len)
     if max_tokens == params.max_tokens:
         return params

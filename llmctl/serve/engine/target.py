@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from llmctl.serve.engine.config import EngineConfig
     from llmctl.serve.model.decoder import ModelSpec
     from llmctl.serve.model.kv_cache import KVCachePlan
-    from llmctl.serve.model.runner import LogitRows, PromptLogits
+    from llmctl.serve.model.runner import LogitRows, PromptRows
 
 
 class Runner(Protocol):
@@ -37,9 +37,10 @@ class Runner(Protocol):
         """Logits of the positions that sample, and which rows belong to which sequence."""
 
     def execute_with_prompt(self, scheduled: list
-                            ) -> tuple[torch.Tensor, list[LogitRows], list[PromptLogits]]:
+                            ) -> tuple[torch.Tensor, list[LogitRows], list[PromptRows]]:
         """As :meth:`execute`, plus every prompt position's logits of the sequences whose
-        request asks for prompt log-probs (only called when one does)."""
+        request asks for prompt log-probs and, where the target ``serves_pooling``,
+        embedding requests' hidden rows (only called when one of them is scheduled)."""
 
 
 class Target(Protocol):
@@ -56,6 +57,7 @@ class Target(Protocol):
     # unknown (a runtime that holds its own weights)
     dtype: torch.dtype | None
     serves_prompt_logprobs: bool  # the runner's execute_with_prompt may be used
+    serves_pooling: bool  # execute_with_prompt returns embeddings' PooledRows
     serves_loras: bool  # LoRA adapters can be applied (the paged torch runner)
 
     def perf_cost(self) -> tuple[ModelCost, float] | None:

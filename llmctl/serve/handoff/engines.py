@@ -127,11 +127,18 @@ _HARDENING = {
           "engine has its own server: drop the flag or serve without --engine"
     for flag in ("--max-request-bytes", "--metrics-public",
                  "--allow-special-tokens-in-content")}
+# vLLM serves /v1/embeddings from a pooling runner (--runner pooling --pooler-config),
+# a server that does not generate; trtllm-serve has no embeddings route
+_EMBEDDINGS = {flag: "embedding flags apply to the built-in engine's /v1/embeddings (served "
+                     "beside generation): drop the flag, or serve without --engine"
+               for flag in ("--pooling", "--embed-normalize")}
+
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_LORA,
-             **_HARDENING},
+             **_HARDENING, **_EMBEDDINGS},
     "trtllm": {
         "--auth-file": _NO_TENANTS,
+        **_EMBEDDINGS,
         **_HARDENING,
         **_SCHEDULING,
         **_SUPERVISION,

@@ -18,6 +18,7 @@ from llmctl.errors import ConfigError
 from llmctl.serve.api.app import create_app
 from llmctl.serve.api.handler import RequestHandler, ServerConfig
 from llmctl.serve.engine.async_engine import AsyncEngine
+from llmctl.serve.launch.pooling import resolve_pooling
 from llmctl.serve.launch.startup import (
     ServeSettings,
     default_chat_template_kwargs,
@@ -81,7 +82,8 @@ def build_server(opts: ServeOptions) -> tuple[RequestHandler, AsyncEngine]:
     engine, name, aliases = _build_engine(opts)
     vocab_size, grammars = vocab_and_grammars(engine)
     model = ServedModel(model_name=name, max_model_len=engine.max_model_len,
-                        vocab_size=vocab_size, extra_model_names=aliases)
+                        vocab_size=vocab_size, extra_model_names=aliases,
+                        hidden_size=getattr(engine.spec, "hidden_size", None))
     config = ServerConfig(model=model, settings=settings, tenants=tenants, peaks=_peaks(),
                           max_request_bytes=opts.max_request_bytes or default_max_request_bytes(
                               engine.max_model_len, settings.max_queue))
@@ -97,8 +99,17 @@ def build_server(opts: ServeOptions) -> tuple[RequestHandler, AsyncEngine]:
                         auto_tool_parser=opts.auto_tool_parser,
                         allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
                         reasoning_parser=reasoning_parser(settings),
-                        default_chat_template_kwargs=default_chat_template_kwargs(settings))
+                        default_chat_template_kwargs=default_chat_template_kwargs(settings),
+                        pooling=resolve_pooling(settings.pooling, _model_dir(engine)),
+                        embed_normalize=settings.embed_normalize)
     return RequestHandler(async_engine, frontend, config, tracing), async_engine
+
+
+def _model_dir(engine):
+    """The served model's directory: its target's (in process) or the engine processes'."""
+    target = getattr(engine, "target", None)
+    return getattr(target, "path", None) if target is not None else getattr(
+        engine, "model_dir", None)
 
 
 def _peaks():

@@ -79,6 +79,8 @@ class ServeSettings:
     allow_special_tokens_in_content: bool = False
     reasoning_parser: str | None = None  # a REASONING_PARSERS name (vLLM's flag and names)
     default_chat_template_kwargs: str | None = None  # a JSON object (vLLM's flag)
+    pooling: str | None = None  # /v1/embeddings' pooling; None: the model's own, else last
+    embed_normalize: bool = True  # L2-normalise embeddings (--no-embed-normalize: off)
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 

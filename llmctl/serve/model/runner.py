@@ -9,6 +9,11 @@ Prompt log-probs (:meth:`ModelRunner.execute_with_prompt`): for a request that a
 the rows of every prompt position in the chunk too (position ``p`` scores prompt token
 ``p + 1``), computed only for that request. Runners without this method (engine
 directories) serve no prompt log-probs; the engine refuses such requests.
+
+Embeddings (a request with ``Request.pooled``): :meth:`ModelRunner.execute_with_prompt`
+returns the final hidden states of the prompt positions its pooling reads
+(:class:`PooledRows`: every position for mean pooling, the last for last-token pooling)
+in place of logits rows: such a sequence is never sampled.
 """
 
 from __future__ import annotations
@@ -63,6 +68,17 @@ class PromptLogits:
     item: ScheduledSeq
     first: int  # index of the prompt token that row 0 scores
     logits: torch.Tensor  # [rows, vocab]: rows scoring prompt tokens first, first + 1, ...
+
+
+@dataclass
+class PooledRows:
+    item: ScheduledSeq
+    first: int  # the prompt position of row 0
+    hidden: torch.Tensor  # [rows, hidden]: final hidden states of positions first, first + 1, ...
+
+
+# what execute_with_prompt returns besides the sampled rows, per request that asked
+PromptRows = PromptLogits | PooledRows
 
 
 def slot_ids(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -123,8 +139,8 @@ class _StepInputs:
     sampled and those that score prompt tokens, and each adapter's run of rows."""
 
     __slots__ = ("adapters", "block_size", "groups", "logit_index", "lora_runs", "order",
-                 "positions", "prompt_index", "prompt_parts", "rows", "slots", "tokens",
-                 "with_prompt")
+                 "pooled_index", "pooled_parts", "positions", "prompt_index", "prompt_parts",
+                 "rows", "slots", "tokens", "with_prompt")
 
     def __init__(self, block_size: int, *, with_prompt: bool, adapters: bool) -> None:
         self.block_size = block_size
@@ -141,6 +157,8 @@ class _StepInputs:
         self.prompt_index: list[int] = []
         self.prompt_parts: list[tuple[ScheduledSeq, int, int]] = []  # (item, first token, rows)
         self.lora_runs: list[tuple[object, int, int]] = []  # (adapter, first row, end row)
+        self.pooled_index: list[int] = []  # embeddings' hidden rows (PooledRows)
+        self.pooled_parts: list[tuple[ScheduledSeq, int, int]] = []  # (item, position, rows)
 
     def add_all(self, items: list[ScheduledSeq]) -> int:
         """Add a group's sequences; returns its first token's row."""
@@ -169,6 +187,15 @@ class _StepInputs:
             self.lora_runs.append((_adapter(item), first_row, len(tokens)))
         self.positions.extend(range(c, c + n))
         self.slots.extend(slot_ids(seq.block_table, c, c + n, self.block_size))
+        pooled = seq.request.pooled if self.with_prompt else None
+        if pooled is not None:  # an embedding: hidden rows, never a logits row
+            if pooled.every_position:
+                self.pooled_index.extend(range(first_row, first_row + n))
+                self.pooled_parts.append((item, c, n))
+            elif c + n == seq.num_tokens:
+                self.pooled_index.append(first_row + n - 1)
+                self.pooled_parts.append((item, c + n - 1, 1))
+            return
         if c + n - k == seq.num_tokens:
             logit_index = self.logit_index
             self.rows.append(LogitRows(item, len(logit_index), 1 + k))
@@ -215,8 +242,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_with_prompt(self, scheduled: list[ScheduledSeq], with_prompt: bool = True
-                            ) -> tuple[torch.Tensor, list[LogitRows], list[PromptLogits]]:
-        """:meth:`execute` plus the prompt rows of requests that want prompt log-probs."""
+                            ) -> tuple[torch.Tensor, list[LogitRows], list[PromptRows]]:
+        """:meth:`execute` plus the prompt rows of requests that want prompt log-probs
+        and the hidden rows of embedding requests (which get no logits rows)."""
         fresh: dict[int, list[ScheduledSeq]] = {}
         by_len: dict[int, list[ScheduledSeq]] = {}
         for s in scheduled:
@@ -232,7 +260,8 @@ class ModelRunner:
         for q_len, items in sorted(by_len.items()):
             self._add_paged(step, q_len, step.order(items))
         hidden = self._forward(step)
-        prompt = self._prompt_logits(step, hidden)
+        prompt: list[PromptRows] = [*self._prompt_logits(step, hidden),
+                                    *self._pooled_rows(step, hidden)]
         if not step.logit_index:
             return torch.empty((0, self.model.spec.vocab_size)), step.rows, prompt
         selected = hidden[torch.tensor(step.logit_index, dtype=torch.long, device=self.device)]
@@ -284,3 +313,14 @@ class ModelRunner:
                 prompt.append(PromptLogits(item, first, all_rows[offset:offset + count]))
                 offset += count
         return prompt
+
+    def _pooled_rows(self, step: _StepInputs, hidden: torch.Tensor) -> list[PooledRows]:
+        """The hidden rows embedding requests pool, one slice per request."""
+        if not step.pooled_index:
+            return []
+        rows = hidden[torch.tensor(step.pooled_index, dtype=torch.long, device=self.device)]
+        out, offset = [], 0
+        for item, first, count in step.pooled_parts:
+            out.append(PooledRows(item, first, rows[offset:offset + count]))
+            offset += count
+        return out

@@ -45,6 +45,7 @@ def teacher_forced_logits(engine, ids: list[int], first_chunk: int) -> torch.Ten
 class _Request:
     needs_prompt_logits = True
     lora = None  # scored on the base model
+    pooled = None  # logits, not an embedding
 
 
 class _Prompt(RunnerSeq):

@@ -9,6 +9,7 @@ from typing import Any
 
 from llmctl.serve.openai.chat import OpenAIChat
 from llmctl.serve.openai.completions import OpenAICompletions
+from llmctl.serve.openai.embeddings import EmbeddingAssembly, OpenAIEmbeddings
 from llmctl.serve.openai.models import OpenAIModels, ServedModel
 from llmctl.serve.openai.prompts import Prompts
 from llmctl.serve.openai.reasoning.parsers import reasoning_parser as reasoning_parser_for
@@ -27,9 +28,12 @@ class Frontend:
                  auto_tool_parser: str | None = None,
                  allow_special_tokens_in_content: bool = False,
                  reasoning_parser: str | None = None,
-                 default_chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 default_chat_template_kwargs: dict[str, Any] | None = None,
+                 pooling: str = "last", embed_normalize: bool = True) -> None:
         """``reasoning_parser``: a REASONING_PARSERS name (--reasoning-parser);
-        ``default_chat_template_kwargs``: template variables under each request's."""
+        ``default_chat_template_kwargs``: template variables under each request's;
+        ``pooling`` / ``embed_normalize``: /v1/embeddings' (--pooling,
+        --no-embed-normalize)."""
         self.tokenizer = tokenizer
         self.model = model
         self.models = OpenAIModels(model, lora_names)  # lora_names: the engine's (they change)
@@ -41,6 +45,7 @@ class Frontend:
                                reasoning_parser_for(reasoning_parser, tokenizer))
         self.tokenization = OpenAITokenization(self.prompts)
         self.responses = Responses(tokenizer, self.models)
+        self.embeddings = OpenAIEmbeddings(self.prompts, self.models, pooling, embed_normalize)
 
     def validate(self, body: dict, model_cls):
         """``body`` validated as ``model_cls`` (or as the class it picks, given the body),
@@ -49,6 +54,9 @@ class Frontend:
         self.models.check(parsed.model)
         return parsed
 
-    def assembly(self, kind: str, req, jobs) -> Assembly:
-        """Where a response's outputs are collected (:class:`Assembly`)."""
+    def assembly(self, kind: str, req, jobs) -> Assembly | EmbeddingAssembly:
+        """Where a response's outputs are collected (:class:`Assembly`; embeddings':
+        :class:`EmbeddingAssembly`)."""
+        if kind == OpenAIEmbeddings.kind:
+            return self.embeddings.assembly(req, jobs)
         return Assembly(self.responses, kind, req, jobs)

@@ -21,6 +21,8 @@ class ServedModel:
     model_name: str
     max_model_len: int
     vocab_size: int  # token ids are checked against it (the embedding may be padded)
+    # the final hidden states' size: what /v1/embeddings returns; None: not known
+    hidden_size: int | None = None
     extra_model_names: tuple[str, ...] = ()  # aliases clients may send
     created: int = field(default_factory=lambda: int(time.time()))
 

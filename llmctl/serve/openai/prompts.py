@@ -59,6 +59,8 @@ def request_chars(req) -> int:
     """How much text a parsed request asks to tokenize (prompts or messages)."""
     if hasattr(req, "messages"):
         return chat_chars(req)
+    if hasattr(req, "inputs"):  # embeddings
+        return sum(len(x) for x in req.inputs())
     prompts = req.prompts() if hasattr(req, "prompts") else [getattr(req, "prompt", "")]
     return sum(len(p) for p in prompts)
 
@@ -118,12 +120,13 @@ class Prompts:
             prompts.append(ids)
         return prompts
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True,
+                 param: str = "prompt") -> list[int]:
         try:
             return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         except (TypeError, ValueError) as exc:  # e.g. a lone surrogate ("\ud800") in JSON
-            raise errors.bad_request(f"the prompt cannot be tokenized ({exc}); send valid "
-                                     "Unicode text", "prompt") from None
+            raise errors.bad_request(f"the {param} cannot be tokenized ({exc}); send valid "
+                                     "Unicode text", param) from None
 
     def echo_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)

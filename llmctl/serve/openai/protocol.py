@@ -431,3 +431,59 @@ class DetokenizeRequest(_Strict):
 def tokenize_request_class(body: dict) -> type[BaseModel]:
     """/tokenize takes either shape; ``messages`` names the chat one (as vLLM's does)."""
     return TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+
+
+# --- /v1/embeddings ------------------------------------------------------------------------
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request (OpenAI's limit)
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's fields, and vLLM's extensions ``add_special_tokens``, ``use_activation``
+    (normalise or not, over the server's default) and ``priority``."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # at most the hidden size (the frontend)
+    user: str | None = None
+    add_special_tokens: bool = True
+    use_activation: bool | None = None
+    priority: int = 0
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value):
+        """One clear message instead of one per member of the union; an empty text or
+        token list has nothing to embed (OpenAI refuses it too)."""
+        shape = ("input must be a string, a list of strings, a list of token ids or a list "
+                 "of token-id lists")
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("input must not be an empty string")
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"{shape}, and not empty")
+        if all(_is_int(x) for x in value):
+            return value
+        if len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got "
+                             f"{len(value)}")
+        if not (all(isinstance(x, str) for x in value)
+                or all(isinstance(x, list) and all(_is_int(t) for t in x) for x in value)):
+            raise ValueError(f"{shape}; a list must be all strings or all token-id lists")
+        if any(not x for x in value):
+            raise ValueError("input must not contain an empty string or token list")
+        return value
+
+    @property
+    def stream(self) -> bool:
+        return False  # one body per request (what `llmctl batch` asks of every line)
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per input: text, or token ids."""
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if all(isinstance(t, int) for t in x):
+            return [list(x)]
+        return list(x)

@@ -76,6 +76,9 @@ class ReadyInfo:
     # cannot serve adapters (an engine directory)
     lora_spec: Any = None
     max_lora_rank: int = 0
+    pooling: bool = False  # the runner can return embeddings (Target.serves_pooling)
+    hidden_size: int | None = None  # the embeddings' size
+    model_dir: str | None = None  # the model's directory (its pooling config, if any)
     pid: int = field(default_factory=os.getpid)
 
 
@@ -133,7 +136,10 @@ def _open(spec: ChildSpec):
                      max_model_len=engine.max_model_len,
                      prompt_logprobs=hasattr(engine.runner, "execute_with_prompt"),
                      policy=policy, lora_spec=engine.spec if loras else None,
-                     max_lora_rank=engine.config.max_lora_rank if loras else 0)
+                     max_lora_rank=engine.config.max_lora_rank if loras else 0,
+                     pooling=getattr(getattr(engine, "target", None), "serves_pooling", False),
+                     hidden_size=getattr(engine.spec, "hidden_size", None),
+                     model_dir=str(getattr(getattr(engine, "target", None), "path", "")) or None)
     return engine, info
 
 

@@ -128,8 +128,9 @@ class _Placed:
 class _Spec:
     """What AsyncEngine and the API read as ``engine.spec``."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int | None = None) -> None:
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
 
 
 class ProcessEngine:
@@ -278,7 +279,12 @@ class ProcessEngine:
 
     @property
     def spec(self) -> _Spec:
-        return _Spec(self.info.vocab_size)
+        return _Spec(self.info.vocab_size, self.info.hidden_size)
+
+    @property
+    def model_dir(self) -> str | None:
+        """The model's directory in the engine processes (its pooling config, if any)."""
+        return self.info.model_dir
 
     @property
     def name(self) -> str:
@@ -322,7 +328,8 @@ class ProcessEngine:
         ids = [int(t) for t in prompt]
         params = check_request(request_id, ids, params, vocab_size=self.info.vocab_size,
                                max_model_len=self.info.max_model_len,
-                               prompt_logprobs=self.info.prompt_logprobs)
+                               prompt_logprobs=self.info.prompt_logprobs,
+                               pooling=self.info.pooling)
         kwargs = {"priority": priority, "arrival_time": arrival_time, "tenant": tenant,
                   "priority_class": priority_class, "deadline": deadline, "lora": lora}
         tokens = len(ids) + params.max_tokens * params.n

@@ -34,6 +34,9 @@ GOOD = {
         "logprobs": True, "top_logprobs": 2}),
     "chat-n3": ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 5,
                                          "n": 3, "temperature": 1.0, "seed": 3}),
+    "embed-two": ("/v1/embeddings", {"model": "tiny", "input": ["x", "The file object"],
+                                     "dimensions": 16}),
+    "embed-base64": ("/v1/embeddings", {"input": [5, 17, 42], "encoding_format": "base64"}),
 }
 BAD = {  # what the HTTP API refuses, with the same status and error body
     "bad-range": ("/v1/completions", {"prompt": "x", "temperature": 5}),
@@ -42,6 +45,7 @@ BAD = {  # what the HTTP API refuses, with the same status and error body
     "too-long": ("/v1/completions", {"prompt": "x", "max_tokens": 100000}),
     "bad-token": ("/v1/completions", {"prompt": [1, 100000]}),
     "not-object": ("/v1/completions", ["x"]),
+    "embed-empty": ("/v1/embeddings", {"input": ""}),
 }
 
 
@@ -99,7 +103,7 @@ def batch_run(tiny_llama, tmp_path_factory):
                                                     {"prompt": "x", "stream": True}),
               json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/completions",
                           "body": {}}),
-              _request_line("embed", "/v1/embeddings", {"input": "x"})]
+              _request_line("moderate", "/v1/moderations", {"input": "x"})]
     _write_input(tmp / "in.jsonl", lines)
     summary = run_batch(tmp / "in.jsonl", tmp / "out.jsonl", str(tiny_llama), ENGINE,
                         served_model_name="tiny")
@@ -128,7 +132,7 @@ def test_lines_that_are_no_request(batch_run):
     assert half["custom_id"] is None and half["response"] is None
     assert half["error"]["code"] == "invalid_json_line"
     assert out["get"]["error"]["code"] == "invalid_method" and out["get"]["response"] is None
-    assert out["embed"]["error"]["code"] == "invalid_url"
+    assert out["moderate"]["error"]["code"] == "invalid_url"
     stream = out["stream"]["response"]
     assert stream["status_code"] == 400 and stream["body"]["error"]["param"] == "stream"
 

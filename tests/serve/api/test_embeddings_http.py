@@ -231,3 +231,4 @@ def test_counted_in_metrics(server, client):
     assert finished() == before + 2
     assert server.engine.engine.block_manager.num_free_blocks == \
         server.engine.engine.block_manager.num_blocks  # no KV kept after
+

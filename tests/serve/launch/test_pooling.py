@@ -46,3 +46,12 @@ def test_no_config_or_an_unknown_mode_is_last(tmp_path, caplog):
 def test_an_unknown_flag_is_a_usage_error():
     with pytest.raises(UsageError, match="unknown --pooling 'cls'"):
         resolve_pooling("cls", None)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "trtllm"])
+@pytest.mark.parametrize("flag", ["--pooling", "--embed-normalize"])
+def test_hand_off_engines_refuse_the_embedding_flags(engine, flag):
+    from llmctl.serve.handoff.engines import refuse_unsupported
+
+    with pytest.raises(UsageError, match=f"does not support {flag}"):
+        refuse_unsupported(engine, {flag: "mean"})

@@ -433,9 +433,11 @@ class LLMEngine:
         for seq in self.scheduler.running:
             params = seq.params
             # constrained or biased sequences are not drafted for (see the module
-            # docstring): draft verification compares against the unbiased logits
+            # docstring): draft verification compares against the unbiased logits; an
+            # embedding's last prompt token samples nothing to verify
             if seq.num_uncomputed_tokens != 1 or params.needs_penalties or seq.pending_fork \
-                    or seq.constraint is not None or params.logit_bias or seq.no_drafts:
+                    or seq.constraint is not None or params.logit_bias or seq.no_drafts \
+                    or params.pooling is not None:
                 continue
             limit = min(params.max_tokens - seq.num_output_tokens - 1,
                         self.max_model_len - seq.num_tokens - 1)

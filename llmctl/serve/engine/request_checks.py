@@ -98,6 +98,9 @@ def check_request(request_id: str, ids: list[int], params: SamplingParams, *,
             raise InvalidRequestError("this engine's runner cannot return embeddings",
                                       "serve the checkpoint instead of the engine directory",
                                       "input")
+        if params.n != 1:
+            raise InvalidRequestError("an embedding request has one sequence", "send n=1",
+                                      "n")
         check_embedding_fits(len(ids), max_model_len)
         return params  # max_tokens is not read: nothing is sampled
     max_tokens = fit_context(len(ids), params.max_tokens, max_model_len)

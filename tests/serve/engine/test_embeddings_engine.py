@@ -106,7 +106,28 @@ def test_an_embedding_may_fill_the_context(engine):
     assert info.value.param == "input"
 
 
+def test_an_embedding_has_one_sequence(engine):
+    with pytest.raises(InvalidRequestError, match="one sequence") as info:
+        engine.add_request("n2", [1, 2], SamplingParams(pooling="mean", n=2))
+    assert info.value.param == "n"
+
+
 def test_a_target_without_pooling_refuses(engine, monkeypatch):
     monkeypatch.setattr(engine.target, "serves_pooling", False, raising=False)
     with pytest.raises(InvalidRequestError, match="cannot return embeddings"):
         engine.add_request("no", [1, 2], SamplingParams(pooling="mean"))
+
+
+def test_no_drafts_for_an_embedding(tiny_llama):
+    """With speculative decoding, a prompt whose last chunk is one token is never sent
+    draft tokens (n-gram drafts would find this repetitive prompt's pattern)."""
+    engine = LLMEngine.from_args(str(tiny_llama), **ENGINE,
+                                 speculative={"method": "ngram", "num_speculative_tokens": 3})
+    ids = [1] + [5, 6, 7, 8] * 8  # 33 tokens: a chunk of 32, then one
+    for pooling in ("last", "mean"):
+        engine.add_request(pooling, ids, SamplingParams(pooling=pooling))
+        out = _run(engine)[pooling]
+        torch.testing.assert_close(torch.tensor(out.embedding),
+                                   _reference(tiny_llama, ids, pooling), atol=1e-5, rtol=0)
+    assert engine.counters.spec_draft_tokens == 0
+    assert_all_blocks_free(engine)

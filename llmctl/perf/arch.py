@@ -62,7 +62,7 @@ class ArchSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int  # the dense MLP's width (0 for a mixture of experts)
+    intermediate_size: int  # the dense MLP's width (0 for a MoE without dense layers)
     vocab_size: int
     tie_word_embeddings: bool
     attention_bias: bool = False
@@ -74,6 +74,9 @@ class ArchSpec:
     # per layer: its sliding window (it holds and attends at most that many tokens) or None;
     # () when no layer has one
     layer_windows: tuple[int | None, ...] = ()
+    # per layer of a MoE model: a mixture of experts (True) or the dense MLP (Qwen2/3-MoE's
+    # mlp_only_layers, decoder_sparse_step); () when every layer is the same
+    moe_layers: tuple[bool, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -122,14 +125,22 @@ class ArchSpec:
         windows = self.layer_windows or (None,) * self.num_layers
         return sum(keys(prompt_len, w) - keys(cached, w) for w in windows)
 
-    def layer_linears(self) -> tuple[Linear, ...]:
-        """Every linear layer of one decoder block (the same in every block)."""
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether block ``layer``'s MLP is the mixture of experts."""
+        return self.is_moe and (not self.moe_layers or self.moe_layers[layer])
+
+    @property
+    def moe_layer_count(self) -> int:
+        return sum(self.layer_is_moe(i) for i in range(self.num_layers))
+
+    def layer_linears(self, layer: int = 0) -> tuple[Linear, ...]:
+        """Every linear layer of decoder block ``layer``."""
         h = self.hidden_size
         out = [Linear("self_attn.q_proj", self.q_width, h),
                Linear("self_attn.k_proj", self.kv_width, h),
                Linear("self_attn.v_proj", self.kv_width, h),
                Linear("self_attn.o_proj", h, self.q_width)]
-        if not self.is_moe:
+        if not self.layer_is_moe(layer):
             i = self.intermediate_size
             return (*out, Linear("mlp.gate_proj", i, h), Linear("mlp.up_proj", i, h),
                     Linear("mlp.down_proj", h, i))
@@ -175,13 +186,7 @@ class ArchSpec:
                 raise ConfigError(f"config field {key!r}: {what} is not modelled",
                                   "llmctl plan costs dense and simple-MoE decoders")
 
-        moe = MOE_FAMILIES.get(model_type)
-        if moe is not None:
-            if int(cfg.get("decoder_sparse_step") or 1) != 1 or cfg.get("mlp_only_layers"):
-                raise ConfigError(
-                    "config fields decoder_sparse_step/mlp_only_layers: dense and MoE blocks "
-                    "mixed in one model are not modelled", "use a model whose every block is MoE")
-        else:
+        if model_type not in MOE_FAMILIES:
             for key in _EXPERT_KEYS:
                 if (cfg.get(key) or 0) > 1:
                     raise ConfigError(f"config field {key!r} on a {model_type} model: experts "
@@ -198,7 +203,8 @@ class ArchSpec:
             model_type=arch.model_type, hidden_size=arch.hidden_size,
             num_layers=arch.num_layers, num_heads=arch.num_heads,
             num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-            intermediate_size=0 if arch.family.moe else arch.intermediate_size,
+            intermediate_size=(0 if arch.family.moe and all(arch.moe_layers)
+                               else arch.intermediate_size),
             vocab_size=arch.vocab_size, tie_word_embeddings=arch.tie_word_embeddings,
             attention_bias=arch.attention_bias, num_experts=arch.num_experts,
             experts_per_token=arch.experts_per_token,
@@ -206,4 +212,5 @@ class ArchSpec:
             shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
             max_position_embeddings=arch.max_position_embeddings,
             layer_windows=arch.layer_windows if any(arch.layer_windows) else (),
+            moe_layers=() if all(arch.moe_layers) else arch.moe_layers,
             notes=tuple(notes))

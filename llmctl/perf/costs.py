@@ -59,13 +59,13 @@ class ModelCost:
         """Parameters and stored bytes, layer by layer (an ``ignore`` list may name one
         layer's module: ``model.layers.0.mlp.down_proj``)."""
         a, w = self.arch, self.weights
-        linears = a.layer_linears()
-        self.layer_params = sum(lin.params for lin in linears)
-        self.layer_active_params = sum(lin.active_params for lin in linears)
+        per_layer = [a.layer_linears(i) for i in range(a.num_layers)]
+        self.layers_params = sum(lin.params for ls in per_layer for lin in ls)
+        self.layers_active_params = sum(lin.active_params for ls in per_layer for lin in ls)
         self.lm_head_params = a.vocab_size * a.hidden_size
         self.embedding_params = a.vocab_size * a.hidden_size
         dense_bytes = expert_bytes = 0.0  # over all layers; experts: one copy of each
-        for i in range(a.num_layers):
+        for i, linears in enumerate(per_layer):
             for lin in linears:
                 name = f"model.layers.{i}." + lin.name.format(e=0)
                 size = lin.out_features * lin.in_features * w.linear_bits(
@@ -75,7 +75,7 @@ class ModelCost:
                 else:
                     dense_bytes += size
         self._dense_bytes = dense_bytes
-        self._expert_bytes = expert_bytes  # one expert of each layer
+        self._expert_bytes = expert_bytes  # one expert of each MoE layer
         head_quantized = w.quantizes("lm_head")
         self.lm_head_bytes = self.lm_head_params * w.linear_bits(
             "lm_head", a.vocab_size, a.hidden_size) / 8
@@ -91,13 +91,13 @@ class ModelCost:
     def matmul_params(self) -> int:
         """Weights of every linear layer plus the lm_head (every expert of a MoE): what a
         dense model's token multiplies. The embedding lookup is not a product."""
-        return self.arch.num_layers * self.layer_params + self.lm_head_params
+        return self.layers_params + self.lm_head_params
 
     @property
     def active_params(self) -> float:
         """Weights one token multiplies: :attr:`matmul_params` with only ``k`` of ``E``
         experts per MoE layer (equal to it for a dense model)."""
-        return self.arch.num_layers * self.layer_active_params + self.lm_head_params
+        return self.layers_active_params + self.lm_head_params
 
     @property
     def total_params(self) -> int:

@@ -349,9 +349,10 @@ def activation_bytes(arch: ArchSpec, tp: int, tokens: int, max_num_seqs: int,
     ``3 * width``, all split ``tp`` ways except the residual), plus float32 logits over the
     full vocabulary for ``max_num_seqs`` rows. An estimate, not a measurement: vLLM's
     profiling run also sees allocator fragmentation and CUDA graph pools, left out here."""
-    width = (arch.intermediate_size if not arch.is_moe else
-             arch.experts_per_token * arch.expert_intermediate_size
-             + arch.shared_expert_intermediate_size)
+    width = arch.intermediate_size  # a dense block's, and a MoE block's k experts + shared
+    if arch.is_moe:
+        width = max(width, arch.experts_per_token * arch.expert_intermediate_size
+                    + arch.shared_expert_intermediate_size)
     per_token = 2 * arch.hidden_size + (arch.q_width + 2 * arch.kv_width + 3 * width) / tp
     return tokens * per_token * act_bytes + max_num_seqs * arch.vocab_size * 4
 

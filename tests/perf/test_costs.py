@@ -186,9 +186,22 @@ def test_config_errors_name_the_field():
         ArchSpec.from_config(tiny(kv_lora_rank=512))
     with pytest.raises(ConfigError, match="'num_local_experts' on a llama model"):
         ArchSpec.from_config(tiny(num_local_experts=8))
-    with pytest.raises(ConfigError, match="mixed in one model"):
-        ArchSpec.from_config(tiny(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
-                                  moe_intermediate_size=32, mlp_only_layers=[0]))
+
+
+def test_dense_layers_of_a_mixture_of_experts_are_costed_as_dense():
+    """Qwen2/3-MoE's mlp_only_layers / decoder_sparse_step: each layer's own MLP, counted
+    by hand (2 layers, hidden 64, the tiny() attention; experts 4 x (3 x 64 x 32), k = 2)."""
+    moe = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "intermediate_size": 128}
+    mixed = ModelCost(ArchSpec.from_config(tiny(**moe, mlp_only_layers=[0])))
+    sparse = ModelCost(ArchSpec.from_config(tiny(**moe)))
+    assert mixed.arch.moe_layers == (False, True) and sparse.arch.moe_layers == ()
+    assert [mixed.arch.layer_is_moe(i) for i in range(2)] == [False, True]
+    dense_mlp, experts, router = 3 * 64 * 128, 4 * 3 * 64 * 32, 4 * 64
+    assert mixed.matmul_params - sparse.matmul_params == dense_mlp - experts - router
+    assert mixed.active_params - sparse.active_params == dense_mlp - experts // 2 - router
+    step = ArchSpec.from_config(tiny(**moe, decoder_sparse_step=2))  # layers i with (i+1) % 2
+    assert step.moe_layers == (False, True)
 
 
 def test_defaults_absent_from_a_diffed_config():

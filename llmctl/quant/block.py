@@ -20,6 +20,8 @@ the whole projection (olmo2), the score scale and soft-cap, each layer's window 
 table (Gemma 3's sliding layers rotate with their own), partial rotary, Granite's
 residual multiplier, and Phi-3's fused projections (quantized as the single linears the
 checkpoint has). Each stage is a shared building block of :mod:`llmctl.models.layers`.
+A mixture-of-experts layer (``BlockShape.moe``) runs its MLP through :mod:`moe_block`:
+its taps are per expert (``BlockShape.groups``), the router is read in float.
 
 :data:`SMOOTHING_SOURCES` says, for every layout, where a tap's smoothing scales can be
 folded: the one table AWQ and SmoothQuant read.
@@ -45,6 +47,7 @@ from llmctl.models.layers import (
 )
 from llmctl.models.layers import rms_norm as rms_norm  # noqa: PLC0414 (block.rms_norm)
 from llmctl.models.spec import FUSED_PARTS, NORM_LAYOUTS, ModelArch
+from llmctl.quant.moe_block import MoeShape, moe_forward
 
 TAPS = ("attn_in", "attn_out", "mlp_in", "mlp_act")
 # tap -> the linears it feeds, stored separately (most families) or fused (Phi-3)
@@ -107,6 +110,8 @@ class BlockShape:
     layer_windows: tuple[int | None, ...] = field(default=(), compare=False)
     has_local_rope: bool = False  # the model has a second table (Gemma 3)
     model_type: str = ""
+    moe: MoeShape | None = None  # this layer's mixture of experts (None: the dense MLP)
+    layer_moe: tuple[MoeShape | None, ...] = field(default=(), compare=False)
 
     @property
     def norm(self) -> RMSNorm:
@@ -119,14 +124,34 @@ class BlockShape:
 
     @property
     def linears(self) -> dict[str, tuple[str, ...]]:
-        """tap -> the linears it feeds, in the checkpoint's own names."""
-        return TAP_LINEARS["fused" if self.fused else "split"]
+        """tap -> the linears it feeds, in the checkpoint's own names (a mixture of
+        experts: every expert's and the shared expert's; never the router)."""
+        taps = TAP_LINEARS["fused" if self.fused else "split"]
+        if self.moe is None:
+            return taps
+        return {**taps, **{tap: tuple(k for _, kinds in self.moe.groups(tap) for k in kinds)
+                           for tap in ("mlp_in", "mlp_act")}}
+
+    def groups(self, tap: str) -> list[tuple[str, tuple[str, ...]]]:
+        """The linears of ``tap`` by input: one group on a dense tap; per expert (and the
+        shared expert) on a mixture of experts' taps, each with its own statistics."""
+        if self.moe is not None and tap in ("mlp_in", "mlp_act"):
+            return self.moe.groups(tap)
+        return [(tap, self.linears[tap])]
+
+    @property
+    def full_precision(self) -> tuple[str, ...]:
+        """Linears the forward reads but nothing quantizes (the router, the shared
+        expert's sigmoid gate)."""
+        return () if self.moe is None else self.moe.full_precision
 
     @property
     def linear_names(self) -> tuple[str, ...]:
         return tuple(k for tap in TAPS for k in self.linears[tap])
 
-    def tap_dim(self, tap: str) -> int:
+    def tap_dim(self, tap: str, group: str | None = None) -> int:
+        if self.moe is not None and tap == "mlp_act" and group is not None:
+            return self.moe.act_dim(group)
         return {"attn_in": self.hidden, "mlp_in": self.hidden,
                 "attn_out": self.heads * self.head_dim, "mlp_act": self.intermediate}[tap]
 
@@ -153,10 +178,11 @@ class BlockShape:
 
     def at(self, layer: int) -> BlockShape:
         """The shape of decoder layer ``layer``: its window and RoPE table."""
+        shape = self if not self.layer_moe else replace(self, moe=self.layer_moe[layer])
         if not self.layer_windows:
-            return self
+            return shape
         window = self.layer_windows[layer]
-        return replace(self, sliding_window=window,
+        return replace(shape, sliding_window=window,
                        local_rope=self.has_local_rope and window is not None)
 
     @classmethod
@@ -167,6 +193,7 @@ class BlockShape:
     def from_arch(cls, arch: ModelArch) -> BlockShape:
         # the model-wide shape carries the windows of every layer; ``at(i)`` picks one
         fam = arch.family
+        layer_moe = MoeShape.per_layer(arch)
         return cls(hidden=arch.hidden_size, heads=arch.num_heads, kv_heads=arch.num_kv_heads,
                    head_dim=arch.head_dim, eps=arch.rms_norm_eps, sliding_window=arch.kv_window,
                    norm_offset=fam.norm_offset, hidden_act=arch.hidden_act,
@@ -176,7 +203,8 @@ class BlockShape:
                    residual_multiplier=arch.residual_multiplier,
                    fused="self_attn.qkv_proj" in fam.fused,
                    layer_windows=arch.layer_windows, has_local_rope=arch.local_rope is not None,
-                   model_type=arch.model_type)
+                   model_type=arch.model_type, moe=layer_moe[0] if layer_moe else None,
+                   layer_moe=layer_moe)
 
 
 def rotary_tables(config, seq_len: int, dtype: torch.dtype, device=None, *, local: bool = False
@@ -289,6 +317,14 @@ def mlp_branch(act: torch.Tensor, weights: dict[str, torch.Tensor], linear: Line
     return _residual(_norm(linear("mlp.down_proj", act), weights, shape, "mlp_out"), shape)
 
 
+def moe_branch(h: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
+               shape: BlockShape) -> torch.Tensor:
+    """What a mixture of experts adds to the residual stream, from the post-attention
+    norm's output ``h`` (``moe_block``: real routing, the experts through ``linear``)."""
+    y = moe_forward(h, weights, linear, shape.moe)
+    return _residual(_norm(y, weights, shape, "mlp_out"), shape)
+
+
 def _residual(y: torch.Tensor, shape: BlockShape) -> torch.Tensor:
     rm = shape.residual_multiplier
     return y if rm == 1.0 else y * rm
@@ -308,5 +344,7 @@ def forward(x: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
     """The whole block (used by tests and the reference path); ``shape`` the layer's."""
     a = attention(attn_input(x, weights, shape), weights, linear, shape, cos, sin)
     x = x + attn_branch(a, weights, linear, shape)
+    if shape.moe is not None:
+        return x + moe_branch(mlp_input(x, weights, shape), weights, linear, shape)
     act = mlp_act(mlp_input(x, weights, shape), linear, shape)
     return x + mlp_branch(act, weights, linear, shape)

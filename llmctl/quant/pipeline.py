@@ -43,7 +43,7 @@ from llmctl.quant.plan import ModulePlan, QuantPlan, WeightSpec, kv_heads
 from llmctl.quant.recipe import Recipe
 from llmctl.quant.scheme import act_quantizer, dequantize, weight_grid
 from llmctl.quant.smoothing import Smoothed, smooth_layer
-from llmctl.quant.stats import NOTHING, Needs, TapStats
+from llmctl.quant.stats import NOTHING, ExpertStats, Needs, TapStats
 from llmctl.quant.stream import LayerStream
 from llmctl.quant.writer import (
     PlannedWriter,
@@ -67,6 +67,8 @@ class PipelineOptions:
     chunk_tokens: int = 4096
     device: str | None = None
     max_shard_bytes: int = 2 << 30
+    # a mixture of experts' calibrate_all_experts; None: the recipe's
+    calibrate_all_experts: bool | None = None
 
 
 def needs_calibration(plan: QuantPlan, recipe: Recipe) -> bool:
@@ -105,6 +107,7 @@ class RunResult:
     linears: list[LinearReport] = field(default_factory=list)
     layer_seconds: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    experts: list[dict] = field(default_factory=list)  # moe_report rows, per layer and expert
     seconds: float = 0.0
     files: list[str] = field(default_factory=list)
 
@@ -126,6 +129,12 @@ class LayerQuantizer:
         self.result = RunResult()
         self._warn = warn or (lambda message: None)
         self.stream: LayerStream | None = None
+        modifier = recipe.weight_modifier
+        self.all_experts = (modifier.calibrate_all_experts if options.calibrate_all_experts
+                            is None else options.calibrate_all_experts)
+        self.min_expert_tokens = modifier.min_expert_tokens
+        self._routed: dict[str, int] = {}  # this layer's tokens per expert (moe_report)
+        self._stat_tokens: dict[str, int] = {}
         if calib is None:  # data-free (needs_calibration): weights only, no forwards
             if needs_calibration(plan, recipe):
                 raise ValueError("this plan needs calibration data")
@@ -134,6 +143,7 @@ class LayerQuantizer:
         self.stream = LayerStream.for_model(self.arch, seq_len,
                                             max(1, options.chunk_tokens // seq_len), self.cdt,
                                             self.device)
+        self.stream.all_experts = self.all_experts
 
     def warn(self, message: str) -> None:
         self.result.warnings.append(message)
@@ -185,17 +195,22 @@ class LayerQuantizer:
         """(float32 working tensors keyed without the layer prefix, untouched extras)."""
         prefix = f"model.layers.{i}."
         work, extra = {}, {}
-        norms = (*self.shape.norms.values(), *block.QK_NORMS)
+        shape = self.shape.at(i)
+        norms = (*shape.norms.values(), *block.QK_NORMS)
         for name in self.ckpt.names():
             if not name.startswith(prefix):
                 continue
             key = name[len(prefix):]
             tensor = self.ckpt.get(name, torch.float32, self.device)
+            module = key.removesuffix(".weight").removesuffix(".bias")
             if key.endswith("norm.weight") and key.removesuffix(".weight") in norms:
                 work[key.removesuffix(".weight")] = tensor
-            elif key.removesuffix(".weight").removesuffix(".bias") in self.shape.linear_names:
+            elif module in shape.linear_names:
                 work[key] = tensor
             else:
+                # the router is read by the forward and written back as it was (bit for bit)
+                if module in shape.full_precision:
+                    work[key] = tensor
                 extra[name] = self.ckpt.get(name)
         return work, extra
 
@@ -204,7 +219,9 @@ class LayerQuantizer:
     def _layer(self, i: int, X: torch.Tensor, writer: PlannedWriter) -> None:
         work, extra = self._load_layer(i)
         prefix = f"model.layers.{i}."
-        plans = {k: self.plan.module(prefix + k) for k in self.shape.linear_names}
+        shape = self.shape.at(i)
+        plans = {k: self.plan.module(prefix + k) for k in shape.linear_names}
+        self._routed, self._stat_tokens = {}, {}
         if self.stream is not None:
             self.stream.at(i)
         smoothed = Smoothed()
@@ -234,6 +251,24 @@ class LayerQuantizer:
                 writer.add(f"{prefix}{norm}.weight",
                            work[norm].to(self.ckpt.dtype(f"{prefix}{norm}.weight")))
         writer.add_all(extra)
+        if shape.moe is not None:
+            self.result.experts.extend(self._expert_rows(i, shape))
+
+    def _expert_rows(self, i: int, shape: block.BlockShape) -> list[dict]:
+        """Per expert of layer ``i``: calibration tokens routed to it, tokens its
+        statistics saw, whether it fell back to round-to-nearest, each linear's error."""
+        errors = {r.name: r.rel_error for r in self.result.linears if r.layer == i}
+        rows = []
+        for group, kinds in shape.groups("mlp_in"):
+            names = [f"model.layers.{i}.{k}" for k in (*kinds, *dict(shape.groups("mlp_act"))[group])]
+            routed = self._routed.get(group)
+            rows.append({"layer": i, "expert": group.removeprefix("expert."),
+                         "module": names[0].rsplit(".", 1)[0],
+                         "routed_tokens": routed, "stat_tokens": self._stat_tokens.get(group),
+                         "under_calibrated": routed is not None and not self.all_experts
+                         and group != "shared" and routed < self.min_expert_tokens,
+                         "rel_error": {n: errors[n] for n in names if n in errors}})
+        return rows
 
     def _observe_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Running absmax per KV head of the keys and values, ``(batch, kv_heads, seq, d)``."""
@@ -260,6 +295,10 @@ class LayerQuantizer:
         observe = self._observe_kv if self.plan.kv_cache_scheme else None
         quantized: dict[str, QuantizedLinear] = {}
         for tap in block.TAPS:
+            if stream.shape.moe is not None and tap in ("mlp_in", "mlp_act"):
+                quantized.update(self._quantize_experts(i, tap, X, work, plans, fw, linear,
+                                                        acts))
+                continue
             kinds = list(stream.shape.linears[tap])
             needs = self._needs([plans[k] for k in kinds], tap in smoothed.moments)
             stats = TapStats(stream.tap_dim(tap), needs, self.device)
@@ -271,20 +310,61 @@ class LayerQuantizer:
         stream.inputs("out", X, fw, linear, None, advance=True)
         return quantized
 
+    def _quantize_experts(self, i: int, tap: str, X: torch.Tensor, work: dict, plans: dict,
+                          fw: dict, linear: Callable, acts: dict) -> dict[str, QuantizedLinear]:
+        """A mixture of experts' tap: statistics per expert (``moe_block``), then each
+        expert's linears against its own. With calibrate_all_experts off, an expert the
+        router sent fewer than min_expert_tokens tokens is quantized round-to-nearest
+        (its statistics would be empty or a handful of tokens: NaN or meaningless scales)."""
+        shape = self.stream.shape
+        groups = shape.groups(tap)
+        needs = self._needs([plans[k] for _, kinds in groups for k in kinds], False)
+        stats = ExpertStats({g: shape.tap_dim(tap, g) for g, _ in groups}, needs, self.device,
+                            shared_input=tap == "mlp_in" and self.all_experts)
+        self.stream.inputs(tap, X, fw, linear, stats, advance=True)
+        if tap == "mlp_in":
+            self._routed = dict(stats.counts)
+            self._stat_tokens = {g: s.count for g, s in stats.groups.items()}
+        short = [g for g, _ in groups if not self.all_experts and g != "shared"
+                 and self._routed[g] < self.min_expert_tokens]
+        if short and tap == "mlp_in":
+            self.warn(f"layer {i}: {len(short)} expert(s) received fewer than "
+                      f"{self.min_expert_tokens} calibration token(s) and are quantized "
+                      "round-to-nearest (calibrate_all_experts is off): "
+                      + ", ".join(f"{self.expert_module(i, shape, g)} ({self._routed[g]})"
+                                  for g in short))
+        out: dict[str, QuantizedLinear] = {}
+        for group, kinds in groups:
+            g_stats = stats.groups[group]
+            if g_stats.count == 0:  # a static activation scale from the whole tap's range
+                g_stats.lo, g_stats.hi = stats.tap_range()
+            out.update(self._quantize_tap(i, list(kinds), work, plans, g_stats, fw, acts, {},
+                                          fallback=group in short))
+        return out
+
+    @staticmethod
+    def expert_module(i: int, shape: block.BlockShape, group: str) -> str:
+        """The module name of an expert group, e.g. ``model.layers.0.mlp.experts.3``."""
+        kinds = dict(shape.groups("mlp_in"))[group]
+        return f"model.layers.{i}.{kinds[0].rsplit('.', 1)[0]}"
+
     def _quantize_layer_data_free(self, i: int, work: dict,
                                   plans: dict) -> dict[str, QuantizedLinear]:
         """Round-to-nearest from the weights alone (no calibration forwards)."""
         quantized: dict[str, QuantizedLinear] = {}
+        shape = self.shape.at(i)
         for tap in block.TAPS:
-            quantized.update(self._quantize_tap(i, list(self.shape.linears[tap]), work, plans,
+            quantized.update(self._quantize_tap(i, list(shape.linears[tap]), work, plans,
                                                 None, {}, {}, {}))
         return quantized
 
     def _quantize_tap(self, i: int, kinds: list[str], work: dict, plans: dict,
                       stats: TapStats | None,
-                      fw: dict, acts: dict, smoothing: dict[str, str]) -> dict[str, QuantizedLinear]:
+                      fw: dict, acts: dict, smoothing: dict[str, str], *,
+                      fallback: bool = False) -> dict[str, QuantizedLinear]:
         """Quantize the linears fed by one tap; linears with the same scheme are fused
-        (q/k/v, gate/up share their input and so their Hessian)."""
+        (q/k/v, gate/up share their input and so their Hessian). ``fallback``:
+        round-to-nearest whatever the method (statistics too thin to use)."""
         out: dict[str, QuantizedLinear] = {}
         todo = [k for k in kinds if plans[k] is not None and plans[k].quantized]
         while todo:
@@ -294,7 +374,7 @@ class LayerQuantizer:
             t0 = time.perf_counter()
             W = torch.cat([work[f"{k}.weight"] for k in fused], dim=0)
             rows = [work[f"{k}.weight"].shape[0] for k in fused]
-            res = self._quantize_weight(i, fused, rows, W, spec, stats)
+            res = self._quantize_weight(i, fused, rows, W, spec, stats, fallback)
             seconds = time.perf_counter() - t0
             act_fn, in_scale, in_zero = (None, None, None) if stats is None \
                 else act_quantizer(act, stats)
@@ -315,7 +395,7 @@ class LayerQuantizer:
                 self.result.linears.append(LinearReport(
                     name=plans[k].name, layer=i, scheme=plans[k].weight.label()
                     + (f" / {act.label()}" if act else ""),
-                    method=self.plan.method, rel_error=self._rel_error(stats, work[f"{k}.weight"],
+                    method="rtn" if fallback else self.plan.method, rel_error=self._rel_error(stats, work[f"{k}.weight"],
                                                                          deq, act_fn),
                     seconds=seconds * n / sum(rows), bytes_before=plans[k].bytes_before,
                     bytes_after=plans[k].bytes_after,
@@ -324,15 +404,17 @@ class LayerQuantizer:
         return out
 
     def _quantize_weight(self, i: int, kinds: list[str], rows: list[int], W: torch.Tensor,
-                         spec: WeightSpec, stats: TapStats | None) -> WeightResult:
+                         spec: WeightSpec, stats: TapStats | None,
+                         fallback: bool = False) -> WeightResult:
         """The weight method's codes and scales for the stacked weights ``W``."""
         job = WeightJob(layer=i, kinds=kinds, rows=rows, W=W, spec=spec, grid=weight_grid(spec),
                         stats=stats, warn=self.warn)
-        return self.methods.weights.quantize(job)
+        method = self.methods.fallback if fallback else self.methods.weights
+        return method.quantize(job)
 
     def _rel_error(self, stats: TapStats | None, W: torch.Tensor, deq: torch.Tensor,
                    act_fn: Callable | None) -> float:
-        if stats is None:  # data-free: the weights' own error
+        if stats is None or not stats.probe:  # data-free (or no tokens): the weights' own
             return float((deq.float() - W.float()).norm() / W.float().norm().clamp(min=1e-12))
         x = torch.cat(stats.probe).float()
         ref = x @ W.float().t()

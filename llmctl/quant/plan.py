@@ -11,12 +11,13 @@ size below it; either way the dry run shows it.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmctl.errors import ConfigError
+from llmctl.errors import ConfigError, UsageError
 from llmctl.models.spec import ModelArch
 from llmctl.quant.checkpoint import Checkpoint
 from llmctl.quant.recipe import Recipe
@@ -28,6 +29,15 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 _LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                  "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
                  "mlp.gate_up_proj", "mlp.down_proj")
+# a mixture of experts' linears, as on disk: each expert's gate/up/down (Mixtral's
+# w1/w3/w2) and Qwen2-MoE's shared expert, each its own quantization target
+_EXPERT_KIND = re.compile(r"^(mlp|block_sparse_moe)\.(experts\.\d+\.(gate_proj|up_proj|down_proj"
+                          r"|w1|w2|w3)|shared_expert\.(gate_proj|up_proj|down_proj))$")
+# Kept in full precision whatever the recipe says, and named in the output's ``ignore``:
+# vLLM builds the router (mlp.gate / block_sparse_moe.gate) and Qwen2-MoE's shared-expert
+# sigmoid gate unquantized, and a quantized router's moved logits reroute tokens.
+ROUTER_KINDS = ("mlp.gate", "block_sparse_moe.gate", "mlp.shared_expert_gate")
+ROUTER_NOTE = "router: full precision (vLLM expects it unquantized)"
 MIN_GROUP = 16
 
 
@@ -227,7 +237,8 @@ def _linears(ckpt: Checkpoint) -> list[tuple[str, int | None, str, int, int]]:
     found = []
     for name in ckpt.names():
         m = _LAYER.match(name)
-        if m and m.group(2) in _LINEAR_KINDS:
+        if m and (m.group(2) in _LINEAR_KINDS or m.group(2) in ROUTER_KINDS
+                  or _EXPERT_KIND.match(m.group(2))):
             out, inp = ckpt.shape(name)
             found.append((name[: -len(".weight")], int(m.group(1)), m.group(2), inp, out))
     if ckpt.has("lm_head.weight"):
@@ -271,6 +282,11 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
                           bytes_before=ckpt.nbytes(f"{name}.weight"))
         plan.bytes_after = plan.bytes_before
         modules.append(plan)
+        if kind in ROUTER_KINDS:
+            plan.note = ROUTER_NOTE
+            if any(name_matches(name, t) for g in groups.values() for t in g.targets):
+                warnings.append(f"{name} is a router: it stays in full precision")
+            continue
         if any(_matches(name, ign, "Linear") for ign in modifier.ignore):
             continue
         gname = resolve_target(name, "Linear", groups)
@@ -299,6 +315,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
     if tied and any(name_matches("lm_head", t) or t == "Linear" for g in groups.values()
                     for t in g.targets) and not any(name_matches("lm_head", i) for i in modifier.ignore):
         warnings.append("lm_head is tied to the embeddings and stays in float")
+    check_patterns([m.name for m in modules], groups, modifier.ignore)
     if not any(m.quantized for m in modules):
         raise ConfigError("the recipe's targets match no linear layer of this model",
                           "check `targets` / `ignore` (module names look like "
@@ -307,7 +324,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
         warnings.append("asymmetric pack-quantized weights load in vLLM and in llmctl, but not "
                         "in transformers 5.x with compressed-tensors 0.20 (packed zero points; "
                         "llm-compressor issue #1618): use symmetric weights for transformers")
-    adjusted = sorted({m.note for m in modules if m.note})
+    adjusted = sorted({m.note for m in modules if m.note and m.kind not in ROUTER_KINDS})
     if adjusted:
         warnings.append("group size changed where it does not divide the input features: "
                         + "; ".join(f"{sum(1 for m in modules if m.note == a)} layers {a}"
@@ -315,7 +332,8 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
     out_groups = _output_groups(groups, modules)
     # Every Linear the loader would match but llmctl kept in float must be ignored by
     # name, or transformers / vLLM would expect quantized tensors for it.
-    ignore = list(modifier.ignore)
+    ignore = list(modifier.ignore) + [m.name for m in modules if m.kind in ROUTER_KINDS
+                                      and not any(name_matches(m.name, i) for i in modifier.ignore)]
     candidates = [m.name for m in modules if not m.quantized] + (["lm_head"] if tied else [])
     for name in candidates:
         if not any(_matches(name, i, "Linear") for i in ignore) and \
@@ -334,6 +352,35 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
                                                       ckpt.config.get("num_hidden_layers", 0)))
     return QuantPlan(recipe.method, modules, out_groups, ignore, fmt, before,
                      after, dtype, warnings, kv_cache_scheme=kv)
+
+
+class UnmatchedPatternError(ConfigError):
+    """A recipe's ``targets`` / ``ignore`` entry that matches no module: the recipe is
+    wrong for this model (exit code 2, as a usage error)."""
+
+    exit_code = UsageError.exit_code
+
+
+def check_patterns(names: list[str], groups: dict[str, Any], ignore: list[str]) -> None:
+    """Every ``targets`` / ``ignore`` entry that names modules (not a class such as
+    ``Linear``) must match one: a pattern that matches nothing is a typo or another
+    model's name (an expert's ``w1`` on a Qwen-MoE), which would silently quantize more
+    or less than meant. The error names the closest module names (difflib)."""
+    known = names + ["lm_head"]  # lm_head is a module even where tied to the embeddings
+    entries = [("targets", t) for g in groups.values() for t in g.targets] + \
+        [("ignore", i) for i in ignore]
+    for where, entry in entries:
+        if _is_class_name(entry) or any(name_matches(n, entry) for n in known):
+            continue
+        # one name per module kind (layer 0's), so the suggestions are distinct kinds
+        kinds = sorted({re.sub(r"^model\.layers\.\d+\.", "model.layers.0.", n) for n in known})
+        close = difflib.get_close_matches(entry.removeprefix("re:"), kinds, n=3, cutoff=0.0)
+        raise UnmatchedPatternError(f"recipe {where} entry {entry!r} would match no linear "
+                                    f"layer of this model (closest: {', '.join(close)})")
+
+
+def _is_class_name(entry: str) -> bool:
+    return not entry.startswith("re:") and "." not in entry and entry[:1].isupper()
 
 
 def kv_heads(ckpt: Checkpoint) -> int:

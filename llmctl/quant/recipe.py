@@ -65,6 +65,13 @@ class _QuantizationFields(_Strict):
     # calibrated with the weights and written as self_attn.k_scale / v_scale
     kv_cache_scheme: QuantizationArgs | None = None  # type: ignore[valid-type]
     sequential_targets: str | list[str] | None = None  # accepted; llmctl is always per layer
+    # mixtures of experts (llmctl keys; llm-compressor's moe_calibrate_all_experts): every
+    # calibration token goes through every expert for the statistics only (the block's
+    # output keeps the real routing). Off: each expert's statistics come from the tokens
+    # routed to it, and one routed fewer than min_expert_tokens is quantized
+    # round-to-nearest, with a warning naming it.
+    calibrate_all_experts: bool = True
+    min_expert_tokens: int = Field(1, ge=1)
 
     @field_validator("targets", "ignore", mode="before")
     @classmethod

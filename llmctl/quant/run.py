@@ -54,7 +54,7 @@ def prepare(model: str, recipe: str, *, strict_group_size: bool = False) -> Prep
     ckpt = Checkpoint(resolved.path)
     from llmctl.models.architectures import get_architecture
 
-    get_architecture(ckpt.config.get("model_type", ""), refuse_moe="llmctl quantize")
+    get_architecture(ckpt.config.get("model_type", ""))
     parsed = load_recipe(recipe)
     plan = build_plan(ckpt, parsed, strict_group_size=strict_group_size)
     plan.smoothing = smoothing_plan(ckpt, parsed)
@@ -177,6 +177,7 @@ def quantize(request: QuantizeRequest, *, progress: Callable[[int, int], None] |
             "peak_rss_bytes": _peak_rss(),
             "layers": per_layer_rows(linears, result.layer_seconds),
             "linears": linears,
+            "experts": moe_report(result.experts, quantizer),
             "warnings": prep.plan.warnings + result.warnings,
             "files": result.files + side_files + ["config.json", REPORT_FILE],
             "metadata": run_metadata(command="quantize", torch_threads=torch.get_num_threads()),
@@ -184,6 +185,20 @@ def quantize(request: QuantizeRequest, *, progress: Callable[[int, int], None] |
         # Written last: its presence marks a finished output.
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
     return report
+
+
+def moe_report(rows: list[dict], quantizer) -> dict[str, Any] | None:
+    """The per-expert section of llmctl-quant.json (None for a dense model): each
+    layer's experts with the calibration tokens routed to them, the tokens their
+    statistics saw, each linear's error, and the experts quantized round-to-nearest for
+    want of tokens."""
+    if not rows:
+        return None
+    return {"calibrate_all_experts": quantizer.all_experts,
+            "min_expert_tokens": quantizer.min_expert_tokens,
+            "router": "full precision (bit-identical to the input)",
+            "experts": rows,
+            "under_calibrated": [r["module"] for r in rows if r["under_calibrated"]]}
 
 
 def _peak_rss() -> int | None:

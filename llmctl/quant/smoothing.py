@@ -28,12 +28,29 @@ class Smoothed:
     moments: dict[str, torch.Tensor] = field(default_factory=dict)  # tap -> X^T X / n
 
 
+# A mixture of experts' taps are never smoothed. The post-attention norm feeds the router
+# and every expert's gate/up: folding 1/s into it needs the router's weights scaled by s
+# too (llm-compressor's MoE AWQ mappings balance the experts' gate/up only, so the router
+# then sees x/s and routes differently; scaling it instead changes the router's weights,
+# which must stay bit-identical, and re-rounds them in bf16). Each expert's up -> down
+# could fold exactly, with its own statistics; not implemented: those taps are
+# quantized unsmoothed.
+MOE_UNSMOOTHED = ("mlp_in", "mlp_act")
+MOE_NOTE = ("mixture-of-experts layers: nothing folds into the experts (the router reads "
+            "the post-attention norm too and stays bit-identical; up -> down per expert is "
+            "not implemented)")
+
+
+def _moe_tap(shape: block.BlockShape, tap: str) -> bool:
+    return shape.moe is not None and tap in MOE_UNSMOOTHED
+
+
 def model_layout(shape: block.BlockShape) -> ModelLayout:
     """Every (smooth layer, balance layers) pair the layout can fold
     (:data:`block.SMOOTHING_SOURCES`), as mapping patterns: a method's defaults."""
     pairs, norm_pairs = [], []
     for tap in block.TAPS:
-        source = shape.source(tap)
+        source = None if _moe_tap(shape, tap) else shape.source(tap)
         if source is not None:
             pair = (f"re:.*{source.module}$", [f"re:.*{k}$" for k in shape.linears[tap]])
             pairs.append(pair)
@@ -50,7 +67,7 @@ def smoothing_targets(i: int, method: QuantMethod, plans: dict[str, ModulePlan |
     prefix = f"model.layers.{i}."
     ignore = method.smoothing_ignore()
     found: dict[str, list[str]] = {}
-    sources = {t: shape.source(t) for t in block.TAPS}
+    sources = {t: None if _moe_tap(shape, t) else shape.source(t) for t in block.TAPS}
     for smooth, balance in method.mappings(model_layout(shape)):
         taps = [t for t, src in sources.items()
                 if src is not None and name_matches(prefix + src.module, smooth)]
@@ -88,6 +105,8 @@ def describe(method: QuantMethod | None, shape: block.BlockShape) -> list[str]:
         source = shape.source(tap)
         rows = "" if source.rows is None else f" (rows {source.rows.start}:{source.rows.stop})"
         lines.append(f"{source.module}{rows} -> {', '.join(kinds)}")
+    if any(s is not None for s in shape.layer_moe) or shape.moe is not None:
+        lines.append(MOE_NOTE)
     return lines
 
 
@@ -98,7 +117,7 @@ def smooth_layer(i: int, X: torch.Tensor, work: dict[str, torch.Tensor],
     shape = stream.shape
     targets = smoothing_targets(i, method, plans, shape, warn if i == 0 else None)
     out = Smoothed()
-    needs = {t: method.smoothing_needs(t in targets, any(
+    needs = {t: None if _moe_tap(shape, t) else method.smoothing_needs(t in targets, any(
         plans[k] is not None and plans[k].quantized for k in shape.linears[t]))
         for t in block.TAPS}
     wanted = [t for t in block.TAPS if needs[t] is not None]

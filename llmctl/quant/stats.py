@@ -74,3 +74,35 @@ class TapStats:
     @property
     def absmean(self) -> torch.Tensor:
         return self.abssum / max(self.count, 1)
+
+
+class ExpertStats:
+    """The statistics of a mixture-of-experts tap, one :class:`TapStats` per expert (and
+    the shared expert), with the tokens the router sent each (``routed``) beside the
+    tokens its statistics saw (``TapStats.count``). With ``all_experts`` the gate/up
+    inputs of every expert are the same tokens, so one accumulator serves them all."""
+
+    def __init__(self, dims: dict[str, int], needs: Needs, device, *,
+                 shared_input: bool = False) -> None:
+        common = TapStats(next(iter(dims.values())), needs, device) if shared_input else None
+        self.groups = {g: (common if common is not None and g.startswith("expert.")
+                           else TapStats(d, needs, device)) for g, d in dims.items()}
+        self.counts = dict.fromkeys(dims, 0)
+
+    def routed(self, group: str, n: int) -> None:
+        self.counts[group] += n
+
+    def add(self, group: str, x: torch.Tensor) -> None:
+        self.groups[group].add(x)
+
+    def add_every_expert(self, x: torch.Tensor) -> None:
+        """One input every expert sees (``shared_input``): added once."""
+        first = next(g for g in self.groups if g.startswith("expert."))
+        self.groups[first].add(x)
+
+    def tap_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lo, hi) over every group: the range an expert without tokens falls back to
+        for a static activation scale."""
+        lo = torch.stack([s.lo for s in self.groups.values()]).min()
+        hi = torch.stack([s.hi for s in self.groups.values()]).max()
+        return lo, hi

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from llmctl.quant import block
 from llmctl.quant.method import BlockLoss
-from llmctl.quant.stats import TapStats
+from llmctl.quant.moe_block import moe_forward, route_inputs
+from llmctl.quant.stats import ExpertStats, TapStats
 
 
 class LayerStream:
@@ -34,6 +35,9 @@ class LayerStream:
         self.cos, self.sin = tables["global"]
         self.chunk, self.cdt, self.device = chunk, dtype, device
         self._buffer: torch.Tensor | None = None
+        # a mixture of experts' statistics: every token through every expert (the
+        # output keeps the real routing); see moe_block
+        self.all_experts = True
 
     @classmethod
     def for_model(cls, arch, seq_len: int, chunk: int, dtype: torch.dtype, device) -> LayerStream:
@@ -53,8 +57,8 @@ class LayerStream:
         for start in range(0, n, self.chunk):
             yield slice(start, min(start + self.chunk, n))
 
-    def tap_dim(self, tap: str) -> int:
-        return self.shape.tap_dim(tap)
+    def tap_dim(self, tap: str, group: str | None = None) -> int:
+        return self.shape.tap_dim(tap, group)
 
     def forward_weights(self, work: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.cdt) for k, v in work.items()}
@@ -82,15 +86,19 @@ class LayerStream:
         return attn, act
 
     def inputs(self, tap: str, X: torch.Tensor, fw: dict, linear: block.Linear,
-               stats: TapStats | None, advance: bool,
+               stats: TapStats | ExpertStats | None, advance: bool,
                observe_kv: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         """Run every chunk up to ``tap``'s input, feeding ``stats``.
 
         With ``advance`` the residual stream is updated in place on the way (the
         quantization pass: o_proj's output is added before mlp_in, down_proj's after
         mlp_act); without it X stays the layer input (the float smoothing pass).
-        ``observe_kv`` sees the keys and values at ``attn_out``.
+        ``observe_kv`` sees the keys and values at ``attn_out``. A mixture of experts'
+        taps feed an :class:`ExpertStats` per expert (``_moe_inputs``).
         """
+        if self.shape.moe is not None and tap in ("mlp_in", "mlp_act", "out"):
+            self._moe_inputs(tap, X, fw, linear, stats, advance)
+            return
         A, Act = self.buffers(X)
         for c in self.chunks(X.shape[0]):
             if tap == "attn_in":
@@ -114,6 +122,30 @@ class LayerStream:
                 continue
             if stats is not None:
                 stats.add(h)
+
+    def _moe_inputs(self, tap: str, X: torch.Tensor, fw: dict, linear: block.Linear,
+                    stats: ExpertStats | None, advance: bool) -> None:
+        """``inputs`` for a mixture of experts: no activation buffer (the experts' inputs
+        are ragged); ``out`` runs the mixture again with every linear quantized."""
+        A, _ = self.buffers(X)
+        for c in self.chunks(X.shape[0]):
+            if tap == "out":
+                X[c] += block.moe_branch(block.mlp_input(X[c], fw, self.shape), fw, linear,
+                                         self.shape)
+                continue
+            if tap == "mlp_in" or not advance:
+                x2 = X[c] + block.attn_branch(A[c], fw, linear, self.shape)
+                if advance:
+                    X[c] = x2
+            else:
+                x2 = X[c]
+            if stats is None:
+                continue
+            h = block.mlp_input(x2, fw, self.shape)
+            if tap == "mlp_in":
+                route_inputs(h, fw, self.shape.moe, stats, self.all_experts)
+            else:
+                moe_forward(h, fw, linear, self.shape.moe, stats, self.all_experts)
 
     def block_loss(self, tap: str, kinds: list[str], X: torch.Tensor, fw: dict,
                    tokens: int) -> BlockLoss | None:

@@ -46,6 +46,12 @@ class RecipeMethods:
         return next((m for m in self.all if m.mappings(None) is not None), None)
 
     @property
+    def fallback(self) -> QuantMethod:
+        """Round-to-nearest under the weight modifier: for weights without usable
+        statistics (an expert the router sent too few calibration tokens)."""
+        return RoundToNearest(self.weights.modifier)  # type: ignore[attr-defined]
+
+    @property
     def needs_data(self) -> bool:
         return any(m.needs_data for m in self.all)
 

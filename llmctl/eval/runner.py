@@ -21,7 +21,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmctl.errors import ConfigError
+from llmctl.errors import ConfigError, LlmctlError
+from llmctl.eval import routing
 from llmctl.eval.candidates import (
     Candidate,
     CandidateOptions,
@@ -283,6 +284,8 @@ def expected_metrics(config: EvalConfig) -> set[str]:
     if config.data:
         if config.reference:
             names.update(_comparison_keys())
+            if _routing_compared(config):
+                names.update(routing.METRICS)
         names.update(perplexity_summary(np.zeros(2)))
     from llmctl.eval.tasks import task_metric_name
 
@@ -290,6 +293,21 @@ def expected_metrics(config: EvalConfig) -> set[str]:
         tm = task_metric_name(name)
         names.update(f"task.{tm}.{m}" for m in ("acc", "acc_se", "acc_norm", "acc_norm_se", "n"))
     return names
+
+
+def _routing_compared(config: EvalConfig) -> bool:
+    """Whether the run compares routing: a mixture-of-experts reference model (not a
+    store) and a candidate run by transformers."""
+    from llmctl.eval.candidates import OpenAIServerCandidate
+    from llmctl.models.resolve import resolve_model
+
+    if is_store(config.reference) or config.backend not in ("auto", "transformers") \
+            or OpenAIServerCandidate.matches(config.candidate):
+        return False
+    try:
+        return routing.experts_per_token(resolve_model(config.reference).path) is not None
+    except LlmctlError:  # the run itself reports a reference it cannot find
+        return False
 
 
 def counted_metrics(config: EvalConfig) -> set[str]:
@@ -321,6 +339,7 @@ def _run_eval(config: EvalConfig, ui=None) -> dict[str, Any]:
     candidate = run.load_candidate()
     try:
         run.score_windows(candidate)
+        run.compare_routing(candidate)
         run.candidate_tasks(candidate)
         described = candidate.describe()
     finally:
@@ -346,6 +365,8 @@ class _EvalRun:
     ref_tokenizer: Any = None
     data_info: dict[str, Any] | None = None
     windows_info: dict[str, Any] | None = None
+    reference_routes: Any = None  # [moe layers, tokens, k] (llmctl.eval.routing)
+    routing: dict[str, Any] = field(default_factory=dict)
 
     def run_reference(self) -> None:
         """The reference's store of windows and its tasks; its weights are freed before
@@ -369,6 +390,13 @@ class _EvalRun:
                 self.reference_metrics.update(result.metrics())
                 self.reference_tasks[result.name] = result.report_entry()
             self.timings["reference_tasks_s"] = round(time.perf_counter() - start, 2)
+        if self.store is not None and isinstance(reference, HFCandidate) \
+                and _routing_compared(config):
+            start = time.perf_counter()
+            self.reference_routes = routing.model_routes(
+                reference.model, self.store.plan.inputs[:routing.ROUTING_WINDOWS],
+                routing.experts_per_token(reference.path))
+            self.timings["reference_routing_s"] = round(time.perf_counter() - start, 2)
         if reference is not None:
             reference.close()  # free its weights before the candidate loads
 
@@ -413,6 +441,22 @@ class _EvalRun:
             self.metrics.update(perplexity_summary(nll))
         self.timings["candidate_s"] = round(time.perf_counter() - start, 2)
 
+    def compare_routing(self, candidate: Candidate) -> None:
+        """Router agreement on the reference's first windows (llmctl.eval.routing)."""
+        if self.reference_routes is None or not isinstance(candidate, HFCandidate):
+            return
+        k = routing.experts_per_token(candidate.path)
+        windows = self.store.plan.inputs[:routing.ROUTING_WINDOWS]
+        routes = routing.model_routes(candidate.model, windows, k) if k else None
+        if routes is None or routes.shape != self.reference_routes.shape:
+            raise ConfigError("the candidate's experts do not match the reference's "
+                              "(MoE layers, experts per token)",
+                              "compare a quantization of the reference model")
+        per_layer = routing.agreement(self.reference_routes, routes)
+        self.metrics.update(routing.summary(per_layer))
+        self.routing = {"per_layer": [round(float(a), 6) for a in per_layer],
+                        "tokens": int(routes.shape[1]), "windows": len(windows), "top_k": k}
+
     def candidate_tasks(self, candidate: Candidate) -> None:
         if not self.config.tasks:
             return
@@ -444,6 +488,7 @@ class _EvalRun:
         return {"schema": REPORT_SCHEMA, "metadata": metadata, "metrics": self.metrics,
                 "reference_metrics": self.reference_metrics, "counts": self.counts,
                 "tasks": self.tasks, "reference_tasks": self.reference_tasks,
+                "routing": self.routing,
                 "per_window": self.per_window, "timings_s": self.timings}
 
 
@@ -454,5 +499,7 @@ DEFINITIONS = {
            "tail bucket: a lower bound of the full-vocabulary KL",
     "dp": "p_cand(actual token) - p_ref(actual token), as a fraction (llama.cpp prints percent)",
     "same_top_p": "fraction of tokens where both models rank the same token first",
+    "router_agreement": "per MoE layer, the fraction of tokens (first windows) whose top-k "
+                        "expert set is the same in both models; _min over layers, _mean",
     "acc_norm": "argmax of log-likelihood / len(choice in characters), as lm-evaluation-harness",
 }

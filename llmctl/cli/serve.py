@@ -155,6 +155,10 @@ AllowSpecialTokensInContent = Annotated[bool, Opt(
     help="Chat: text in messages that spells a special token (<|im_end|>) becomes that "
          "token (the old behaviour); by default it stays text, so a user cannot forge "
          "roles or end the turn.")]
+ResponsesStoreSize = Annotated[int, Opt(
+    "--responses-store-size", min=0,
+    help="How many /v1/responses answers to keep in memory (least recently used out) "
+         "for previous_response_id and GET /v1/responses/ID; 0 keeps none.")]
 LogLevelOpt = Annotated[LogLevel, Opt("--log-level")]
 
 
@@ -185,6 +189,7 @@ def serve(
     reasoning_parser: ReasoningParser = None,
     default_chat_template_kwargs: DefaultChatTemplateKwargs = None,
     pooling: Pooling = None, embed_normalize: EmbedNormalize = True,
+    responses_store_size: ResponsesStoreSize = 256,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model or a built engine directory over an OpenAI-compatible HTTP API."""

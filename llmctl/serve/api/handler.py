@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from llmctl.serve.api.body import read_body
 from llmctl.serve.api.limits import OFF_LOOP_CHARS
 from llmctl.serve.api.metrics import ServerMetrics
-from llmctl.serve.api.streaming import merged, sse_events, timed
+from llmctl.serve.api.streaming import merged, response_events, sse_events, timed
 from llmctl.serve.api.tenancy.gate import Grant, Tenancy
 from llmctl.serve.api.tenancy.keys import TenantTable
 from llmctl.serve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
@@ -54,6 +54,12 @@ class ServerConfig:
 def tenant_of(request: Request):
     """The tenant the auth middleware found for this request (None: no keys)."""
     return getattr(request.state, "tenant", None)
+
+
+def owner_of(request: Request) -> str | None:
+    """Whose stored responses a request may read: its tenant's (None: no keys)."""
+    tenant = tenant_of(request)
+    return None if tenant is None else tenant.name
 
 
 class RequestHandler:
@@ -112,8 +118,8 @@ class RequestHandler:
                                                    priority, lora=job.lora, **grant.who),
                    engine.abort, self.config.model.model_name, on_refused=grant.refund)
 
-    async def run(self, kind: str, req, jobs: list[Job], params, http: Request,
-                  include_usage: bool):
+    def _admit(self, kind: str, req, jobs: list[Job], params, http: Request) -> Grant:
+        """Trace, admit against the tenant's limits and submit every job (or none)."""
         self.check_fits_queue(jobs)
         if self.tracing is not None:
             trace = self.tracing.begin(http.headers, kind, req, jobs, params,
@@ -129,6 +135,11 @@ class RequestHandler:
             if jobs[0].trace is not None:
                 jobs[0].trace.close(exc)
             raise
+        return grant
+
+    async def run(self, kind: str, req, jobs: list[Job], params, http: Request,
+                  include_usage: bool):
+        grant = self._admit(kind, req, jobs, params, http)
         assembly = self.frontend.assembly(kind, req, jobs)
         if req.stream:
             events = sse_events(assembly, self._updates(assembly, grant), include_usage,
@@ -138,6 +149,38 @@ class RequestHandler:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                          **grant.headers})
         return await _respond(self._collect(assembly, grant), http, grant.headers)
+
+    async def respond(self, req, chat_req, history: list, jobs: list[Job], params,
+                      http: Request):
+        """A /v1/responses request (``chat_req``: the chat request it means): the chat
+        path's updates as the Responses stream's events, or as one response object;
+        kept for follow-ups once finished."""
+        grant = self._admit("chat", chat_req, jobs, params, http)
+        serving = self.frontend.responses_api
+        builder = serving.builder(req, chat_req, jobs)
+        updates = self._updates(self.frontend.assembly("chat", chat_req, jobs), grant)
+
+        def finished() -> None:
+            serving.finished(req, history, builder, owner_of(http))
+
+        if req.stream:
+            return StreamingResponse(
+                response_events(builder, updates, self.metrics, finished),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                         **grant.headers})
+
+        async def whole() -> dict:
+            try:
+                async for _, upd in updates:
+                    builder.feed(upd)
+            finally:
+                await updates.aclose()
+            builder.finish()
+            finished()
+            return builder.response
+
+        return await _respond(whole(), http, grant.headers)
 
     async def embed(self, req, jobs: list[Job], params, http: Request) -> Response:
         """An embeddings request: its pooling engine requests submitted (all or none),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from llmctl.serve.api.handler import RequestHandler, tenant_of
+from llmctl.serve.api.handler import RequestHandler, owner_of, tenant_of
 from llmctl.serve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -14,6 +14,7 @@ from llmctl.serve.openai.protocol import (
     EmbeddingRequest,
     tokenize_request_class,
 )
+from llmctl.serve.openai.responses_api.protocol import ResponsesRequest
 
 router = APIRouter()
 
@@ -93,3 +94,24 @@ async def chat(request: Request):
     jobs, params = serving.jobs(req, ids, cap, tools)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await handler.run(serving.kind, req, jobs, params, request, include_usage)
+
+
+@router.post("/v1/responses")
+async def responses(request: Request):
+    handler = handler_of(request)
+    serving = handler.frontend.responses_api
+    req = await handler.parse(request, ResponsesRequest)
+    history = serving.history(req, owner_of(request))
+    chat_req = serving.chat_request(req, history)
+    tools = serving.tool_plan(chat_req)
+    ids = await handler.off_loop(serving.encode, chat_req)
+    cap = handler.tenancy.max_tokens_cap(tenant_of(request), chat_req.token_limit,
+                                         "max_output_tokens")
+    jobs, params = serving.jobs(chat_req, ids, cap, tools)
+    return await handler.respond(req, chat_req, history, jobs, params, request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request):
+    return handler_of(request).frontend.responses_api.retrieve(response_id,
+                                                               owner_of(request))

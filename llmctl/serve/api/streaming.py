@@ -8,7 +8,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmctl.serve.openai import errors
@@ -122,5 +122,37 @@ async def sse_events(assembly: Assembly, updates, include_usage: bool,
         await updates.aclose()
 
 
-def sse(data: dict) -> str:
+async def response_events(builder, updates, metrics,
+                          on_finished: Callable[[], None]) -> AsyncIterator[str]:
+    """A /v1/responses stream: its builder's (:mod:`llmctl.serve.openai.responses_api.build`)
+    events, each named on its ``event:`` line as OpenAI sends them; ``on_finished`` once
+    the response is complete. An error after the headers went is ``response.failed``."""
+    model = builder.skeleton["model"]
+    try:
+        for event in builder.start():
+            yield sse(event, event["type"])
+        async for _, upd in updates:
+            for event in builder.feed(upd):
+                yield sse(event, event["type"])
+        for event in builder.finish():
+            yield sse(event, event["type"])
+        on_finished()
+    except Exception as exc:
+        if isinstance(exc, APIError):
+            metrics.http_errors.labels(model, str(exc.status)).inc()
+        else:
+            log.exception("streaming %s failed", builder.skeleton["id"])
+            metrics.http_errors.labels(model, "500").inc()
+            exc = errors.internal(f"generation failed: {exc}")
+        error = exc.body()["error"]
+        for event in builder.failed({"code": error["code"] or error["type"],
+                                     "message": error["message"]}):
+            yield sse(event, event["type"])
+    finally:
+        await updates.aclose()
+
+
+def sse(data: dict, event: str | None = None) -> str:
+    if event is not None:
+        return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"

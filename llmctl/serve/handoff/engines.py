@@ -132,13 +132,16 @@ _HARDENING = {
 _EMBEDDINGS = {flag: "embedding flags apply to the built-in engine's /v1/embeddings (served "
                      "beside generation): drop the flag, or serve without --engine"
                for flag in ("--pooling", "--embed-normalize")}
+_RESPONSES = {"--responses-store-size": "the flag sizes the built-in engine's /v1/responses "
+                                        "store: drop it, or serve without --engine"}
 
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "vllm": {"--auth-file": _NO_TENANTS, **_SCHEDULING, **_SUPERVISION, **_LORA,
-             **_HARDENING, **_EMBEDDINGS},
+             **_HARDENING, **_EMBEDDINGS, **_RESPONSES},
     "trtllm": {
         "--auth-file": _NO_TENANTS,
         **_EMBEDDINGS,
+        **_RESPONSES,
         **_HARDENING,
         **_SCHEDULING,
         **_SUPERVISION,

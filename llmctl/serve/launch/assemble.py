@@ -101,7 +101,8 @@ def build_server(opts: ServeOptions) -> tuple[RequestHandler, AsyncEngine]:
                         reasoning_parser=reasoning_parser(settings),
                         default_chat_template_kwargs=default_chat_template_kwargs(settings),
                         pooling=resolve_pooling(settings.pooling, _model_dir(engine)),
-                        embed_normalize=settings.embed_normalize)
+                        embed_normalize=settings.embed_normalize,
+                        responses_store_size=settings.responses_store_size)
     return RequestHandler(async_engine, frontend, config, tracing), async_engine
 
 

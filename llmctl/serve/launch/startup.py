@@ -81,6 +81,7 @@ class ServeSettings:
     default_chat_template_kwargs: str | None = None  # a JSON object (vLLM's flag)
     pooling: str | None = None  # /v1/embeddings' pooling; None: the model's own, else last
     embed_normalize: bool = True  # L2-normalise embeddings (--no-embed-normalize: off)
+    responses_store_size: int = 256  # /v1/responses kept for previous_response_id; 0: none
     # option names (as fields above) the user gave on the command line or in the environment
     given: frozenset[str] = field(default_factory=frozenset)
 

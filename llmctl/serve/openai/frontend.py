@@ -14,6 +14,7 @@ from llmctl.serve.openai.models import OpenAIModels, ServedModel
 from llmctl.serve.openai.prompts import Prompts
 from llmctl.serve.openai.reasoning.parsers import reasoning_parser as reasoning_parser_for
 from llmctl.serve.openai.responses import Assembly, Responses
+from llmctl.serve.openai.responses_api.serving import OpenAIResponsesAPI
 from llmctl.serve.openai.sampling import Sampling
 from llmctl.serve.openai.tokenization import OpenAITokenization
 from llmctl.serve.openai.validation import validated
@@ -29,11 +30,13 @@ class Frontend:
                  allow_special_tokens_in_content: bool = False,
                  reasoning_parser: str | None = None,
                  default_chat_template_kwargs: dict[str, Any] | None = None,
-                 pooling: str = "last", embed_normalize: bool = True) -> None:
+                 pooling: str = "last", embed_normalize: bool = True,
+                 responses_store_size: int = 256) -> None:
         """``reasoning_parser``: a REASONING_PARSERS name (--reasoning-parser);
         ``default_chat_template_kwargs``: template variables under each request's;
         ``pooling`` / ``embed_normalize``: /v1/embeddings' (--pooling,
-        --no-embed-normalize)."""
+        --no-embed-normalize); ``responses_store_size``: how many responses
+        /v1/responses keeps for previous_response_id (--responses-store-size)."""
         self.tokenizer = tokenizer
         self.model = model
         self.models = OpenAIModels(model, lora_names)  # lora_names: the engine's (they change)
@@ -45,6 +48,7 @@ class Frontend:
                                reasoning_parser_for(reasoning_parser, tokenizer))
         self.tokenization = OpenAITokenization(self.prompts)
         self.responses = Responses(tokenizer, self.models)
+        self.responses_api = OpenAIResponsesAPI(self.chat, self.models, responses_store_size)
         self.embeddings = OpenAIEmbeddings(self.prompts, self.models, pooling, embed_normalize)
 
     def validate(self, body: dict, model_cls):

@@ -5,7 +5,6 @@ both alike. Pure functions: no tokenizer, no engine."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from llmctl.serve.openai.protocol import ChatCompletionRequest
@@ -89,7 +88,3 @@ def chat_request(req: ResponsesRequest, history: list) -> ChatCompletionRequest:
                 "description": fmt.description}
     return ChatCompletionRequest.model_validate(body)
 
-
-def arguments_text(arguments: Any) -> str:
-    """A call's arguments as the JSON text OpenAI returns."""
-    return arguments if isinstance(arguments, str) else json.dumps(arguments)

@@ -232,6 +232,8 @@ def test_streaming_completed(client, served):
     assert events[-1].type == "response.completed"
     assert events[-1].response.status == "completed"
     assert events[-1].response.output_text == ANSWER
+    # a streamed response is kept once complete, as a whole one is
+    assert client.responses.retrieve(events[-1].response.id).output_text == ANSWER
 
 
 def test_previous_response_id_continues(client, served, tok):
@@ -371,3 +373,41 @@ def test_store_size_flag_reaches_the_frontend_and_hand_offs_refuse_it():
     for engine in ("vllm", "trtllm"):
         with pytest.raises(UsageError, match="--responses-store-size"):
             refuse_unsupported(engine, {"--responses-store-size"})
+
+
+def test_an_error_mid_stream_is_response_failed():
+    import asyncio
+    from types import SimpleNamespace
+
+    from llmctl.serve.api.streaming import response_events
+    from llmctl.serve.openai import errors
+    from llmctl.serve.openai.render import Update
+    from llmctl.serve.openai.responses_api.build import ResponseBuilder
+
+    async def updates():
+        yield 0, Update(0, [1], "Hal", None, None)
+        raise errors.timed_out(2.0)
+
+    class Counter:  # ServerMetrics.http_errors: labels(...).inc()
+        def labels(self, *_):
+            return self
+
+        def inc(self):
+            self.count = getattr(self, "count", 0) + 1
+
+    metrics, finished = SimpleNamespace(http_errors=Counter()), []
+    builder = ResponseBuilder({"id": "resp_x", "model": "tiny", "output": []}, 3)
+
+    async def collect():
+        return [e async for e in response_events(builder, updates(), metrics,
+                                                 lambda: finished.append(1))]
+
+    lines = asyncio.run(collect())
+    events = [json.loads(line.split("data: ", 1)[1]) for line in lines]
+    assert [e["type"] for e in events][-2:] == ["response.output_text.delta",
+                                                "response.failed"]
+    assert all(line.startswith(f"event: {e['type']}\n") for line, e in zip(lines, events))
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "request_timeout"
+    assert failed["output"][0]["content"][0]["text"] == "Hal"
+    assert not finished and metrics.http_errors.count == 1  # a failed response is not kept

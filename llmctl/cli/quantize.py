@@ -86,6 +86,11 @@ def register(app: typer.Typer) -> None:
             help="Dtype of calibration activations: auto | bfloat16 | float32 (auto: bfloat16 "
                  "on a GPU or a CPU with native bf16, else float32)."),
         threads: ThreadsOpt = None,
+        calibrate_all_experts: bool = typer.Option(
+            None, "--calibrate-all-experts/--no-calibrate-all-experts",
+            help="Mixtures of experts: every calibration token through every expert for the "
+                 "statistics (the output keeps the real routing); default: the recipe's "
+                 "(on)."),
         gguf_type: str = typer.Option(None, "--type", help="GGUF file type, e.g. Q4_K_M (--format gguf)."),
         imatrix: str = typer.Option(None, "--imatrix", help="GGUF importance matrix: auto or a file."),
         json_: JsonOpt = False,
@@ -114,7 +119,8 @@ def register(app: typer.Typer) -> None:
         spec = CalibrationSpec(calibration or DEFAULT_SOURCE, field, samples, seq_len, seed,
                                chat_template)
         calib = resolve_calib_dtype(calib_dtype, device=device)
-        options = PipelineOptions(compute_dtype=torch_dtype(calib.dtype), device=device)
+        options = PipelineOptions(compute_dtype=torch_dtype(calib.dtype), device=device,
+                                  calibrate_all_experts=calibrate_all_experts)
         if dry_run:
             _dry_run(out, model, recipe, spec, options, strict_group_size)
             return
@@ -133,7 +139,7 @@ def register(app: typer.Typer) -> None:
 def _dry_run(out, model, recipe, spec, options, strict) -> None:
     from llmctl.quant.pipeline import needs_calibration
     from llmctl.quant.report import render_plan
-    from llmctl.quant.run import DATA_FREE_REASON, memory_estimate, prepare
+    from llmctl.quant.run import DATA_FREE_REASON, memory_estimate, moe_summary, prepare
 
     prep = prepare(model, recipe, strict_group_size=strict)
     data_free = not needs_calibration(prep.plan, prep.recipe)
@@ -142,10 +148,13 @@ def _dry_run(out, model, recipe, spec, options, strict) -> None:
                    {"source": spec.source, "samples": spec.samples, "seq_len": spec.seq_len})
     data = {"dry_run": True, "model": str(prep.path), "recipe": prep.recipe.path,
             "plan": prep.plan.to_dict(), "calibration": calibration,
-            "memory_estimate": estimate.to_dict()}
+            "memory_estimate": estimate.to_dict(), "experts": moe_summary(prep)}
+    if data["experts"] is not None and options.calibrate_all_experts is not None:
+        data["experts"]["calibrate_all_experts"] = options.calibrate_all_experts
 
     def render(console) -> None:
         render_plan(console, prep.plan)
+        _render_experts(console, data["experts"])
         if data_free:
             console.print("calibration: none (round-to-nearest from the weights alone)")
         gib = 1 << 30
@@ -155,6 +164,21 @@ def _dry_run(out, model, recipe, spec, options, strict) -> None:
                          else ")"))
 
     out.result(data, render)
+
+
+def _render_experts(console, moe: dict | None) -> None:
+    if moe is None:
+        return
+    console.print(f"mixture of experts: {moe['experts']} experts per layer, top-"
+                  f"{moe['experts_per_token']}, in layers {moe['sparse_layers']}"
+                  + (", plus a shared expert" if moe["shared_expert"] else "")
+                  + "; each expert's linears quantized on their own")
+    console.print(f"router kept in full precision (bit-identical, in the output's ignore): "
+                  f"{len(moe['routers_kept'])} modules, e.g. {moe['routers_kept'][0]}")
+    console.print("calibration per expert: " + (
+        "every token through every expert for the statistics (calibrate_all_experts)"
+        if moe["calibrate_all_experts"] else
+        f"routed tokens only; fewer than {moe['min_expert_tokens']}: round-to-nearest"))
 
 
 def _summary(report: dict) -> dict:

@@ -330,6 +330,11 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
                         + "; ".join(f"{sum(1 for m in modules if m.note == a)} layers {a}"
                                     for a in adjusted))
     out_groups = _output_groups(groups, modules)
+    expert_groups = {m.group for m in modules if m.quantized and _EXPERT_KIND.match(m.kind)}
+    if len(expert_groups) > 1 or any(g and "_g" in g for g in expert_groups):
+        warnings.append("the experts' linears fall in several config groups (group sizes "
+                        "changed): transformers 5 decodes a mixture's fused experts with one "
+                        "group's scheme; use a group size that divides every expert's width")
     # Every Linear the loader would match but llmctl kept in float must be ignored by
     # name, or transformers / vLLM would expect quantized tensors for it.
     ignore = list(modifier.ignore) + [m.name for m in modules if m.kind in ROUTER_KINDS
@@ -373,7 +378,9 @@ def check_patterns(names: list[str], groups: dict[str, Any], ignore: list[str]) 
         if _is_class_name(entry) or any(name_matches(n, entry) for n in known):
             continue
         # one name per module kind (layer 0's), so the suggestions are distinct kinds
-        kinds = sorted({re.sub(r"^model\.layers\.\d+\.", "model.layers.0.", n) for n in known})
+        kinds = sorted({re.sub(r"\.experts\.\d+\.", ".experts.0.",
+                               re.sub(r"^model\.layers\.\d+\.", "model.layers.0.", n))
+                        for n in known})
         close = difflib.get_close_matches(entry.removeprefix("re:"), kinds, n=3, cutoff=0.0)
         raise UnmatchedPatternError(f"recipe {where} entry {entry!r} would match no linear "
                                     f"layer of this model (closest: {', '.join(close)})")

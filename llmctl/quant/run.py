@@ -74,6 +74,24 @@ def smoothing_plan(ckpt, recipe) -> list[str] | None:
     return describe(smoother, block.BlockShape.from_arch(ModelArch.from_config(ckpt.config)))
 
 
+def moe_summary(prep: Prepared) -> dict[str, Any] | None:
+    """What the dry run says of a mixture of experts (None for a dense model): experts per
+    layer, which layers are sparse, the routers kept in full precision, the calibration."""
+    from llmctl.models.spec import ModelArch
+    from llmctl.quant.plan import ROUTER_KINDS
+
+    arch = ModelArch.from_config(prep.ckpt.config)
+    if not any(arch.moe_layers):
+        return None
+    modifier = prep.recipe.weight_modifier
+    return {"experts": arch.num_experts, "experts_per_token": arch.experts_per_token,
+            "sparse_layers": [i for i, s in enumerate(arch.moe_layers) if s],
+            "shared_expert": arch.shared_expert_intermediate_size > 0,
+            "routers_kept": [m.name for m in prep.plan.modules if m.kind in ROUTER_KINDS],
+            "calibrate_all_experts": modifier.calibrate_all_experts,
+            "min_expert_tokens": modifier.min_expert_tokens}
+
+
 def memory_estimate(prep: Prepared, calib: CalibrationSpec | None, options: PipelineOptions):
     """Peak memory of the run; ``calib`` None: a data-free run (no activations)."""
     from llmctl.models.spec import ModelArch

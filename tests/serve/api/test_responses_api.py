@@ -368,8 +368,11 @@ def test_store_size_flag_reaches_the_frontend_and_hand_offs_refuse_it():
     from llmctl.errors import UsageError
     from llmctl.serve.handoff.engines import refuse_unsupported
     from llmctl.serve.launch.startup import ServeSettings
+    from tests.cli.test_usage_errors import assert_usage_error, run
 
     assert ServeSettings(model="m").responses_store_size == 256
+    assert_usage_error(run("serve", "m", "--responses-store-size", "-1"),
+                       "--responses-store-size")
     for engine in ("vllm", "trtllm"):
         with pytest.raises(UsageError, match="--responses-store-size"):
             refuse_unsupported(engine, {"--responses-store-size"})

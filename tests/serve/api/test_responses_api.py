@@ -92,6 +92,16 @@ def engine_prompts(served, tok):
         del engine.submit
 
 
+@contextmanager
+def template(served, text: str):
+    tokenizer = served.server.frontend.prompts.tokenizer
+    before, tokenizer.chat_template = tokenizer.chat_template, text
+    try:
+        yield
+    finally:
+        tokenizer.chat_template = before
+
+
 def create(client, **kwargs):
     return client.responses.create(model="tiny", temperature=0, **kwargs)
 
@@ -166,16 +176,31 @@ def test_function_call_round_trip(client, served, tok):
                  call.model_dump(exclude_none=True),
                  {"type": "function_call_output", "call_id": call.call_id,
                   "output": "14:05"}]
-    prompts = served.server.frontend.prompts
-    before, prompts.tokenizer.chat_template = prompts.tokenizer.chat_template, TOOL_TEMPLATE
-    try:
-        with engine_prompts(served, tok) as seen, scripted(served, "", answer="It is 14:05."):
-            second = create(client, input=follow_up, tools=TOOLS, max_output_tokens=40)
-    finally:
-        prompts.tokenizer.chat_template = before
+    with template(served, TOOL_TEMPLATE), engine_prompts(served, tok) as seen, \
+            scripted(served, "", answer="It is 14:05."):
+        second = create(client, input=follow_up, tools=TOOLS, max_output_tokens=40)
     assert second.output_text == "It is 14:05."
     assert seen == [(
         "<|im_start|>user\nWhat time is it in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>get_time {"tz": "CET"}</tool_call><|im_end|>\n'
+        f"<|im_start|>tool\n14:05 [{call.call_id}]<|im_end|>\n<|im_start|>assistant\n")]
+
+
+def test_a_call_continued_by_previous_response_id(client, served, tok):
+    # the stored output (a reasoning item, then the call) goes back in as the history
+    with template(served, TOOL_TEMPLATE):
+        with scripted(served, f"<think>{THOUGHT}</think>", answer=CALL):
+            first = create(client, input="Time?", tools=TOOLS, max_output_tokens=80)
+        assert [i.type for i in first.output] == ["reasoning", "function_call"]
+        call = first.output[1]
+        with engine_prompts(served, tok) as seen, scripted(served, "", answer="14:05."):
+            second = create(client, previous_response_id=first.id, tools=TOOLS,
+                            max_output_tokens=40, input=[{
+                                "type": "function_call_output", "call_id": call.call_id,
+                                "output": "14:05"}])
+    assert second.output_text == "14:05."
+    assert seen == [(
+        "<|im_start|>user\nTime?<|im_end|>\n"
         '<|im_start|>assistant\n<tool_call>get_time {"tz": "CET"}</tool_call><|im_end|>\n'
         f"<|im_start|>tool\n14:05 [{call.call_id}]<|im_end|>\n<|im_start|>assistant\n")]
 

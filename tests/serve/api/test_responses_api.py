@@ -342,7 +342,8 @@ def test_unsupported_fields_are_400s_naming_them(client, extra, param):
 
 def test_neutral_values_are_taken(client):
     out = create(client, input="hi", max_output_tokens=2, background=False, include=[],
-                 truncation="disabled", metadata={"k": "v"}, user="u")
+                 truncation="disabled", metadata={"k": "v"}, user="u",
+                 reasoning={"effort": None})
     assert out.metadata == {"k": "v"}
 
 
@@ -368,6 +369,15 @@ MALFORMED = [
      "tools.0.parameters"),
     (json.dumps({"input": "x", "max_output_tokens": 10 ** 9}).encode(),
      "max_output_tokens"),
+    (json.dumps({"input": [None, 1]}).encode(), "input"),
+    (json.dumps({"input": [{"role": "user", "content": [None]}]}).encode(), "input"),
+    (json.dumps({"input": [{"role": "user", "content": None}]}).encode(), "input"),
+    (json.dumps({"input": "x", "tools": [None]}).encode(), "tools"),
+    (json.dumps({"input": "x", "tools": "f"}).encode(), "tools"),
+    (json.dumps({"input": "x", "tool_choice": {"type": "web_search"}}).encode(),
+     "tool_choice"),
+    (json.dumps({"input": "x", "text": "json"}).encode(), "text"),
+    (json.dumps({"input": "x", "metadata": {"a": 1}}).encode(), "metadata"),
 ]
 
 

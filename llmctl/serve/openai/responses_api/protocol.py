@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from llmctl.serve.openai.protocol import (
     MAX_MESSAGES,
@@ -33,6 +40,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 # input item and content part types OpenAI has and this server does not take
 _UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio", "refusal")
+_PART_TYPES = ("input_text", "output_text")
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
@@ -53,11 +61,19 @@ class MessageItem(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _parts(cls, value):
-        for i, part in enumerate(value if isinstance(value, list) else ()):
+        """One clear message instead of one per member of the union."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            # ValueError, not TypeError: pydantic makes only the former a 400
+            raise ValueError("must be a string or a list of content parts")  # noqa: TRY004
+        for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _UNSUPPORTED_PARTS:
-                raise ValueError(f"content part {i} is of type {kind!r}, which this server "
-                                 "does not support (only input_text and output_text)")
+            if kind not in _PART_TYPES:
+                what = "is not supported by this server" if kind in _UNSUPPORTED_PARTS \
+                    else "is not a content part type"
+                raise ValueError(f"content part {i} is of type {kind!r}, which {what} "
+                                 f"(it takes {', '.join(_PART_TYPES)})")
         return value
 
     def text(self) -> str:
@@ -194,6 +210,8 @@ class ResponsesRequest(_Strict):
     @field_validator(*_NEUTRAL, mode="before")
     @classmethod
     def _unsupported(cls, value, info):
+        if isinstance(value, dict) and all(v is None for v in value.values()):
+            return None  # {} or all nulls (reasoning: {"effort": null}) asks for nothing
         if value not in _NEUTRAL[info.field_name]:
             raise ValueError(f"{value!r} is not supported by this server; leave it out")
         return value
@@ -211,17 +229,35 @@ class ResponsesRequest(_Strict):
             if len(value) > MAX_MESSAGES:
                 raise ValueError(f"at most {MAX_MESSAGES} items, got {len(value)}")
             for i, item in enumerate(value):
+                if not isinstance(item, dict):
+                    raise ValueError(f"item {i} must be an object")  # noqa: TRY004 (a 400)
                 kind = _item_type(item)
                 if kind not in _ITEM_TYPES:
                     raise ValueError(f"item {i} is of type {kind!r}, which this server does "
                                      f"not support (it takes {', '.join(_ITEM_TYPES)})")
         return value
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value):
+        """One clear message instead of one per member of the union."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict):
+            try:
+                return NamedFunction.model_validate(value)
+            except ValidationError:
+                pass
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", '
+                         '"name": NAME} (built-in tool choices are not supported)')
+
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools_only(cls, value):
         for i, tool in enumerate(value if isinstance(value, list) else ()):
-            kind = tool.get("type") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict):
+                raise ValueError(f"tool {i} must be an object")  # noqa: TRY004 (a 400)
+            kind = tool.get("type")
             if kind != "function":
                 raise ValueError(f"tool {i} is of type {kind!r}: built-in tools are not "
                                  "supported by this server, only function tools")

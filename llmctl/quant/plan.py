@@ -284,8 +284,6 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
         modules.append(plan)
         if kind in ROUTER_KINDS:
             plan.note = ROUTER_NOTE
-            if any(name_matches(name, t) for g in groups.values() for t in g.targets):
-                warnings.append(f"{name} is a router: it stays in full precision")
             continue
         if any(_matches(name, ign, "Linear") for ign in modifier.ignore):
             continue
@@ -320,23 +318,11 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
         raise ConfigError("the recipe's targets match no linear layer of this model",
                           "check `targets` / `ignore` (module names look like "
                           "model.layers.0.self_attn.q_proj)")
-    if any(m.format == "pack-quantized" and not m.weight.symmetric for m in modules if m.quantized):
-        warnings.append("asymmetric pack-quantized weights load in vLLM and in llmctl, but not "
-                        "in transformers 5.x with compressed-tensors 0.20 (packed zero points; "
-                        "llm-compressor issue #1618): use symmetric weights for transformers")
-    adjusted = sorted({m.note for m in modules if m.note and m.kind not in ROUTER_KINDS})
-    if adjusted:
-        warnings.append("group size changed where it does not divide the input features: "
-                        + "; ".join(f"{sum(1 for m in modules if m.note == a)} layers {a}"
-                                    for a in adjusted))
+    warnings += _layout_warnings(modules, groups)
     out_groups = _output_groups(groups, modules)
-    expert_groups = {m.group for m in modules if m.quantized and _EXPERT_KIND.match(m.kind)}
-    if len(expert_groups) > 1 or any(g and "_g" in g for g in expert_groups):
-        warnings.append("the experts' linears fall in several config groups (group sizes "
-                        "changed): transformers 5 decodes a mixture's fused experts with one "
-                        "group's scheme; use a group size that divides every expert's width")
     # Every Linear the loader would match but llmctl kept in float must be ignored by
-    # name, or transformers / vLLM would expect quantized tensors for it.
+    # name, or transformers / vLLM would expect quantized tensors for it; the routers
+    # always are (ROUTER_KINDS).
     ignore = list(modifier.ignore) + [m.name for m in modules if m.kind in ROUTER_KINDS
                                       and not any(name_matches(m.name, i) for i in modifier.ignore)]
     candidates = [m.name for m in modules if not m.quantized] + (["lm_head"] if tied else [])
@@ -357,6 +343,31 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
                                                       ckpt.config.get("num_hidden_layers", 0)))
     return QuantPlan(recipe.method, modules, out_groups, ignore, fmt, before,
                      after, dtype, warnings, kv_cache_scheme=kv)
+
+
+def _layout_warnings(modules: list[ModulePlan], groups: dict[str, Any]) -> list[str]:
+    """What the dry run should tell about the planned layout: loaders that will not read
+    it, group sizes changed, routers a target named, experts split across groups."""
+    warnings = []
+    if any(m.format == "pack-quantized" and not m.weight.symmetric for m in modules if m.quantized):
+        warnings.append("asymmetric pack-quantized weights load in vLLM and in llmctl, but not "
+                        "in transformers 5.x with compressed-tensors 0.20 (packed zero points; "
+                        "llm-compressor issue #1618): use symmetric weights for transformers")
+    adjusted = sorted({m.note for m in modules if m.note and m.kind not in ROUTER_KINDS})
+    if adjusted:
+        warnings.append("group size changed where it does not divide the input features: "
+                        + "; ".join(f"{sum(1 for m in modules if m.note == a)} layers {a}"
+                                    for a in adjusted))
+    for m in modules:
+        if m.kind in ROUTER_KINDS and any(name_matches(m.name, t) for g in groups.values()
+                                          for t in g.targets):
+            warnings.append(f"{m.name} is a router: it stays in full precision")
+    expert_groups = {m.group for m in modules if m.quantized and _EXPERT_KIND.match(m.kind)}
+    if len(expert_groups) > 1 or any(g and "_g" in g for g in expert_groups):
+        warnings.append("the experts' linears fall in several config groups (group sizes "
+                        "changed): transformers 5 decodes a mixture's fused experts with one "
+                        "group's scheme; use a group size that divides every expert's width")
+    return warnings
 
 
 class UnmatchedPatternError(ConfigError):

@@ -106,6 +106,14 @@ def memory_estimate(prep: Prepared, calib: CalibrationSpec | None, options: Pipe
     uses_h = methods.keeps_hessians
     inter = arch.intermediate_size
     dims = [shape.hidden, shape.heads * shape.head_dim, shape.hidden, inter] if uses_h else []
+    if uses_h and any(arch.moe_layers):
+        # a mixture's tap holds one X^T X per expert at once (the gate/up one shared by
+        # every expert under calibrate_all_experts) and the shared expert's
+        all_experts = prep.recipe.weight_modifier.calibrate_all_experts \
+            if options.calibrate_all_experts is None else options.calibrate_all_experts
+        shared = [arch.shared_expert_intermediate_size] * (arch.shared_expert_intermediate_size > 0)
+        dims += ([shape.hidden] * (1 if all_experts else arch.num_experts)
+                 + [arch.expert_intermediate_size] * arch.num_experts + shared)
     rows = max((shape.heads + 2 * shape.kv_heads) * shape.head_dim, 2 * inter, shape.hidden)
     compute_bytes = 2 if str(options.compute_dtype).endswith(("bfloat16", "float16")) else 4
     return memory.estimate(arch, samples=calib.samples if calib else 0,

@@ -144,9 +144,11 @@ async def response_events(builder, updates, metrics,
             log.exception("streaming %s failed", builder.skeleton["id"])
             metrics.http_errors.labels(model, "500").inc()
             exc = errors.internal(f"generation failed: {exc}")
+        # OpenAI's response error codes are a closed set: ours goes in the message
         error = exc.body()["error"]
-        for event in builder.failed({"code": error["code"] or error["type"],
-                                     "message": error["message"]}):
+        code = "rate_limit_exceeded" if exc.status == 429 else "server_error"
+        for event in builder.failed({"code": code, "type": error["type"],
+                                     "message": f"{error['message']} ({error['code']})"}):
             yield sse(event, event["type"])
     finally:
         await updates.aclose()

@@ -129,6 +129,11 @@ def test_text_and_message_input_answer_as_chat_does(client):
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert usage.output_tokens_details.reasoning_tokens == 0
     assert text.model == "tiny" and text.created_at > 0
+    # every field the SDK's type requires (it parses leniently itself)
+    from openai.types.responses import Response
+    raw = httpx.post(str(client.base_url) + "responses", json={"model": "tiny", "input": "Hi",
+                                                               "max_output_tokens": 3})
+    Response.model_validate(raw.json())
 
 
 def test_max_output_tokens_is_incomplete(client):
@@ -235,6 +240,10 @@ def test_streaming_events_in_order(client):
     whole = create(client, **kwargs)
     events = list(create(client, stream=True, **kwargs))
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+    for event in events:  # every field the SDK's types require
+        TypeAdapter(ResponseStreamEvent).validate_python(event.model_dump())
     types = [e.type for e in events]
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) > 1
@@ -446,6 +455,7 @@ def test_an_error_mid_stream_is_response_failed():
                                                 "response.failed"]
     assert all(line.startswith(f"event: {e['type']}\n") for line, e in zip(lines, events))
     failed = events[-1]["response"]
-    assert failed["status"] == "failed" and failed["error"]["code"] == "request_timeout"
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert "request_timeout" in failed["error"]["message"]
     assert failed["output"][0]["content"][0]["text"] == "Hal"
     assert not finished and metrics.http_errors.count == 1  # a failed response is not kept

@@ -100,8 +100,28 @@ def test_parameter_names_as_a_responses_client_knows_them():
     assert responses_param("tool_choice") == "tool_choice" and responses_param(None) is None
 
 
+SKELETON = {"id": "resp_1", "object": "response", "created_at": 1, "status": "in_progress",
+            "error": None, "incomplete_details": None, "instructions": None,
+            "max_output_tokens": None, "model": "m", "output": [],
+            "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
+            "store": True, "temperature": 1.0, "text": {"format": {"type": "text"}},
+            "tool_choice": "auto", "tools": [], "top_p": 1.0, "truncation": "disabled",
+            "usage": None, "user": None, "metadata": {}}
+
+
 def builder(tools: ToolPlan | None = None) -> ResponseBuilder:
-    return ResponseBuilder({"id": "resp_1", "model": "m", "output": []}, 5, tools)
+    return ResponseBuilder(SKELETON, 5, tools)
+
+
+def strictly_valid(events: list[dict]) -> None:
+    """Each event (and the response in it) as the openai SDK's types define them, every
+    required field there (the SDK itself parses leniently)."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event)
 
 
 def upd(text="", reasoning="", finish=None, n=1, thinking=0) -> Update:
@@ -115,6 +135,7 @@ def test_builder_items_and_event_order():
               upd("An"), upd("swer", finish="stop")):
         events += b.feed(u)
     events += b.finish()
+    strictly_valid(events)
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added",
@@ -131,7 +152,9 @@ def test_builder_items_and_event_order():
     reasoning, message = body["output"]
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "hmm"}]
     assert message["content"][0]["text"] == "Answer" and message["status"] == "completed"
-    assert body["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0},
+    assert body["usage"] == {"input_tokens": 5,
+                             "input_tokens_details": {"cached_tokens": 0,
+                                                      "cache_write_tokens": 0},
                              "output_tokens": 4,
                              "output_tokens_details": {"reasoning_tokens": 2},
                              "total_tokens": 9}
@@ -146,10 +169,12 @@ def test_builder_length_is_incomplete_and_failed_keeps_the_items():
     assert events[-1]["type"] == "response.incomplete"
     assert b.response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert b.response["output"][0]["status"] == "incomplete"
-    [failed] = b.failed({"code": "request_timeout", "message": "late"})
+    strictly_valid(events)
+    [failed] = b.failed({"code": "server_error", "message": "late"})
+    strictly_valid([failed])
     assert failed["type"] == "response.failed"
     assert failed["response"]["status"] == "failed"
-    assert failed["response"]["error"]["code"] == "request_timeout"
+    assert failed["response"]["error"]["code"] == "server_error"
 
 
 def test_builder_reads_calls_with_the_tool_parser():
@@ -157,6 +182,7 @@ def test_builder_reads_calls_with_the_tool_parser():
     events = b.feed(upd('Sure. <tool_call>{"name": "f", "arguments": {"x": 1}}'))
     events += b.feed(upd("</tool_call>", finish="stop"))
     events += b.finish()
+    strictly_valid(events)
     message, call = b.response["output"]
     assert message["content"][0]["text"].strip() == "Sure."
     assert (call["type"], call["name"], call["call_id"][:5]) == ("function_call", "f",

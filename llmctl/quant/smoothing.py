@@ -9,7 +9,7 @@ smoothed layer. What each tap is smoothed against comes from the method's mappin
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -100,13 +100,22 @@ def describe(method: QuantMethod | None, shape: block.BlockShape) -> list[str]:
     the dry run), e.g. ``input_layernorm -> self_attn.q_proj, ...``."""
     if method is None:
         return []
+    lines = _folds(method, shape)
+    if any(s is not None for s in shape.layer_moe):
+        if None in shape.layer_moe:  # Qwen-MoE's dense layers (mlp_only_layers) fold more
+            sparse = _folds(method, replace(shape, moe=next(s for s in shape.layer_moe if s)))
+            lines = sparse + [f"{line} (dense layers)" for line in
+                              _folds(method, replace(shape, moe=None)) if line not in sparse]
+        lines.append(MOE_NOTE)
+    return lines
+
+
+def _folds(method: QuantMethod, shape: block.BlockShape) -> list[str]:
     lines = []
     for tap, kinds in smoothing_targets(0, method, None, shape).items():
         source = shape.source(tap)
         rows = "" if source.rows is None else f" (rows {source.rows.start}:{source.rows.stop})"
         lines.append(f"{source.module}{rows} -> {', '.join(kinds)}")
-    if any(s is not None for s in shape.layer_moe) or shape.moe is not None:
-        lines.append(MOE_NOTE)
     return lines
 
 

@@ -347,6 +347,8 @@ def test_dry_run_shows_the_experts_and_the_router(tiny_family, tmp_path):
     assert "6 experts per layer, top-2, in layers [0, 2], plus a shared expert" in text
     assert "router kept in full precision" in text
     assert "nothing folds into the experts" in text
+    # the dense middle layer (mlp_only_layers) smooths its MLP as a dense model does
+    assert "post_attention_layernorm -> mlp.gate_proj, mlp.up_proj (dense layers)" in text
     result = _cli("quantize", path, "-r", str(_recipe(tmp_path, "w4a16-gptq")), "--dry-run",
                   "--no-calibrate-all-experts", "--json")
     assert result.exit_code == 0, result.output

@@ -459,3 +459,33 @@ def test_an_error_mid_stream_is_response_failed():
     assert "request_timeout" in failed["error"]["message"]
     assert failed["output"][0]["content"][0]["text"] == "Hal"
     assert not finished and metrics.http_errors.count == 1  # a failed response is not kept
+
+
+def test_a_tenant_reads_only_its_own_responses(served, tmp_path):
+    import yaml
+
+    from llmctl.serve.api.tenancy.gate import Tenancy
+    from llmctl.serve.api.tenancy.keys import TenantTable, hash_key
+
+    keys = {"alice": "sk-alice", "bob": "sk-bob"}
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump({
+        "tenants": {name: {} for name in keys},
+        "keys": [{"key_sha256": hash_key(key), "tenant": name} for name, key in keys.items()]}))
+    handler = served.server
+    before = handler.tenancy
+    handler.tenancy = Tenancy(TenantTable.load(path), handler.metrics,
+                              handler.frontend.models.served_names, str(path))
+    alice, bob = (OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0)
+                  for key in keys.values())
+    try:
+        mine = create(alice, input="hi", max_output_tokens=2)
+        assert alice.responses.retrieve(mine.id).id == mine.id
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            create(bob, input="more", previous_response_id=mine.id, max_output_tokens=2)
+        assert create(alice, input="more", previous_response_id=mine.id,
+                      max_output_tokens=2).previous_response_id == mine.id
+    finally:
+        handler.tenancy = before

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from llmctl.errors import UnsupportedArchitectureError
+from llmctl.gguf import experts
 from llmctl.models.architectures import GGUF_ARCH_KEYS, GGUF_INT_FIELDS
 from llmctl.models.layers.rope import rotary_dim
 from llmctl.models.spec import ModelArch, text_config
@@ -94,6 +95,8 @@ def check_exportable(config: dict[str, Any]) -> None:
     spec = ModelArch.from_config(config)
     arch = spec.family.gguf_arch
     problems = _problems(arch, spec)
+    if spec.family.moe is not None:
+        problems += experts.problems(arch, spec)
     if problems:
         raise UnsupportedArchitectureError(
             f"llama.cpp's {arch} graph cannot run this {spec.model_type} model: "
@@ -116,6 +119,8 @@ def write_arch_metadata(writer, config: dict[str, Any]) -> None:
         else:
             writer.add_float32(full, float(value))
     writer.add_rope_dimension_count(rotary_dim(spec.head_dim, spec.partial_rotary_factor))
+    if spec.family.moe is not None:
+        experts.write_metadata(writer, arch, spec)
     if arch in ("gemma2", "gemma3") and spec.layer_windows:
         # which layers attend through the window, per layer (llama.cpp's load_swa_pattern
         # reads the array before any period)

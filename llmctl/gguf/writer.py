@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from llmctl.errors import NotAModelError, UsageError
-from llmctl.gguf import quants
+from llmctl.gguf import experts, quants
 from llmctl.gguf.families import (
     check_exportable,
     export_config,
@@ -61,6 +61,7 @@ class TensorPlan:
     type: str  # ggml type
     n_bytes: int
     note: str = ""  # why this type: override, fallback, 1-D, ...
+    parts: tuple[str, ...] = ()  # HF tensors stacked into this one (a layer's experts)
 
     @property
     def n_elements(self) -> int:
@@ -76,6 +77,7 @@ class SourceTensor:
     gguf_name: str
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without "torch."
+    parts: tuple[str, ...] = ()  # stacked HF tensors (llmctl.gguf.experts); hf_name: their pattern
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -104,7 +106,12 @@ def _header(file: Path) -> dict[str, Any]:
 def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
                    ) -> list[SourceTensor]:
     """The checkpoint's tensors in GGUF order (embeddings, blocks, norm, output)."""
-    names = expand_tensor_names(arch, config["num_hidden_layers"])
+    layers = config["num_hidden_layers"]
+    names = expand_tensor_names(arch, layers)
+    stacked: dict[str, tuple[str, ...]] = {}
+    if arch.moe is not None:
+        names.update(experts.single_names(arch, layers))
+        stacked = experts.stacked_names(arch, layers, ModelArch.from_config(config).num_experts)
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in _safetensors_files(directory):
         for key, info in _header(file).items():
@@ -112,7 +119,9 @@ def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
                 code = info["dtype"]
                 dtype = SAFETENSORS[code].name if code in SAFETENSORS else code
                 found[key] = (tuple(info["shape"]), dtype)
-    unknown = sorted(k for k in found if k not in names and not k.endswith("rotary_emb.inv_freq"))
+    in_stacks = {part for parts in stacked.values() for part in parts}
+    unknown = sorted(k for k in found if k not in names and k not in in_stacks
+                     and not k.endswith("rotary_emb.inv_freq"))
     if unknown:
         raise NotAModelError(
             f"{directory} has tensors llmctl cannot map to GGUF: {unknown[:3]}"
@@ -125,6 +134,16 @@ def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
         if hf_name in found and not (tied and hf_name == "lm_head.weight"):
             shape, dtype = found[hf_name]
             out.append(SourceTensor(hf_name, gguf_name, shape, dtype))
+    for gguf_name, parts in stacked.items():
+        missing = [p for p in parts if p not in found]
+        if missing:
+            raise NotAModelError(
+                f"{directory} has no per-expert tensor {missing[0]}",
+                "GGUF export stacks the per-expert tensors transformers' save_pretrained "
+                "writes; re-save the model with it")
+        shape, dtype = found[parts[0]]
+        pattern = parts[0].replace("experts.0.", "experts.{e}.")
+        out.append(SourceTensor(pattern, gguf_name, (len(parts), *shape), dtype, parts))
     return sorted(out, key=_file_order)
 
 
@@ -196,7 +215,7 @@ def plan_tensors(tensors: list[SourceTensor], default_type: str, *,
             note = f"fallback: {t.shape[-1]} columns do not fit {kind} blocks"
             kind = "F16"
         plans.append(TensorPlan(t.gguf_name, t.hf_name, t.shape, kind,
-                                type_nbytes(t.shape, kind), note))
+                                type_nbytes(t.shape, kind), note, t.parts))
     return plans + list(extra)
 
 
@@ -262,7 +281,7 @@ def write_gguf(directory: Path, out: Path, plan: list[TensorPlan], ftype: int, *
 
     directory = Path(directory)
     config = read_config(directory)
-    arch = get_architecture(config["model_type"], refuse_moe="GGUF export")
+    arch = get_architecture(config["model_type"])
     vocab = vocab or read_hf_vocab(directory, config)
     extra = generated_tensors(config)
     spec = ModelArch.from_config(config)
@@ -296,6 +315,9 @@ def write_gguf(directory: Path, out: Path, plan: list[TensorPlan], ftype: int, *
         for done, p in enumerate(plan, start=1):
             if p.source is None:
                 array = extra[p.name]
+            elif p.parts:  # a layer's experts, stacked [E, out, in]
+                array = np.stack([to_gguf(arch, part, _load_array(handles[part], part),
+                                          n_head, n_kv) for part in p.parts])
             else:
                 array = to_gguf(arch, p.source, _load_array(handles[p.source], p.source),
                                 n_head, n_kv)
@@ -312,7 +334,7 @@ def build_plan(directory: Path, default_type: str, **rules: Any
                ) -> tuple[dict[str, Any], list[SourceTensor], list[TensorPlan]]:
     """Config, source tensors and the per-tensor plan for a file llmctl writes."""
     config = read_config(directory)
-    arch = get_architecture(config["model_type"], refuse_moe="GGUF export")
+    arch = get_architecture(config["model_type"])
     check_exportable(config)
     tensors = source_tensors(directory, config, arch)
     extra = [TensorPlan(name, None, a.shape, "F32", a.nbytes, "generated")

@@ -87,7 +87,7 @@ def architecture_for_gguf(gguf_arch: str) -> Architecture:
     for arch in ARCHITECTURES.values():
         if arch.gguf_arch == gguf_arch:
             return arch
-    # (the mixtures of experts have no GGUF name yet: llmctl does not export them)
+    # (a mixture of experts' file is refused before this: gguf_reader.open_checkpoint)
     known = sorted({a.gguf_arch for a in ARCHITECTURES.values() if a.gguf_arch})
     raise UnsupportedArchitectureError(
         f"GGUF architecture {gguf_arch!r} is not supported",

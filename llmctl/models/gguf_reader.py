@@ -230,6 +230,12 @@ def open_checkpoint(path: Path) -> GGUFCheckpoint:
     gguf_arch = field_value(reader, "general.architecture")
     if gguf_arch is None:
         raise GGUFError(f"{path} has no general.architecture key", "it is not a model GGUF")
+    if (field_value(reader, f"{gguf_arch}.expert_count") or 0) > 0:
+        # llmctl writes them (llmctl.gguf.experts) but reads no stacked experts back yet
+        raise GGUFError(f"{path} is a mixture of experts ({gguf_arch}, "
+                        f"{field_value(reader, f'{gguf_arch}.expert_count')} experts): "
+                        "llmctl does not import MoE GGUF files yet",
+                        "serve the Hugging Face checkpoint, or run the file with llama.cpp")
     arch = architecture_for_gguf(gguf_arch)
     config = _arch_fields(reader, gguf_arch)
     missing = {"num_hidden_layers", "hidden_size", "num_attention_heads"} - config.keys()

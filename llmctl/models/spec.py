@@ -232,13 +232,16 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            config_defaults=_GEMMA3_DEFAULTS),
     # mixtures of experts (llmctl.models.layers.moe): the engine runs them; no GGUF name
     # yet (quantize, GGUF export and the build targets refuse them: get_architecture)
-    Family("mixtral", "MixtralForCausalLM", windows="every_layer", qkv_bias=False, o_bias=False,
+    # GGUF: llama.cpp runs Mixtral as its "llama" graph with experts (its converter's choice)
+    Family("mixtral", "MixtralForCausalLM", "llama", rope_permute=True, tensors=LLAMA_TENSORS,
+           windows="every_layer", qkv_bias=False, o_bias=False,
            moe=MoeLayout(("num_local_experts",), "intermediate_size", "block_sparse_moe.gate",
                          ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
                           "block_sparse_moe.experts.{e}.w2"), float32_weights=True),
            config_defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                             "rope_theta": 1_000_000.0}),
-    Family("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias="qkv_bias", o_bias=False,
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2moe",
+           tensors={**LLAMA_TENSORS, **QKV_BIAS_TENSORS}, qkv_bias="qkv_bias", o_bias=False,
            windows="layer_types", config_defaults=_QWEN2_MOE_DEFAULTS, moe=MoeLayout(
                ("num_experts",), "moe_intermediate_size", "mlp.gate", _QWEN_MOE_EXPERTS,
                shared=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
@@ -246,7 +249,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                shared_gate="mlp.shared_expert_gate", renormalize="norm_topk_prob",
                dense_layers=True)),
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, windows="layer_types",
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe",
+           tensors={**LLAMA_TENSORS, **QK_NORM_TENSORS}, qk_norm=True, windows="layer_types",
            config_defaults=_QWEN_MOE_DEFAULTS, moe=MoeLayout(
                ("num_experts", "num_local_experts"), "moe_intermediate_size", "mlp.gate",
                _QWEN_MOE_EXPERTS, renormalize="norm_topk_prob", dense_layers=True)),

@@ -299,21 +299,15 @@ def test_quantized_experts_are_refused_by_name(tiny_family):
 
 
 @pytest.mark.parametrize("name", MOE_FAMILY_NAMES)
-def test_quantize_export_and_build_refuse_moe_in_one_line(tiny_family, tmp_path, name):
-    """The commands that do not handle experts yet stop before any work, naming it."""
+def test_build_targets_refuse_moe_in_one_line(name):
+    """The build targets, which do not handle experts yet, stop before any work, naming
+    it (GGUF export and quantize do: tests/gguf/test_moe_export.py,
+    tests/quant/test_moe_quant.py)."""
     from types import SimpleNamespace
 
     from llmctl.engines.targets import get_target
     from llmctl.errors import UnsupportedArchitectureError
-    from llmctl.gguf.writer import export_gguf
-    from llmctl.quant.run import prepare
 
-    path = tiny_family(name)
-    with pytest.raises(UnsupportedArchitectureError, match="GGUF export does not handle "
-                       f"mixture-of-experts models \\({name}\\)"):
-        export_gguf(path, tmp_path / "m.gguf", "F32")
-    with pytest.raises(UnsupportedArchitectureError, match="llmctl quantize does not handle"):
-        prepare(str(path), "w4a16-rtn")
     for target in ("torch-compile", "onnx", "tensorrt-llm"):
         with pytest.raises(UnsupportedArchitectureError, match=f"the {target} target does"):
             get_target(target).check_source(SimpleNamespace(model_type=name, config={}))

@@ -39,6 +39,7 @@ from llmctl.quant.checkpoint import Checkpoint
 from llmctl.quant.fp8 import kv_cache_scales
 from llmctl.quant.method import WeightJob, WeightResult
 from llmctl.quant.methods import methods_for
+from llmctl.quant.moe_smoothing import smooth_experts
 from llmctl.quant.plan import ModulePlan, QuantPlan, WeightSpec, kv_heads
 from llmctl.quant.recipe import Recipe
 from llmctl.quant.scheme import act_quantizer, dequantize, weight_grid
@@ -228,6 +229,8 @@ class LayerQuantizer:
         if self.methods.smoother is not None:
             smoothed = smooth_layer(i, X, work, plans, self.methods.smoother, self.stream,
                                     self.warn)
+            smooth_experts(i, X, work, plans, self.methods.smoother, self.stream, self.warn,
+                           smoothed)
         self._kv_amax = torch.zeros(2, self.shape.kv_heads)
         quantized = (self._quantize_layer_data_free(i, work, plans) if X is None
                      else self._quantize_layer(i, X, work, plans, smoothed))
@@ -297,7 +300,7 @@ class LayerQuantizer:
         for tap in block.TAPS:
             if stream.shape.moe is not None and tap in ("mlp_in", "mlp_act"):
                 quantized.update(self._quantize_experts(i, tap, X, work, plans, fw, linear,
-                                                        acts))
+                                                        acts, smoothed.notes))
                 continue
             kinds = list(stream.shape.linears[tap])
             needs = self._needs([plans[k] for k in kinds], tap in smoothed.moments)
@@ -311,7 +314,8 @@ class LayerQuantizer:
         return quantized
 
     def _quantize_experts(self, i: int, tap: str, X: torch.Tensor, work: dict, plans: dict,
-                          fw: dict, linear: Callable, acts: dict) -> dict[str, QuantizedLinear]:
+                          fw: dict, linear: Callable, acts: dict,
+                          notes: dict[str, str]) -> dict[str, QuantizedLinear]:
         """A mixture of experts' tap: statistics per expert (``moe_block``), then each
         expert's linears against its own. With calibrate_all_experts off, an expert the
         router sent fewer than min_expert_tokens tokens is quantized round-to-nearest
@@ -338,7 +342,7 @@ class LayerQuantizer:
             g_stats = stats.groups[group]
             if g_stats.count == 0:  # a static activation scale from the whole tap's range
                 g_stats.lo, g_stats.hi = stats.tap_range()
-            out.update(self._quantize_tap(i, list(kinds), work, plans, g_stats, fw, acts, {},
+            out.update(self._quantize_tap(i, list(kinds), work, plans, g_stats, fw, acts, notes,
                                           fallback=group in short))
         return out
 

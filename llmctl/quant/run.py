@@ -66,12 +66,16 @@ def smoothing_plan(ckpt, recipe) -> list[str] | None:
     from llmctl.models.spec import ModelArch
     from llmctl.quant import block
     from llmctl.quant.methods import methods_for
+    from llmctl.quant.moe_smoothing import EXPERT_FOLD, folds_experts
     from llmctl.quant.smoothing import describe
 
     smoother = methods_for(recipe).smoother
     if smoother is None:
         return None
-    return describe(smoother, block.BlockShape.from_arch(ModelArch.from_config(ckpt.config)))
+    shape = block.BlockShape.from_arch(ModelArch.from_config(ckpt.config))
+    sparse = next((s for s in shape.layer_moe if s is not None), None)
+    experts = sparse is not None and folds_experts(smoother, shape)
+    return describe(smoother, shape) + ([EXPERT_FOLD] if experts else [])
 
 
 def moe_summary(prep: Prepared) -> dict[str, Any] | None:

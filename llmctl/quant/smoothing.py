@@ -28,17 +28,16 @@ class Smoothed:
     moments: dict[str, torch.Tensor] = field(default_factory=dict)  # tap -> X^T X / n
 
 
-# A mixture of experts' taps are never smoothed. The post-attention norm feeds the router
-# and every expert's gate/up: folding 1/s into it needs the router's weights scaled by s
-# too (llm-compressor's MoE AWQ mappings balance the experts' gate/up only, so the router
-# then sees x/s and routes differently; scaling it instead changes the router's weights,
-# which must stay bit-identical, and re-rounds them in bf16). Each expert's up -> down
-# could fold exactly, with its own statistics; not implemented: those taps are
-# quantized unsmoothed.
+# A mixture of experts' taps are not smoothed here. The post-attention norm feeds the
+# router and every expert's gate/up: folding 1/s into it needs the router's weights
+# scaled by s too (llm-compressor's MoE AWQ mappings balance the experts' gate/up only,
+# so the router then sees x/s and routes differently; scaling it instead changes the
+# router's weights, which must stay bit-identical, and re-rounds them in bf16): that
+# norm is left unsmoothed. Each expert's up -> down folds exactly, with its own
+# statistics: ``moe_smoothing``.
 MOE_UNSMOOTHED = ("mlp_in", "mlp_act")
-MOE_NOTE = ("mixture-of-experts layers: nothing folds into the experts (the router reads "
-            "the post-attention norm too and stays bit-identical; up -> down per expert is "
-            "not implemented)")
+MOE_NOTE = ("mixture-of-experts layers: nothing folds into the post-attention norm (it "
+            "feeds the router too, which stays bit-identical)")
 
 
 def _moe_tap(shape: block.BlockShape, tap: str) -> bool:

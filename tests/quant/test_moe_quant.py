@@ -222,10 +222,57 @@ def test_calibrated_methods_per_expert(quantized_moe, recipe):
                                source[f"model.layers.{i}.{kept}"])
     ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
     assert "model.layers.0.mlp.gate" in ignore and "model.layers.0.mlp.shared_expert_gate" in ignore
-    if recipe != "w4a16-gptq":  # smoothing: attention only in the sparse layers
+    if recipe != "w4a16-gptq":  # the post-attention norm is never smoothed in a sparse layer
         notes = {r["name"]: r["smoothing"] for r in report["linears"]}
         assert notes["model.layers.0.self_attn.q_proj"] is not None
         assert notes["model.layers.0.mlp.experts.0.gate_proj"] is None
+        # AWQ folds each expert's up -> down (SmoothQuant's mappings are the norms only)
+        for down in ("mlp.experts.0.down_proj", "mlp.experts.5.down_proj",
+                     "mlp.shared_expert.down_proj"):
+            note = notes[f"model.layers.2.{down}"]
+            assert (note or "").startswith("awq") if recipe == "w4a16-awq" else note is None
+
+
+def test_expert_folds_leave_the_float_layer_unchanged(tiny_family, tmp_path):
+    """AWQ's per-expert up -> down scales, folded into Qwen2-MoE's first layer: the float
+    block's output within 1e-5 (relative) of the unsmoothed one; the router untouched."""
+    from llmctl.models.spec import ModelArch
+    from llmctl.quant import block
+    from llmctl.quant.checkpoint import Checkpoint
+    from llmctl.quant.methods import methods_for
+    from llmctl.quant.moe_smoothing import smooth_experts
+    from llmctl.quant.plan import build_plan
+    from llmctl.quant.recipe import load_recipe
+    from llmctl.quant.smoothing import Smoothed
+    from llmctl.quant.stream import LayerStream
+    from tests.quant.test_families import _layer_weights
+
+    ckpt = Checkpoint(tiny_family("qwen2_moe"))
+    recipe = load_recipe(_recipe(tmp_path, "w4a16-awq"))
+    plan = build_plan(ckpt, recipe)
+    arch = ModelArch.from_config(ckpt.config)
+    stream = LayerStream.for_model(arch, 40, 1, torch.float32, "cpu").at(0)
+    shape = stream.shape
+    plans = {k: plan.module(f"model.layers.0.{k}") for k in shape.linear_names}
+    X = block.embed(ckpt.get("model.embed_tokens.weight", torch.float32), _ids(), arch)
+    work = _layer_weights(ckpt, 0)
+    before = {k: v.clone() for k, v in work.items()}
+    smoothed = Smoothed()
+    smooth_experts(0, X, work, plans, methods_for(recipe).smoother, stream, print, smoothed)
+    assert len(smoothed.notes) == 7  # six experts and the shared one
+    # (an expert whose best AWQ alpha is 0 keeps scales of 1)
+    changed = [e for e in range(6) if not torch.equal(work[f"mlp.experts.{e}.up_proj.weight"],
+                                                      before[f"mlp.experts.{e}.up_proj.weight"])]
+    assert changed
+    assert torch.equal(work["mlp.gate.weight"], before["mlp.gate.weight"])
+
+    def run(weights):
+        return block.forward(X, weights, block.float_linear(weights), shape, stream.cos,
+                             stream.sin)
+
+    want = run(before)
+    err = ((run(work) - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-5, err
 
 
 # --- transformers loads the checkpoints ------------------------------------------------------
@@ -291,11 +338,13 @@ def test_checkpoint_loads_in_transformers(tiny_family, quantized_moe, name, reci
 
 def test_the_engine_still_refuses_quantized_experts(quantized_moe):
     """The serving engine's experts are float: a quantized expert is refused by name."""
-    from llmctl.serve.engine.llm import LLM
+    from llmctl.errors import UnsupportedArchitectureError
+    from llmctl.serve.model.weights import load_model
 
     out, _ = quantized_moe("qwen3_moe", "w8a16-rtn")
-    with pytest.raises(Exception, match="expert"):
-        LLM(str(out), kv_cache_memory="4MiB", block_size=4)
+    with pytest.raises(UnsupportedArchitectureError, match="float mixture-of-experts weights"):
+        load_model(out, dtype=torch.float32, device=torch.device("cpu"), backend="torch",
+                   max_len=64)
 
 
 # --- recipes and the command line -------------------------------------------------------------
@@ -346,7 +395,8 @@ def test_dry_run_shows_the_experts_and_the_router(tiny_family, tmp_path):
     text = " ".join(result.output.split())
     assert "6 experts per layer, top-2, in layers [0, 2], plus a shared expert" in text
     assert "router kept in full precision" in text
-    assert "nothing folds into the experts" in text
+    assert "nothing folds into the post-attention norm" in text
+    assert "each expert's up_proj -> down_proj (its own statistics)" in text
     # the dense middle layer (mlp_only_layers) smooths its MLP as a dense model does
     assert "post_attention_layernorm -> mlp.gate_proj, mlp.up_proj (dense layers)" in text
     result = _cli("quantize", path, "-r", str(_recipe(tmp_path, "w4a16-gptq")), "--dry-run",

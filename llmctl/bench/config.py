@@ -194,6 +194,18 @@ def parse_percentiles(text: str) -> list[float]:
     return values
 
 
+def _check_trace_replay(request_rate: float, duration, sweep, capacity) -> None:
+    """A trace sets its own arrivals: the flags that set them otherwise are refused."""
+    clashes = [name for name, given in (("--request-rate", not math.isinf(request_rate)),
+                                        ("--duration", duration is not None),
+                                        ("--sweep", sweep is not None),
+                                        ("--find-capacity", capacity is not None)) if given]
+    if clashes:
+        raise UsageError(f"--dataset trace replays the trace's own arrivals: drop "
+                         f"{', '.join(clashes)}",
+                         "--trace-time-scale replays it faster or slower")
+
+
 def options_from_flags(**flags: Any) -> BenchOptions:
     """BenchOptions from the command line's flat, textual values: ``dataset`` and
     ``dataset_path`` plus the DatasetSpec fields, ``request_rate`` ("inf" or a number),
@@ -217,6 +229,8 @@ def options_from_flags(**flags: Any) -> BenchOptions:
     request_rate = parse_rate(flags.pop("request_rate", "inf"))
     sweep = parse_sweep(flags.pop("sweep", None))
     capacity = capacity_from_flags(flags, slo.bounds, request_rate=request_rate, sweep=sweep)
+    if dataset["name"] == "trace":
+        _check_trace_replay(request_rate, flags.get("duration"), sweep, capacity)
     percentiles = parse_percentiles(flags.pop("percentiles", "50,90,95,99"))
     return BenchOptions(
         dataset=DatasetSpec(**dataset),

@@ -9,7 +9,9 @@ Token lengths are counted with the model's own tokenizer. Every loader is regist
   prompt + output <= 2048);
 - ``jsonl``: local prompts (``.jsonl`` field, ``.txt``, ``.parquet``, ``hf:``, ``builtin:``);
 - ``prefix``: N shared system prompts x M questions, shuffled (prefix caching);
-- ``long-context``: windows of real prose (default the held-out pydoc text) plus a question.
+- ``long-context``: windows of real prose (default the held-out pydoc text) plus a question;
+- ``trace``: a JSONL request trace replayed on its own clock (:mod:`llmctl.bench.trace`:
+  Mooncake's format, shared prefixes from its hash ids).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class DatasetSpec(BaseModel):
     num_prefixes: int = Field(4, ge=1)
     prefix_len: int = Field(256, ge=1)
     questions_per_prefix: int | None = Field(None, ge=1)
+    trace_block_tokens: int = Field(512, ge=1)  # trace: tokens per hash id (Mooncake: 512)
+    trace_time_scale: float = Field(1.0, gt=0)  # trace: replay speed (2 = twice as fast)
     seed: int = 0
 
     def lengths(self) -> tuple[int | None, int | None]:
@@ -237,6 +241,31 @@ def _long_context(spec: DatasetSpec, tok, rng: np.random.Generator) -> list[Samp
     return samples
 
 
+@register("trace")
+def _trace(spec: DatasetSpec, tok, rng: np.random.Generator) -> list[SampleRequest]:
+    from llmctl.bench import trace
+
+    if not spec.path:
+        raise UsageError("--dataset trace needs --dataset-path",
+                         "pass a JSONL trace (timestamp, input_length, output_length, hash_ids)")
+    requests = trace.read_trace(spec.path)[:spec.num_prompts]
+    blocks: dict[tuple, str] = {}
+
+    def block_text(key: tuple[int, ...], n_tokens: int) -> str:
+        if (key, n_tokens) not in blocks:  # the same id: the same text, in every request
+            own = np.random.default_rng([spec.seed, n_tokens, *(k + 2 for k in key)])
+            blocks[key, n_tokens] = random_text(tok, n_tokens, own)[0]
+        return blocks[key, n_tokens]
+
+    arrivals = trace.arrivals(requests, spec.trace_time_scale)
+    samples = []
+    for i, (req, at) in enumerate(zip(requests, arrivals)):
+        prompt = trace.prompt_text(req, i, spec.trace_block_tokens, block_text)
+        samples.append(SampleRequest(prompt, len(_encode(tok, prompt)), req.output_length,
+                                     arrival=at))
+    return samples
+
+
 def build_dataset(spec: DatasetSpec, tokenizer) -> list[SampleRequest]:
     """The workload for ``spec``; the same seed gives the same prompts."""
     try:
@@ -254,5 +283,6 @@ def fingerprint(samples: list[SampleRequest]) -> str:
     """SHA-256 over the prompts and lengths: equal fingerprints, equal workloads."""
     digest = hashlib.sha256()
     for s in samples:
-        digest.update(json.dumps([s.system, s.prompt, s.prompt_len, s.output_len]).encode())
+        digest.update(json.dumps([s.system, s.prompt, s.prompt_len, s.output_len]
+                                 + ([s.arrival] if s.arrival is not None else [])).encode())
     return digest.hexdigest()

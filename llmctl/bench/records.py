@@ -14,6 +14,9 @@ class SampleRequest:
     prompt_len: int  # tokens of system + prompt, counted with the model's tokenizer
     output_len: int  # max_tokens to ask for
     system: str | None = None
+    # seconds after the run's start to send it (a replayed trace); None: the run's
+    # arrival process (--request-rate, --burstiness) decides
+    arrival: float | None = None
 
 
 @dataclass

@@ -119,6 +119,10 @@ def schedule(plan: RunPlan) -> Iterator[tuple[int, SampleRequest, float]]:
     """(index, sample, send offset in seconds). Counted runs send each sample once on a
     vLLM-normalised schedule; duration runs cycle the samples on an open-ended one."""
     rng = np.random.default_rng([plan.seed, 1])  # independent of the dataset's stream
+    if plan.samples and plan.samples[0].arrival is not None:  # a trace's own clock, once
+        order = sorted(range(len(plan.samples)), key=lambda i: plan.samples[i].arrival)
+        yield from ((i, plan.samples[i], plan.samples[i].arrival) for i in order)
+        return
     if plan.duration is None:
         times = arrivals.offsets(len(plan.samples), plan.request_rate, plan.burstiness, rng)
         yield from ((i, s, t) for i, (s, t) in enumerate(zip(plan.samples, times)))

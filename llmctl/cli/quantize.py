@@ -191,6 +191,17 @@ def _render_report(report: dict):
 
     def render(console) -> None:
         render_layers(console, report["layers"])
+        moe = report.get("experts")
+        if moe:
+            short = moe["under_calibrated"]
+            layers = len({r["layer"] for r in moe["experts"]})
+            how = ("from the weights alone" if report["calibration"].get("data_free") else
+                   "each on its own statistics (calibrate_all_experts "
+                   f"{'on' if moe['calibrate_all_experts'] else 'off'})")
+            listed = ", ".join(short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5
+                                             else "")
+            console.print(f"experts: {len(moe['experts'])} in {layers} sparse layers, {how}; "
+                          f"router in full precision; under-calibrated: {listed or 'none'}")
         mib = 1 << 20
         sizes, times, calib = report["sizes"], report["timings"], report["calibration"]
         data = "no calibration" if calib.get("data_free") else f"calibration {calib['tokens']:,} tokens"

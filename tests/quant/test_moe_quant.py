@@ -406,3 +406,19 @@ def test_dry_run_shows_the_experts_and_the_router(tiny_family, tmp_path):
     assert experts["experts"] == 6 and experts["calibrate_all_experts"] is False
     assert experts["routers_kept"][:2] == ["model.layers.0.mlp.gate",
                                            "model.layers.0.mlp.shared_expert_gate"]
+
+
+def test_the_command_names_the_under_calibrated_experts(tiny_family, tmp_path, starve_expert_0):
+    out = tmp_path / "out"
+    result = _cli("quantize", str(tiny_family("qwen3_moe")), "-r",
+                  str(_recipe(tmp_path, "w4a16-gptq")), "-o", str(out), "--samples", "4",
+                  "--seq-len", str(SEQ), "--no-calibrate-all-experts", "--calib-dtype",
+                  "float32")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert ("under-calibrated: model.layers.0.mlp.experts.0, model.layers.1.mlp.experts.0"
+            in text)
+    report = json.loads((out / "llmctl-quant.json").read_text())["experts"]
+    assert report["calibrate_all_experts"] is False and report["min_expert_tokens"] == 1
+    assert report["under_calibrated"] == ["model.layers.0.mlp.experts.0",
+                                          "model.layers.1.mlp.experts.0"]

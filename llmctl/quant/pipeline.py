@@ -358,8 +358,9 @@ class LayerQuantizer:
         quantized: dict[str, QuantizedLinear] = {}
         shape = self.shape.at(i)
         for tap in block.TAPS:
-            quantized.update(self._quantize_tap(i, list(shape.linears[tap]), work, plans,
-                                                None, {}, {}, {}))
+            for _, kinds in shape.groups(tap):  # each expert apart (a scale per tensor too)
+                quantized.update(self._quantize_tap(i, list(kinds), work, plans, None, {}, {},
+                                                    {}))
         return quantized
 
     def _quantize_tap(self, i: int, kinds: list[str], work: dict, plans: dict,

@@ -44,6 +44,7 @@ quant_stage:
   quant_modifiers:
     QuantizationModifier: {scheme: FP8_DYNAMIC, targets: [Linear], ignore: [lm_head]}
 """,
+    "w4a16-rtn-g16": W4_G16.format(modifier="QuantizationModifier", extra=""),
     "w4a16-gptq": W4_G16.format(modifier="GPTQModifier", extra=""),
     "w4a16-awq": W4_G16.format(modifier="AWQModifier", extra="      n_grid: 5"),
     "int8-smoothquant": """
@@ -62,7 +63,7 @@ quant_stage:
 # output; measured 0.42 (int4 g32 RTN) and 0.23 (FP8) on the random tiny Mixtral, whose
 # weights are far harder to quantize than a trained model's (the dense families' bounds
 # in test_families.py are 0.8 and 0.3)
-REL_BOUND = {"w4a16-rtn": 0.8, "w8a16-rtn": 0.1, "fp8-dynamic": 0.4}
+REL_BOUND = {"w4a16-rtn": 0.8, "w4a16-rtn-g16": 0.8, "w8a16-rtn": 0.1, "fp8-dynamic": 0.4}
 
 
 def _recipe(root: Path, name: str) -> Path:
@@ -304,8 +305,9 @@ def _decoded_experts(out: Path, layer: int, experts: tuple[str, str, str], n: in
             torch.stack([one(down, e) for e in range(n)]))
 
 
-@pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16-rtn", "fp8-dynamic"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name, recipe", [
+    *((n, r) for n in ("mixtral", "qwen3_moe") for r in ("w4a16-rtn", "w8a16-rtn", "fp8-dynamic")),
+    ("qwen2_moe", "w4a16-rtn-g16")])  # the shared expert and a dense layer
 def test_checkpoint_loads_in_transformers(tiny_family, quantized_moe, name, recipe):
     """transformers 5.24 loads every tensor, its fused experts hold exactly llmctl's
     decoding of each expert, the routers are bit-identical to the input's, and the
@@ -318,16 +320,20 @@ def test_checkpoint_loads_in_transformers(tiny_family, quantized_moe, name, reci
     arch = ModelArch.from_config(json.loads((tiny_family(name) / "config.json").read_text()))
     layout = arch.family.moe
     state = model.state_dict()
-    for i in range(arch.num_layers):
+    sparse = [i for i in range(arch.num_layers) if arch.moe_layers[i]]
+    for i in sparse:
         gate_up, down = _decoded_experts(out, i, layout.experts, arch.num_experts)
         torch.testing.assert_close(state[f"model.layers.{i}.mlp.experts.gate_up_proj"],
                                    gate_up, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(state[f"model.layers.{i}.mlp.experts.down_proj"], down,
                                    atol=1e-6, rtol=1e-6)
     source, written = _tensors(tiny_family(name)), _tensors(out)
-    for i in range(arch.num_layers):
-        key = f"model.layers.{i}.{layout.router}.weight"
-        assert written[key].dtype == source[key].dtype and torch.equal(written[key], source[key])
+    for i in sparse:
+        for kept in (layout.router, layout.shared_gate):
+            if kept is not None:
+                key = f"model.layers.{i}.{kept}.weight"
+                assert written[key].dtype == source[key].dtype
+                assert torch.equal(written[key], source[key])
     ids = _ids(seed=1)
     with torch.inference_mode():
         got = model(ids).logits.float()
@@ -422,3 +428,28 @@ def test_the_command_names_the_under_calibrated_experts(tiny_family, tmp_path, s
     assert report["calibrate_all_experts"] is False and report["min_expert_tokens"] == 1
     assert report["under_calibrated"] == ["model.layers.0.mlp.experts.0",
                                           "model.layers.1.mlp.experts.0"]
+
+
+def test_a_scale_per_tensor_is_each_expert_s_own(tiny_family, tmp_path):
+    """FP8 per tensor, data-free: each expert's scale is its own weight's absmax / 448
+    (never one scale over every expert of a tap)."""
+    recipe = write_recipe(tmp_path / "fp8t.yaml", """
+quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 8, type: float, strategy: tensor, symmetric: true}
+""")
+    out = tmp_path / "out"
+    run_quantize(tiny_family("mixtral"), recipe, out)
+    source, written = _tensors(tiny_family("mixtral")), _tensors(out)
+    scales = []
+    for e in range(8):
+        name = f"model.layers.1.block_sparse_moe.experts.{e}.w2"
+        want = source[f"{name}.weight"].float().abs().max() / 448
+        scales.append(written[f"{name}.weight_scale"].float().item())
+        assert scales[-1] == pytest.approx(want.item(), rel=1e-6)
+    assert len(set(scales)) == 8

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from llmctl.bench.conversations import chat_messages
 from llmctl.bench.datasets import join_prefix
 from llmctl.bench.records import RequestRecord, SampleRequest
 from llmctl.bench.tracecontext import new_traceparent
@@ -66,10 +67,7 @@ def _completions_body(sample: SampleRequest, s: RequestSettings) -> dict:
 
 
 def _chat_body(sample: SampleRequest, s: RequestSettings) -> dict:
-    messages = [{"role": "user", "content": sample.prompt}]
-    if sample.system:
-        messages.insert(0, {"role": "system", "content": sample.system})
-    return {**_common(sample, s), "messages": messages, **s.extra_body}
+    return {**_common(sample, s), "messages": chat_messages(sample), **s.extra_body}
 
 
 def _chat_text(choice: dict) -> str | None:
@@ -107,7 +105,8 @@ def _error_text(data: dict) -> str | None:
 async def send_request(client: httpx.AsyncClient, backend: Backend, settings: RequestSettings,
                        sample: SampleRequest, index: int, origin: float) -> RequestRecord:
     """Send one request; ``origin`` is the measurement's ``perf_counter`` zero."""
-    record = RequestRecord(index, sample.prompt_len, sample.output_len)
+    record = RequestRecord(index, sample.prompt_len, sample.output_len,
+                           turn=sample.turn if sample.conversation is not None else None)
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     headers["traceparent"], record.trace_id = new_traceparent()
     chunks: list[str] = []

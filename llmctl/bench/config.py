@@ -231,6 +231,10 @@ def options_from_flags(**flags: Any) -> BenchOptions:
     capacity = capacity_from_flags(flags, slo.bounds, request_rate=request_rate, sweep=sweep)
     if dataset["name"] == "trace":
         _check_trace_replay(request_rate, flags.get("duration"), sweep, capacity)
+    if dataset["name"] == "multi-turn" and (flags.get("backend") != "openai-chat"
+                                            or flags.get("duration") is not None):
+        raise UsageError("--dataset multi-turn sends chat histories, for a counted run",
+                         "pass --backend openai-chat (and no --duration)")
     percentiles = parse_percentiles(flags.pop("percentiles", "50,90,95,99"))
     return BenchOptions(
         dataset=DatasetSpec(**dataset),

@@ -10,6 +10,8 @@ Token lengths are counted with the model's own tokenizer. Every loader is regist
 - ``jsonl``: local prompts (``.jsonl`` field, ``.txt``, ``.parquet``, ``hf:``, ``builtin:``);
 - ``prefix``: N shared system prompts x M questions, shuffled (prefix caching);
 - ``long-context``: windows of real prose (default the held-out pydoc text) plus a question;
+- ``multi-turn``: conversations of ``turns`` user messages of random vocabulary, each turn
+  sent with the history (:mod:`llmctl.bench.conversations`);
 - ``trace``: a JSONL request trace replayed on its own clock (:mod:`llmctl.bench.trace`:
   Mooncake's format, shared prefixes from its hash ids).
 """
@@ -31,7 +33,7 @@ from llmctl.errors import ConfigError, ModelNotFoundError, UsageError
 DATASETS: dict[str, Callable[[DatasetSpec, object, np.random.Generator], list[SampleRequest]]] = {}
 # Defaults per workload when --input-len/--output-len are not given (tokens).
 DEFAULT_LENGTHS = {"random": (256, 128), "sharegpt": (None, None), "jsonl": (None, 128),
-                   "prefix": (64, 64), "long-context": (4096, 64)}
+                   "prefix": (64, 64), "long-context": (4096, 64), "multi-turn": (64, 64)}
 LONG_CONTEXT_QUESTION = "\n\nSummarize the text above in one paragraph."
 
 
@@ -49,6 +51,8 @@ class DatasetSpec(BaseModel):
     num_prefixes: int = Field(4, ge=1)
     prefix_len: int = Field(256, ge=1)
     questions_per_prefix: int | None = Field(None, ge=1)
+    turns: int = Field(3, ge=1)  # multi-turn: user messages per conversation
+    think_time: float = Field(0.0, ge=0)  # multi-turn: seconds from an answer to the next turn
     trace_block_tokens: int = Field(512, ge=1)  # trace: tokens per hash id (Mooncake: 512)
     trace_time_scale: float = Field(1.0, gt=0)  # trace: replay speed (2 = twice as fast)
     seed: int = 0
@@ -241,6 +245,24 @@ def _long_context(spec: DatasetSpec, tok, rng: np.random.Generator) -> list[Samp
     return samples
 
 
+@register("multi-turn")
+def _multi_turn(spec: DatasetSpec, tok, rng: np.random.Generator) -> list[SampleRequest]:
+    """``num_prompts`` conversations (their first turns; the runner sends the rest)."""
+    from llmctl.bench.conversations import Conversation
+
+    input_len, output_len = spec.lengths()
+    firsts = []
+    for _ in range(spec.num_prompts):
+        ins = _draw_lengths(input_len, spec.input_len_std, spec.turns, rng)
+        outs = _draw_lengths(output_len, spec.output_len_std, spec.turns, rng)
+        turns = []
+        for n_in, n_out in zip(ins, outs):
+            text, count = random_text(tok, n_in, rng)
+            turns.append(SampleRequest(text, count, n_out))
+        firsts.append(Conversation(tuple(turns), spec.think_time).first())
+    return firsts
+
+
 @register("trace")
 def _trace(spec: DatasetSpec, tok, rng: np.random.Generator) -> list[SampleRequest]:
     from llmctl.bench import trace
@@ -274,7 +296,7 @@ def build_dataset(spec: DatasetSpec, tokenizer) -> list[SampleRequest]:
         raise UsageError(f"unknown dataset {spec.name!r}",
                          f"known datasets: {', '.join(DATASETS)}") from None
     input_len, _ = spec.lengths()
-    if spec.name in ("random", "prefix", "long-context") and input_len is None:
+    if spec.name in ("random", "prefix", "long-context", "multi-turn") and input_len is None:
         raise UsageError(f"--dataset {spec.name} needs --input-len", "e.g. --input-len 256")
     return loader(spec, tokenizer, np.random.default_rng(spec.seed))
 
@@ -283,6 +305,8 @@ def fingerprint(samples: list[SampleRequest]) -> str:
     """SHA-256 over the prompts and lengths: equal fingerprints, equal workloads."""
     digest = hashlib.sha256()
     for s in samples:
+        turns = s.conversation.turns[1:] if s.conversation is not None else ()
         digest.update(json.dumps([s.system, s.prompt, s.prompt_len, s.output_len]
-                                 + ([s.arrival] if s.arrival is not None else [])).encode())
+                                 + ([s.arrival] if s.arrival is not None else [])
+                                 + [[t.prompt, t.output_len] for t in turns]).encode())
     return digest.hexdigest()

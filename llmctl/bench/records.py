@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,11 @@ class SampleRequest:
     # seconds after the run's start to send it (a replayed trace); None: the run's
     # arrival process (--request-rate, --burstiness) decides
     arrival: float | None = None
+    # a multi-turn conversation's turn (llmctl.bench.conversations): the earlier (user,
+    # answer) pairs it carries, its Conversation and its number from 0
+    history: tuple[tuple[str, str], ...] = ()
+    conversation: Any = None
+    turn: int = 0
 
 
 @dataclass
@@ -39,6 +45,7 @@ class RequestRecord:
     error: str | None = None
     error_kind: str | None = None  # "http" | "connect" | "stream" | "timeout" | ...
     trace_id: str | None = None  # the W3C trace id its traceparent header carried (32 hex)
+    turn: int | None = None  # its turn in a multi-turn conversation (from 0)
 
     @property
     def success(self) -> bool:

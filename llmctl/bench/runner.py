@@ -236,7 +236,10 @@ class _Sender:
         self.client, self.plan, self.backend, self.settings = client, plan, backend, settings
         self.sem, self.halt, self.alive = sem, halt, alive
         self.progress, self.watcher = progress, watcher
-        self.total = None if plan.duration else len(plan.samples)
+        self.total = None if plan.duration else sum(
+            s.conversation.requests if s.conversation is not None else 1 for s in plan.samples)
+        self.next_index = len(plan.samples)  # a conversation's later turns count on from here
+        self.follow_ups: list[asyncio.Task] = []
         self.records: list[RequestRecord] = []
         self.refusals = 0  # connections refused in a row
         self.in_flight = 0
@@ -286,6 +289,22 @@ class _Sender:
             for task in tasks:
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        while self.follow_ups:  # conversations' later turns, each started by its answer
+            batch, self.follow_ups = self.follow_ups, []
+            if halt.cancels:
+                for task in batch:
+                    task.cancel()
+            await asyncio.gather(*batch, return_exceptions=True)
+
+    async def follow_up(self, sample: SampleRequest) -> None:
+        """A conversation's next turn: after its think time, under the concurrency cap."""
+        await _wait(self.halt, sample.conversation.think_time)
+        if self.halt.event.is_set() or not await _acquire(self.sem, self.halt):
+            return
+        index, self.next_index = self.next_index, self.next_index + 1
+        self.launched.append((index, sample))
+        self.in_flight += 1
+        await self.one(index, sample, time.perf_counter() - self.origin)
 
     async def one(self, index: int, sample: SampleRequest, offset: float) -> RequestRecord:
         try:
@@ -303,6 +322,10 @@ class _Sender:
         elif self.alive is not None and not self.alive():
             self.halt.down("the server process exited")
         self.records.append(record)
+        if sample.conversation is not None and not self.halt.event.is_set():
+            nxt = sample.conversation.follow_up(sample, record)
+            if nxt is not None:
+                self.follow_ups.append(asyncio.ensure_future(self.follow_up(nxt)))
         if self.progress:
             self.progress(len(self.records), self.total or len(self.records))
         return record

@@ -24,6 +24,7 @@ from llmctl.bench import plots
 from llmctl.bench.backends import RequestSettings, get_backend
 from llmctl.bench.compare import aggregate_repeats
 from llmctl.bench.config import BenchOptions
+from llmctl.bench.conversations import ttft_by_turn
 from llmctl.bench.datasets import build_dataset, fingerprint
 from llmctl.bench.launcher import LaunchedServer, free_port, server_command
 from llmctl.bench.metrics import compute_metrics, raw_arrays
@@ -157,6 +158,9 @@ def _report(opts: BenchOptions, runs: list[RunResult], *, rate: float,
               "server_header": target.probe.get("server"),
               "served_models": target.probe.get("models"),
               "startup_seconds": target.launched.startup_seconds if target.launched else None}
+    by_turn = ttft_by_turn([r for result in runs for r in result.records])
+    if by_turn:  # a multi-turn workload: TTFT as the history grows
+        arrays["ttft_by_turn"] = by_turn
     dataset = {**opts.dataset.model_dump(), "fingerprint": fingerprint(samples),
                "mean_prompt_len": sum(s.prompt_len for s in samples) / len(samples),
                "mean_output_len": sum(s.output_len for s in samples) / len(samples)}

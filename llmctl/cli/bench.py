@@ -27,7 +27,8 @@ Endpoint = Annotated[str | None, Opt("--endpoint", help="Override the endpoint p
 ApiKey = Annotated[str | None, Opt("--api-key", envvar="OPENAI_API_KEY",
                                    help="Bearer token (default $OPENAI_API_KEY).")]
 Dataset = Annotated[str, Opt("--dataset",
-                              help="random | sharegpt | jsonl | prefix | long-context | trace.")]
+                              help="random | sharegpt | jsonl | prefix | long-context | "
+                                   "multi-turn | trace.")]
 DatasetPath = Annotated[str | None, Opt("--dataset-path", help="File (or hf:/builtin: "
                                         "source) for the dataset.")]
 PromptField = Annotated[str, Opt("--prompt-field",
@@ -46,6 +47,10 @@ PrefixLen = Annotated[int, Opt("--prefix-len", min=1, help="prefix: tokens per s
 QuestionsPerPrefix = Annotated[int | None, Opt("--questions-per-prefix", min=1, help="prefix: "
                                                "questions per system prompt (default "
                                                "num-prompts / num-prefixes).")]
+Turns = Annotated[int, Opt("--turns", min=1, help="multi-turn: user messages per "
+                           "conversation (--num-prompts conversations).")]
+ThinkTime = Annotated[float, Opt("--think-time", min=0.0, help="multi-turn: seconds from an "
+                                 "answer to the next turn.")]
 TraceBlockTokens = Annotated[int, Opt("--trace-block-tokens", min=1, help="trace: prompt "
                                       "tokens per hash id (Mooncake's traces: 512).")]
 TraceTimeScale = Annotated[float, Opt("--trace-time-scale",
@@ -133,7 +138,7 @@ def bench(
     input_len: InputLen = None, input_len_std: InputLenStd = 0.0, output_len: OutputLen = None,
     output_len_std: OutputLenStd = 0.0, num_prefixes: NumPrefixes = 4,
     prefix_len: PrefixLen = 256, questions_per_prefix: QuestionsPerPrefix = None,
-    trace_block_tokens: TraceBlockTokens = 512, trace_time_scale: TraceTimeScale = 1.0,
+    turns: Turns = 3, think_time: ThinkTime = 0.0, trace_block_tokens: TraceBlockTokens = 512, trace_time_scale: TraceTimeScale = 1.0,
     ignore_eos: IgnoreEos = False, request_rate: RequestRate = "inf",
     burstiness: Burstiness = 1.0, max_concurrency: MaxConcurrency = None, warmup: Warmup = 0,
     duration: Duration = None, seed: Seed = 0, temperature: Temperature = 0.0,

@@ -53,8 +53,9 @@ def thinking_model(tiny_llama, tmp_path_factory):
     return out
 
 
-def _start(model, **settings) -> Running:
-    """conftest.start_server with serve settings of this feature (an in-process engine)."""
+def _start(model, engine: dict | None = None, **settings) -> Running:
+    """conftest.start_server with serve settings of this feature (an in-process engine);
+    ``engine``: EngineConfig keywords over the small defaults."""
     import uvicorn
 
     from llmctl.serve.api.app import create_app
@@ -65,7 +66,7 @@ def _start(model, **settings) -> Running:
         ServeSettings(model=str(model), served_model_name="tiny", engine_process=False,
                       **settings),
         engine_kwargs={"kv_cache_memory": "64MiB", "max_num_seqs": 32,
-                       "max_num_batched_tokens": 256})
+                       "max_num_batched_tokens": 256, **(engine or {})})
     server, engine = build_server(opts)
     engine.start()
     port = free_port()

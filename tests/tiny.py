@@ -68,9 +68,10 @@ def build_tiny_llama(out: Path, *, seed: int = 0, tie: bool = False, layers: int
 
 
 FAMILY_CONFIGS = Path(__file__).parent / "data" / "families"
-# the mixtures of experts (tests/data/families/<name>.json too): the engine runs them
-# (tests/serve/model/test_moe.py); quantize, GGUF and the static engines do not yet, so
-# they stay out of FAMILY_NAMES, which those commands' family tests run
+# the mixtures of experts (tests/data/families/<name>.json too): tested by their own files
+# (tests/serve/model/test_moe.py, tests/quant/test_moe_quant.py,
+# tests/gguf/test_moe_export.py); the static engines refuse them, so they stay out of
+# FAMILY_NAMES, which the dense family tests of every command run
 MOE_FAMILY_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # every dense family llmctl runs, as a tiny config (tests/data/families/<name>.json): each
 # exercises its family's features (soft-caps, (1 + w) norms, post-norms, q/k norms,

@@ -63,8 +63,9 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def get_architecture(model_type: str, *, refuse_moe: str | None = None) -> Architecture:
     """The row of ``model_type``. ``refuse_moe``: the name of a command that does not
-    handle mixtures of experts yet (the engine runs them; quantize and GGUF export do
-    not): such a row is refused in one line rather than failing midway."""
+    handle mixtures of experts yet (the engine, quantize and GGUF export do; the build
+    targets and the importance matrix do not): such a row is refused in one line rather
+    than failing midway."""
     try:
         row = ARCHITECTURES[model_type]
     except KeyError:

@@ -230,9 +230,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            embed_sqrt_hidden=True, attention_scale="query_pre_attn_scalar", local_rope=True,
            act_key="hidden_activation", act_default="gelu_pytorch_tanh",
            config_defaults=_GEMMA3_DEFAULTS),
-    # mixtures of experts (llmctl.models.layers.moe): the engine runs them; no GGUF name
-    # yet (quantize, GGUF export and the build targets refuse them: get_architecture)
-    # GGUF: llama.cpp runs Mixtral as its "llama" graph with experts (its converter's choice)
+    # mixtures of experts (llmctl.models.layers.moe): the engine, quantize (per expert) and
+    # GGUF export (llmctl.gguf.experts) take them; the build targets refuse them
+    # (get_architecture). llama.cpp runs Mixtral as its "llama" graph with experts.
     Family("mixtral", "MixtralForCausalLM", "llama", rope_permute=True, tensors=LLAMA_TENSORS,
            windows="every_layer", qkv_bias=False, o_bias=False,
            moe=MoeLayout(("num_local_experts",), "intermediate_size", "block_sparse_moe.gate",

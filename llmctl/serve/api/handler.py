@@ -31,6 +31,7 @@ from llmctl.serve.openai.jobs import Job
 from llmctl.serve.openai.models import ServedModel
 from llmctl.serve.openai.prompts import request_chars
 from llmctl.serve.openai.responses import Assembly
+from llmctl.serve.openai.structured import compiles_grammar
 from llmctl.serve.openai.submit import submit_all
 
 log = logging.getLogger("llmctl.serve")
@@ -90,10 +91,11 @@ class RequestHandler:
         return parsed
 
     async def off_loop(self, fn: Callable[..., Any], req, *args) -> Any:
-        """``fn(req, *args)``, on a worker thread when ``req`` brings much text: the
-        tokenizer (Rust) and the chat template (jinja) then run beside the event loop,
-        which keeps answering /health and other clients' streams."""
-        if request_chars(req) <= OFF_LOOP_CHARS:
+        """``fn(req, *args)``, on a worker thread when ``req`` brings much text or a
+        grammar: the tokenizer (Rust), the chat template (jinja) and the wait on the
+        grammar compile pool then happen beside the event loop, which keeps answering
+        /health and other clients' streams."""
+        if request_chars(req) <= OFF_LOOP_CHARS and not compiles_grammar(req):
             return fn(req, *args)
         import anyio
 

@@ -53,7 +53,7 @@ async def completions(request: Request):
     req = await handler.parse(request, CompletionRequest)
     prompts = await handler.off_loop(serving.encode, req)
     cap = handler.tenancy.max_tokens_cap(tenant_of(request), req.max_tokens, "max_tokens")
-    jobs, params = serving.jobs(req, prompts, cap)
+    jobs, params = await handler.off_loop(serving.jobs, req, prompts, cap)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await handler.run(serving.kind, req, jobs, params, request, include_usage)
 
@@ -87,11 +87,11 @@ async def chat(request: Request):
     handler = handler_of(request)
     serving = handler.frontend.chat
     req = await handler.parse(request, ChatCompletionRequest)
-    tools = serving.tool_plan(req)
+    tools = await handler.off_loop(serving.tool_plan, req)
     ids = await handler.off_loop(serving.encode, req)
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     cap = handler.tenancy.max_tokens_cap(tenant_of(request), req.token_limit, param)
-    jobs, params = serving.jobs(req, ids, cap, tools)
+    jobs, params = await handler.off_loop(serving.jobs, req, ids, cap, tools)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await handler.run(serving.kind, req, jobs, params, request, include_usage)
 
@@ -103,11 +103,11 @@ async def responses(request: Request):
     req = await handler.parse(request, ResponsesRequest)
     history = serving.history(req, owner_of(request))
     chat_req = serving.chat_request(req, history)
-    tools = serving.tool_plan(chat_req)
+    tools = await handler.off_loop(serving.tool_plan, chat_req)
     ids = await handler.off_loop(serving.encode, chat_req)
     cap = handler.tenancy.max_tokens_cap(tenant_of(request), chat_req.token_limit,
                                          "max_output_tokens")
-    jobs, params = serving.jobs(chat_req, ids, cap, tools)
+    jobs, params = await handler.off_loop(serving.jobs, chat_req, ids, cap, tools)
     return await handler.respond(req, chat_req, history, jobs, params, request)
 
 

@@ -8,7 +8,9 @@ a message saying so, rather than silently ignored.
 
 ``logit_bias`` maps token ids (JSON object keys, so strings of integers) to a bias in
 ``[-100, 100]``, at most 300 of them (OpenAI's limits); the server checks the ids against
-the vocabulary. Chat requests may carry function ``tools`` and a ``tool_choice``
+the vocabulary. ``structured_outputs`` (and vLLM's older ``guided_*`` fields) constrain
+the output with a schema, regex, choice or grammar (:mod:`llmctl.serve.openai.structured`).
+Chat requests may carry function ``tools`` and a ``tool_choice``
 (:mod:`llmctl.serve.openai.tools.request` turns them into a template argument, a grammar or a
 parser), and messages carry ``tool_calls`` (assistant) and ``tool_call_id`` (tool).
 
@@ -45,6 +47,13 @@ from llmctl.serve.core.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     SEED_MAX,
     SEED_MIN,
+)
+from llmctl.serve.openai.structured import (
+    ChoiceForm,
+    GrammarForm,
+    JsonForm,
+    RegexForm,
+    StructuredOutputs,
 )
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -124,6 +133,13 @@ class _SamplingFields(_Strict):
     user: str | None = None
     priority: int = 0
     response_format: ResponseFormat | None = None
+    # vLLM's structured outputs, and its older top-level names for the same forms
+    # (llmctl.serve.openai.structured: at most one way in per request)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonForm | None = None
+    guided_regex: RegexForm | None = None
+    guided_choice: ChoiceForm | None = None
+    guided_grammar: GrammarForm | None = None
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     return_tokens_as_token_ids: bool = False

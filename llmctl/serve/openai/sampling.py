@@ -13,9 +13,12 @@ from llmctl.serve.engine.request_checks import (
     fit_context,
 )
 from llmctl.serve.openai import errors
+from llmctl.serve.openai.errors import APIError
 from llmctl.serve.openai.models import ServedModel
 from llmctl.serve.openai.protocol import ChatCompletionRequest
+from llmctl.serve.openai.structured import StructuredForm, structured_form
 from llmctl.serve.openai.tools.request import ToolPlan, ToolRequestError, plan_tools
+from llmctl.serve.sample.compile_pool import CompileBusyError, CompileTimeoutError
 
 
 class Sampling:
@@ -42,8 +45,6 @@ class Sampling:
         except ContextLengthError as exc:
             raise errors.bad_request(exc.message, exc.param) from None
         extra: dict[str, Any] = {}
-        if req.response_format is not None and req.response_format.type != "text":
-            extra["logits_constraint"] = self.grammar(req)
         if prompt_logprobs is not None:
             extra["prompt_logprobs"] = prompt_logprobs
         if bias := req.logit_bias_ids:
@@ -53,12 +54,7 @@ class Sampling:
                 raise errors.bad_request(exc.message, exc.param) from None
             extra["logit_bias"] = bias
         extra.update(overrides or {})
-        if reasoning is not None and extra.get("logits_constraint") is not None:
-            try:
-                extra["logits_constraint"] = reasoning.gate(extra["logits_constraint"])
-            except ValueError as exc:
-                param = "response_format" if req.response_format is not None else "tools"
-                raise errors.bad_request(str(exc), param) from None
+        self._constrain(req, extra, reasoning)
         try:  # protocol.py has checked every field; this is the engine's own last word
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
@@ -69,20 +65,46 @@ class Sampling:
         except UsageError as exc:
             raise errors.bad_request(exc.message) from None
 
+    def _constrain(self, req, extra: dict[str, Any], reasoning) -> None:
+        """``extra["logits_constraint"]``: the request's structured-output grammar (or
+        its tools'), held off while a reasoning model thinks."""
+        form = structured_form(req)
+        if form is not None:
+            if extra.get("logits_constraint") is not None:  # tool_choice required/named
+                raise errors.bad_request(
+                    f'{form.param} cannot be combined with tool_choice "required" or a '
+                    "named function: both set the output's shape", form.param)
+            extra["logits_constraint"] = self.grammar(req, form)
+        if reasoning is not None and extra.get("logits_constraint") is not None:
+            try:
+                extra["logits_constraint"] = reasoning.gate(extra["logits_constraint"])
+            except ValueError as exc:
+                raise errors.bad_request(str(exc), form.param if form else "tools") from None
+
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
         try:
             return plan_tools(req, self.grammars, self.auto_tool_parser)
         except ToolRequestError as exc:
             raise errors.bad_request(str(exc), exc.param) from None
+        except CompileBusyError as exc:
+            raise errors.unavailable(str(exc), retry_after=1) from None
 
-    def grammar(self, req):
-        """The request's compiled grammar (a ConstraintFactory); a bad schema is a 400."""
+    def grammar(self, req, form: StructuredForm | None = None):
+        """The request's compiled grammar (a ConstraintFactory), None if it asks for
+        none: llguidance's refusal a 400 with its message, a compile past the time limit
+        a 400 too (the grammar is what is too complex), a busy compile pool a 503."""
+        form = form if form is not None else structured_form(req)
+        if form is None:
+            return None
         if self.grammars is None:
-            raise errors.bad_request("response_format is not available on this server "
-                                     "(llguidance is not installed)", "response_format")
-        fmt = req.response_format
-        schema = fmt.json_schema.schema_ if fmt.json_schema else None
+            raise errors.bad_request(f"{form.param} is not available on this server "
+                                     "(llguidance is not installed)", form.param)
         try:
-            return self.grammars.compiled(fmt.type, schema)
+            return self.grammars.compiled(form.kind, form.source)
+        except CompileTimeoutError as exc:
+            raise APIError(400, f"{form.param}: {exc}", param=form.param,
+                           code="grammar_too_complex") from None
         except ValueError as exc:
-            raise errors.bad_request(str(exc), "response_format") from None
+            raise errors.bad_request(f"{form.param}: {exc}", form.param) from None
+        except CompileBusyError as exc:
+            raise errors.unavailable(str(exc), retry_after=1) from None

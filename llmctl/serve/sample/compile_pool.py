@@ -31,7 +31,7 @@ from typing import Any
 
 STACK_BYTES = 256 << 20  # a 10k-rule Lark chain needs about 30 MiB
 DEFAULT_WORKERS = 2
-DEFAULT_TIME_LIMIT_S = 5.0
+DEFAULT_TIME_LIMIT_S = 2.0  # llguidance: "100-1000ms for extremely complex grammars"
 
 _STACK_LOCK = threading.Lock()  # threading.stack_size() is process-wide
 

@@ -300,3 +300,23 @@ def test_the_grammar_applies_after_the_thinking(thinking, stream):
     assert reasoning == "Let me think"
     assert seen and all(seen)  # no thinking token was masked by the grammar
     assert re.fullmatch(REGEX, content.strip()), content
+
+
+# --- engine processes: the grammar travels as text and compiles again there -----------------
+def test_engine_process_answers_as_the_in_process_engine(client, tiny_llama):
+    from tests.serve.api.conftest import start_server
+
+    forms = [{"regex": REGEX}, {"grammar": _chain(4000)}, {"choice": CHOICES}]
+    expected = [chat(client, so, max_tokens=12) if "grammar" not in so else None
+                for so in forms]
+    running = start_server(str(tiny_llama), engine_process=True)
+    try:
+        remote = OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        for so, want in zip(forms, expected, strict=True):
+            out = remote.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=12 if want else 6,
+                temperature=0, extra_body={"structured_outputs": so})
+            text = out.choices[0].message.content
+            assert [text] == want if want else re.fullmatch("[ab]*", text), text
+    finally:
+        running.stop()

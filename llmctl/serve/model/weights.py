@@ -10,7 +10,7 @@ A mixture-of-experts layer's experts are stacked into ``[E, 2I, H]`` (gate rows,
 rows) and ``[E, H, I]`` tensors (:class:`llmctl.models.layers.moe.MoeWeights`), from the
 per-expert names ``save_pretrained`` writes (``experts.{e}.gate_proj`` / Mixtral's
 ``w1``, ``w3``, ``w2``) or transformers 5's fused 3-D ``experts.gate_up_proj`` and
-``experts.down_proj``; float weights only (a quantized expert is refused by name).
+``experts.down_proj``; a compressed-tensors expert is dequantized once at load.
 """
 
 from __future__ import annotations
@@ -260,14 +260,18 @@ class _ModelBuilder:
         )
 
     def float_weight(self, name: str) -> torch.Tensor:
-        """Module ``name``'s float weight in the model's dtype; a quantized one is refused
-        (the engine's experts are float: bf16 or float32)."""
+        """Module ``name``'s weight in the model's dtype. The experts run in float (bf16 or
+        float32; no expert kernel reads integer codes yet), so a compressed-tensors expert
+        (integer codes with scales) is dequantized once here, as transformers decodes it:
+        the quantized model's numbers at float's memory and speed. FP8 arrives decoded."""
         weight = self.read.layer_weight(name)
+        if isinstance(weight, (QuantWeight, AffineCodes)):
+            return weight.dequantize(self.dtype).to(self.device)
         if not isinstance(weight, torch.Tensor):
             raise UnsupportedArchitectureError(
-                f"{name} is quantized ({type(weight).__name__}): the engine runs float "
-                "mixture-of-experts weights only",
-                "serve the bf16 or float32 checkpoint")
+                f"{name} is stored as {type(weight).__name__}, which the engine cannot "
+                "decode for a mixture of experts",
+                "serve the bf16 or float32 checkpoint, or a compressed-tensors one")
         return weight.to(device=self.device, dtype=self.dtype)
 
     def experts(self, p: str, layout: MoeLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -277,9 +277,10 @@ def test_lora_on_experts_is_refused(tiny_family, tmp_path):
 
 
 # --- what the engine refuses, and the commands that do not take MoE yet ---------------------
-def test_quantized_experts_are_refused_by_name(tiny_family):
-    """A reader answering an expert with integer codes (a quantized checkpoint): the load
-    stops in one line naming the module."""
+def test_experts_in_a_form_the_engine_cannot_decode_are_refused_by_name(tiny_family):
+    """A reader answering an expert with something that is neither a tensor nor integer
+    codes it can dequantize (compressed-tensors experts are: tests/quant/test_moe_quant.py):
+    the load stops in one line naming the module."""
     from llmctl.errors import UnsupportedArchitectureError
     from llmctl.serve.model.weights import CheckpointReader, load_model
 
@@ -292,8 +293,8 @@ def test_quantized_experts_are_refused_by_name(tiny_family):
 
     path = tiny_family("qwen3_moe")
     with pytest.raises(UnsupportedArchitectureError,
-                       match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj is quantized "
-                             r"\(Codes\): the engine runs float"):
+                       match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj is stored as "
+                             r"Codes, which the engine cannot decode"):
         load_model(path, dtype=torch.float32, device=torch.device("cpu"), backend="kernel",
                    max_len=64, reader=QuantizedExperts(path))
 

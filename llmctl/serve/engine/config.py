@@ -84,7 +84,7 @@ class EngineConfig(BaseModel):
     # bfloat16 dense layers on the CPU (llmctl.serve.model.weights.bf16_gemm_plan): "own" =
     # csrc/gemm_bf16.cpp at every batch size, "onednn" = oneDNN's packed GEMM, "auto" =
     # own on CPUs without AMX; with AMX oneDNN, plus own (on the tile unit from 8 rows)
-    # for decode batches of up to 64 rows (PackedLinear.both_rows) when that second copy
+    # for decode batches of up to 32 rows (PackedLinear.both_rows) when that second copy
     # of the weights takes at most 1/8 of the machine's memory.
     bf16_gemm: Literal["auto", "own", "onednn"] = "auto"
     speculative: SpeculativeConfig | None = None

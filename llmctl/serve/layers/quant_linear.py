@@ -113,9 +113,10 @@ class PackedLinear:
                  "itemsize")
     BATCH_HINT = 1024
     SMALL_ROWS = 4  # "both": the own kernel's rows (memory-bound: the copy pays there)
-    # ... when the own kernel has the AMX tile unit (gemm_bf16.cpp): decode batches and
-    # speculative verification stay there, prefill goes to oneDNN
-    AMX_ROWS = 64
+    # ... when the own kernel has the AMX tile unit (gemm_bf16.cpp): decode batches stay
+    # there, prefill goes to oneDNN. 32: its tiles read a cold weight at 14-19 GB/s up to
+    # 32 rows, less steadily past them (development measurement, Intel Xeon guest)
+    AMX_ROWS = 32
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
                  gemm: str = "onednn") -> None:

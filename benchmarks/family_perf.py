@@ -137,7 +137,7 @@ def decode_rate(llm, prompt: list[int], n: int) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def run_decode(path: Path, rounds: int, threads: int, bandwidth: float) -> dict:
+def run_decode(path: Path, rounds: int, threads: int) -> dict:
     from llmctl.serve.engine.llm import LLM
 
     prompt = prompts(1)[0] * 3
@@ -250,7 +250,7 @@ def one_family(args) -> dict:
         config = json.loads((path / "config.json").read_text())
         return {"family": args.one, "source": SHAPES[args.one]["source"],
                 "layers": config["num_hidden_layers"],
-                "decode": run_decode(path, args.rounds, args.threads, args.bandwidth),
+                "decode": run_decode(path, args.rounds, args.threads),
                 "batch": run_batch(path, args.rounds, args.threads)}
 
 
@@ -263,7 +263,6 @@ def main(argv=None) -> int:
     common.add_run_arguments(ap)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: one family
     ap.add_argument("--one-out", help=argparse.SUPPRESS)
-    ap.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     import torch
 
@@ -277,14 +276,14 @@ def main(argv=None) -> int:
                                               "vocab": VOCAB},
                               allow_dirty=args.allow_dirty, threads=args.threads,
                               out=Path(args.out_dir))
-    report["copy_bandwidth_bytes_s"] = bandwidth = copy_bandwidth()
+    report["copy_bandwidth_bytes_s"] = copy_bandwidth()  # for reference: bounds are per round
     report["families"] = []
     for name in names:  # each family in its own process: nothing it held outlives it
         print(name, file=sys.stderr, flush=True)
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run([sys.executable, __file__, "--one", name, "--scale", args.scale,
                             "--rounds", str(args.rounds), "--threads", str(args.threads),
-                            "--bandwidth", str(bandwidth), "--one-out", out.name],
+                            "--one-out", out.name],
                            check=True)
             report["families"].append(json.loads(Path(out.name).read_text()))
     rounds = [r for f in report["families"] for r in f["decode"]["rounds"] + f["batch"]["rounds"]]

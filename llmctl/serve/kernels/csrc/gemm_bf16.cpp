@@ -198,9 +198,10 @@ void gemm_amx(const Problem& p, int64_t m, int64_t pairs, int num_threads) {
   // x in whole 16-row blocks, rows past m zero, k contiguous (an A tile's stride)
   static thread_local std::vector<uint16_t> padded;
   const int64_t rows = (m + 15) / 16 * 16;
-  padded.assign(static_cast<size_t>(rows * p.k), 0);
+  padded.resize(static_cast<size_t>(rows * p.k));  // only the pad rows need zeros
   for (int64_t r = 0; r < m; ++r)
     std::memcpy(padded.data() + r * p.k, p.x + r * p.ldx, static_cast<size_t>(p.k) * 2);
+  std::memset(padded.data() + m * p.k, 0, static_cast<size_t>((rows - m) * p.k) * 2);
   const uint16_t* xp = padded.data();  // the caller's buffer (thread_local is per thread)
 #pragma omp parallel num_threads(num_threads)
   {

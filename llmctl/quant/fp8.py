@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmctl.quant.division import div_const
+
 E4M3_MAX = 448.0
 # KV-cache scales (a recipe's kv_cache_scheme; llmctl.serve.model.kv_scales when the checkpoint
 # has none): twice the calibrated absmax over 448. E4M3's relative precision is the same
@@ -42,7 +44,7 @@ def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def scale_for(amax: torch.Tensor) -> torch.Tensor:
     """Scale mapping ``amax`` onto the largest E4M3 magnitude."""
-    scale = amax.float() / E4M3_MAX
+    scale = div_const(amax.float(), E4M3_MAX)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
@@ -88,4 +90,4 @@ def fake_quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def kv_cache_scales(amax: torch.Tensor) -> torch.Tensor:
     """Static E4M3 scales for K/V whose calibrated absolute maximum is ``amax``."""
-    return (KV_HEADROOM * amax.float() / E4M3_MAX).clamp(min=_MIN_KV_SCALE)
+    return div_const(KV_HEADROOM * amax.float(), E4M3_MAX).clamp(min=_MIN_KV_SCALE)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmctl.quant.division import div_const
+
 
 @dataclass(frozen=True)
 class IntGrid:
@@ -65,10 +67,10 @@ def params_from_range(lo: torch.Tensor, hi: torch.Tensor,
     hi = torch.clamp(hi.float(), min=0.0)
     levels = float((1 << grid.bits) - 1)
     if grid.symmetric:
-        scale = torch.maximum(-lo, hi) / (levels / 2)
+        scale = div_const(torch.maximum(-lo, hi), levels / 2)
         zero = None
     else:
-        scale = (hi - lo) / levels
+        scale = div_const(hi - lo, levels)
     # An all-zero group quantizes to code 0 with any scale; 1 avoids 0/0.
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     if not grid.symmetric:

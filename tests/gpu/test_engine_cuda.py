@@ -78,11 +78,26 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_llama):
     assert_all_blocks_free(llm.engine)
 
 
+def _completed(outs, max_tokens: int) -> list[list[int]]:
+    """Each output's tokens, after checking that it ran to its length: a request whose
+    sampling raised ends with finish reason "error" and no tokens, and two such runs would
+    be "equal"."""
+    for out in outs:
+        assert out.error is None and out.outputs[0].finish_reason == "length", \
+            (out.request_id, out.error)
+        assert len(out.outputs[0].token_ids) == max_tokens
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def test_sampling_with_a_seed_is_reproducible(tiny_llama):
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=123)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=123, ignore_eos=True)
     a = _llm(tiny_llama, kv_cache_memory="8MiB").generate(PROMPTS[:3], params)
     b = _llm(tiny_llama, kv_cache_memory="8MiB").generate(PROMPTS[:3], params)
-    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert _completed(a, 16) == _completed(b, 16)
+    # unseeded rows draw from the sampler's shared generator, in one batch with seeded ones
+    mixed = [params, SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)]
+    c = _llm(tiny_llama, kv_cache_memory="8MiB").generate(PROMPTS[:2], mixed)
+    assert _completed(c, 16)[0] == _completed(a, 16)[0]
 
 
 REPETITIVE = ("The file object is open. The file object is closed. The file object is "
@@ -99,6 +114,27 @@ def test_greedy_with_speculation_equals_plain_greedy(tiny_llama, tiny_near_draft
                       SamplingParams(temperature=0, max_tokens=30))
     stats = llm.engine.stats()
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_speculation_runs_on_the_device(tiny_llama, tiny_near_draft, method):
+    """Rejection sampling on the device's probabilities with the CPU's generators: every
+    request completes with its drafts verified (none dropped for an error), and a seed
+    gives the same tokens twice."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft":
+        spec["draft_model"] = str(tiny_near_draft)
+    # a low temperature keeps the tiny model near its repetitive greedy text, where the
+    # n-gram proposer finds matches; the rows are still sampled (rejection sampling)
+    params = SamplingParams(temperature=0.1, max_tokens=24, seed=7, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = _llm(tiny_llama, speculative=spec, kv_cache_memory="8MiB", block_size=4)
+        runs.append(_completed(llm.generate([REPETITIVE] + PROMPTS[:3], params), 24))
+        stats = llm.engine.stats()
+        assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
+        assert_all_blocks_free(llm.engine)
+    assert runs[0] == runs[1]
 
 
 def _int8(layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from llmctl.serve.sample.sampler import exponential_noise
+
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    return int((probs / exponential_noise(probs.shape, generator, probs.device)).argmax())
 
 
 def greedy_verify(draft: list[int], target_argmax: list[int]) -> list[int]:
@@ -46,11 +47,11 @@ def rejection_sample(draft: list[int], target_probs: torch.Tensor, draft_probs: 
     k = len(draft)
     if k == 0:
         return [_draw(target_probs[0], generator)]
-    ids = torch.tensor(draft)
-    rows = torch.arange(k)
+    ids = torch.tensor(draft, device=target_probs.device)
+    rows = torch.arange(k, device=target_probs.device)
     p_x = target_probs[rows, ids]
-    q_x = torch.ones(k) if draft_probs is None else draft_probs[rows, ids]
-    u = torch.rand(k, generator=generator)
+    q_x = torch.ones(k, device=p_x.device) if draft_probs is None else draft_probs[rows, ids]
+    u = torch.rand(k, generator=generator).to(p_x.device)  # the generator is the CPU's
     accept = (u * q_x < p_x).tolist()  # u < p/q without dividing by a q of 0
     n = accept.index(False) if False in accept else k
     if n == k:

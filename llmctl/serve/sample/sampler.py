@@ -108,21 +108,30 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
+def exponential_noise(shape: torch.Size | tuple[int, ...], generator: torch.Generator,
+                      device: torch.device) -> torch.Tensor:
+    """Exp(1) noise drawn by a CPU ``generator`` and moved to ``device``: the generators
+    (seeded per request, or the sampler's shared one) live on the CPU, and CUDA refuses a
+    CPU generator; drawn on the CPU, a seed gives the same noise on every device."""
+    noise = torch.empty(shape).exponential_(generator=generator)
+    return noise if device.type == "cpu" else noise.to(device, non_blocking=True)
+
+
 def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
                      shared: torch.Generator) -> torch.Tensor:
-    """One token per row of ``probs``; rows with a generator draw from it."""
-    noise = torch.empty_like(probs)
+    """One token per row of ``probs`` (argmax of p / Exp(1): a draw from p); rows with a
+    generator draw from it."""
+    if all(g is None for g in generators):
+        return (probs / exponential_noise(probs.shape, shared, probs.device)).argmax(dim=-1)
+    noise = torch.empty(probs.shape)
+    for r, g in enumerate(generators):
+        if g is not None:
+            noise[r].exponential_(generator=g)
     unseeded = [r for r, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
-        noise.exponential_(generator=shared)
-    else:
-        for r, g in enumerate(generators):
-            if g is not None:
-                noise[r].exponential_(generator=g)
-        if unseeded:
-            idx = torch.tensor(unseeded)
-            noise[idx] = torch.empty((len(unseeded), probs.shape[1])).exponential_(
-                generator=shared)
+    if unseeded:
+        noise[torch.tensor(unseeded)] = torch.empty((len(unseeded), probs.shape[1])).exponential_(
+            generator=shared)
+    noise = noise if probs.device.type == "cpu" else noise.to(probs.device)
     return (probs / noise).argmax(dim=-1)
 
 

@@ -96,8 +96,8 @@ class DraftModelProposer:
             processed = self.sampler.processed_logits(logits, params, [s for _, s, _, _ in live])
             greedy = processed.argmax(dim=-1).tolist()
             q = processed.softmax(dim=-1)
-            drawn = exponential_race(q, [generator_for(s) for _, s, _, _ in live],
-                                     self.sampler.generator).tolist()
+            drawn = greedy if all(p.greedy for p in params) else exponential_race(
+                q, [generator_for(s) for _, s, _, _ in live], self.sampler.generator).tolist()
             for j, (row, seq, shadow, _) in enumerate(live):
                 shadow.num_computed_tokens = shadow.num_tokens
                 token = greedy[j] if seq.params.greedy else drawn[j]

@@ -95,9 +95,14 @@ def test_sampling_with_a_seed_is_reproducible(tiny_llama):
     b = _llm(tiny_llama, kv_cache_memory="8MiB").generate(PROMPTS[:3], params)
     assert _completed(a, 16) == _completed(b, 16)
     # unseeded rows draw from the sampler's shared generator, in one batch with seeded ones
-    mixed = [params, SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)]
-    c = _llm(tiny_llama, kv_cache_memory="8MiB").generate(PROMPTS[:2], mixed)
+    # and every per-row parameter (penalties, top-k, min-p, logprobs) on the device
+    mixed = [params, SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_k=20, min_p=0.05, repetition_penalty=1.2,
+                            presence_penalty=0.5, frequency_penalty=0.3, logprobs=3,
+                            max_tokens=16, ignore_eos=True)]
+    c = _llm(tiny_llama, kv_cache_memory="8MiB").generate(PROMPTS[:3], mixed)
     assert _completed(c, 16)[0] == _completed(a, 16)[0]
+    assert len(c[2].outputs[0].logprobs) == 16
 
 
 REPETITIVE = ("The file object is open. The file object is closed. The file object is "

@@ -19,9 +19,12 @@ Tolerances, and why:
   broken the other way changes that layer's codes wholesale, so AWQ is held to the
   quality checks alone;
 - smoothing (AWQ, SmoothQuant) divides the norms in front of the smoothed linears by
-  scales from those activations: their weights are compared within 1e-3 relative for
-  SmoothQuant (``max|X|^alpha``: a maximum of activations that differ by ~1e-6), and not
-  for AWQ (its grid choice again). Every other float tensor passes through bit-exact.
+  scales from those activations: their weights are compared within 2% for SmoothQuant
+  (``max|X|^alpha``; layer 0's activations differ by ~1e-6, but from layer 1 on they come
+  through the layers quantized before, whose GPTQ codes differ, so their maxima move by
+  about int8's quantization error), and not for AWQ (its grid choice again; the two runs'
+  logits are then held to be no further apart than either is from the float model's).
+  Every other float tensor passes through bit-exact.
 
 Each comparison's numbers are recorded (tests.gpu.common.record) for the device report.
 """
@@ -42,7 +45,8 @@ pytestmark = GPU
 
 EXACT = {"w4a16-rtn", "w8a8-fp8-static"}  # weights by round-to-nearest
 CODES_ONLY_QUALITY = {"w4a16-awq"}
-SMOOTHED_NORMS = {"w4a16-awq": None, "w8a8-int8": 1e-3}  # recipe -> norm rtol (None: any)
+SMOOTHED_NORMS = {"w4a16-awq": None, "w8a8-int8": 2e-2}  # recipe -> norm rtol (None: any)
+LOGIT_GAP = {"w4a16-awq": 1.0}  # else 0.5: see the module docstring
 RECIPE_NAMES = ["w4a16-rtn", "w4a16-gptq", "w8a16-gptq", "w4a16-awq", "w8a8-int8",
                 "w8a8-fp8-dynamic", "w8a8-fp8-static", "fp8-weight-only"]
 
@@ -125,7 +129,7 @@ def test_device_quantization_matches_the_cpus(recipe, quantized, tiny_llama):
         scale_rel.append(((s_dev - s_cpu).abs().max() / s_cpu.abs().max()).item())
     # the float tensors that pass through (norms, embeddings) are the same bytes, except
     # the norms smoothing rescaled
-    smoothed = 0
+    smoothed, norm_rel = 0, 0.0
     for key in cpu:
         if key.rsplit(".", 1)[-1].startswith(("weight_", "input_")) or key in (
                 f"{p}.weight" for p in prefixes):
@@ -134,9 +138,9 @@ def test_device_quantization_matches_the_cpus(recipe, quantized, tiny_llama):
                                                                           cpu[key])
         if recipe in SMOOTHED_NORMS and rescaled:
             smoothed += 1
-            rtol = SMOOTHED_NORMS[recipe]
-            if rtol is not None:
-                torch.testing.assert_close(dev[key], cpu[key], rtol=rtol, atol=0, msg=key)
+            rel = ((dev[key].float() - cpu[key].float()).abs()
+                   / cpu[key].float().abs().clamp(min=1e-12)).max().item()
+            norm_rel = max(norm_rel, rel)
             continue
         assert torch.equal(cpu[key], dev[key]), key
     assert (smoothed > 0) == (recipe in SMOOTHED_NORMS), smoothed
@@ -152,11 +156,14 @@ def test_device_quantization_matches_the_cpus(recipe, quantized, tiny_llama):
     record(f"quant[{recipe}]", device=device_name(), min_code_agreement=min(agree),
            mean_code_agreement=sum(agree) / len(agree), max_scale_rel=max(scale_rel),
            worst_rel_error_change=worst_err, logit_gap_vs_quant_error=between,
+           smoothed_norms=smoothed, smoothed_norm_max_rel=norm_rel,
            linears=len(prefixes), weights_seen=len(original))
+    if SMOOTHED_NORMS.get(recipe) is not None:
+        assert norm_rel <= SMOOTHED_NORMS[recipe], norm_rel
     if recipe in EXACT:
         assert min(agree) >= 0.999, agree
         assert max(scale_rel) <= 1e-5, scale_rel
     elif recipe not in CODES_ONLY_QUALITY:
         assert min(agree) >= 0.80, agree
     assert worst_err <= 0.15, (err_cpu, err_dev)
-    assert between <= 0.5, between
+    assert between <= LOGIT_GAP.get(recipe, 0.5), between

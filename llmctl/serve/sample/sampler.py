@@ -69,14 +69,15 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_id
     prompt or output) and OpenAI presence/frequency (``- p * [c > 0] - f * c`` over
     output counts ``c``)."""
     rows, vocab = logits.shape
-    counts = torch.zeros((rows, vocab), dtype=logits.dtype)
-    seen = torch.zeros((rows, vocab), dtype=torch.bool)
+    dev = logits.device
+    counts = torch.zeros((rows, vocab), dtype=logits.dtype, device=dev)
+    seen = torch.zeros((rows, vocab), dtype=torch.bool, device=dev)
     for r in range(rows):
         if output_ids[r]:
-            out = torch.tensor(output_ids[r], dtype=torch.long)
-            counts[r].index_add_(0, out, torch.ones(len(out), dtype=logits.dtype))
+            out = torch.tensor(output_ids[r], dtype=torch.long, device=dev)
+            counts[r].index_add_(0, out, torch.ones(len(out), dtype=logits.dtype, device=dev))
         if prompt_ids[r]:
-            seen[r, torch.tensor(prompt_ids[r], dtype=torch.long)] = True
+            seen[r, torch.tensor(prompt_ids[r], dtype=torch.long, device=dev)] = True
     seen |= counts > 0
     rep = repetition[:, None]
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
@@ -142,26 +143,32 @@ class Sampler:
 
     def processed_logits(self, logits: torch.Tensor, params: list[SamplingParams],
                          seqs: list[Sequence]) -> torch.Tensor:
-        """Penalised logits (greedy rows), or temperature-scaled and filtered (others)."""
+        """Penalised logits (greedy rows), or temperature-scaled and filtered (others).
+        Every per-row parameter becomes a tensor on the logits' device (CUDA refuses to
+        mix a CPU vector into an operation on its tensors)."""
         logits = logits.float()
+
+        def column(values: list) -> torch.Tensor:
+            return torch.tensor(values, device=logits.device)
+
         pen = [r for r, p in enumerate(params) if p.needs_penalties]
         if pen:
-            idx = torch.tensor(pen)
+            idx = column(pen)
             sub = apply_penalties(
                 logits[idx], [seqs[r].token_ids[:seqs[r].num_prompt_tokens] for r in pen],
                 [seqs[r].output_token_ids for r in pen],
-                torch.tensor([params[r].repetition_penalty for r in pen]),
-                torch.tensor([params[r].presence_penalty for r in pen]),
-                torch.tensor([params[r].frequency_penalty for r in pen]))
+                column([params[r].repetition_penalty for r in pen]),
+                column([params[r].presence_penalty for r in pen]),
+                column([params[r].frequency_penalty for r in pen]))
             logits = logits.index_copy(0, idx, sub)
         if all(p.greedy for p in params):
             return logits
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
+        temps = column([p.temperature if not p.greedy else 1.0 for p in params])
         logits = logits / temps[:, None]
         if any(p.needs_filters for p in params):
             logits = filter_logits(
-                logits, torch.tensor([p.top_k for p in params]),
-                torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]))
+                logits, column([p.top_k for p in params]), column([p.top_p for p in params]),
+                column([p.min_p for p in params]))
         return logits
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -175,14 +182,14 @@ class Sampler:
             return greedy.tolist()
         probs = processed.softmax(dim=-1)
         drawn = exponential_race(probs, [generator_for(s) for s in seqs], self.generator)
-        mask = torch.tensor([p.greedy for p in params])
+        mask = torch.tensor([p.greedy for p in params], device=greedy.device)
         return torch.where(mask, greedy, drawn).tolist()
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:
         """Raw log-probabilities of the chosen tokens and each row's top ``n``."""
         logp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
         vocab = logp.shape[-1]
         kmax = min(max(top_n), vocab)  # a vocabulary smaller than n has only that many
         top_vals, top_ids = (logp.topk(kmax, dim=-1) if kmax else (None, None))

@@ -36,6 +36,8 @@ def test_prepare_then_dry_run_writes_the_report(tiny_llama, tmp_path):
     report = json.loads((out / "device-check.json").read_text())
     assert report["schema"] == "llmctl-device-check/1" and report["mode"] == "dry-run"
     assert len(report["git"]["commit"]) == 40
+    # the files' tree hash, as git computes it for a commit of exactly these files
+    assert len(report["git"]["tree"]) == 40
     assert {"torch", "cuda_available", "driver"} <= report["device"].keys()
     assert report["wheels"]["status"] == "skipped"
     tests = report["tests"]

@@ -1,13 +1,7 @@
 """Mixtures of experts in GGUF, as llama.cpp's converter writes them and its graphs read
-them.
+them. The tensor names, both ways, are :mod:`llmctl.models.gguf_experts`'s (the readers
+share them); here is what only the writer does.
 
-- Each MoE layer's experts are stacked into one tensor per projection, ``[E, out, in]``
-  rows first (ggml: ``{in, out, E}``): ``ffn_gate_exps``, ``ffn_up_exps``,
-  ``ffn_down_exps``, from the checkpoint's per-expert tensors (what transformers'
-  ``save_pretrained`` writes) in expert order.
-- The router is ``ffn_gate_inp``; Qwen2-MoE's shared expert ``ffn_{gate,up,down}_shexp``
-  and its sigmoid gate ``ffn_gate_inp_shexp`` (``[1, hidden]`` as stored: ggml's
-  ``{hidden, 1}`` is the ``{n_embd}`` its loader asks for).
 - Keys: ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length`` (one
   expert's width; Mixtral's is ``feed_forward_length``), and
   ``expert_shared_feed_forward_length``.
@@ -20,37 +14,8 @@ dense layers among the MoE ones (Qwen's ``mlp_only_layers``/``decoder_sparse_ste
 
 from __future__ import annotations
 
-from llmctl.models.spec import Family, ModelArch
-
-# llama.cpp graph -> whether it renormalises the top-k routing weights to sum 1
-RENORMALIZES = {"llama": True, "qwen3moe": True, "qwen2moe": False}
-_STACKED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # the layout's gate, up, down
-_SHARED = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
-
-
-def single_names(row: Family, n_blocks: int) -> dict[str, str]:
-    """HF -> GGUF names of the MoE tensors stored one to one: router, shared expert."""
-    moe, out = row.moe, {}
-    for bid in range(n_blocks):
-        hf, gg = f"model.layers.{bid}.", f"blk.{bid}."
-        out[f"{hf}{moe.router}.weight"] = f"{gg}ffn_gate_inp.weight"
-        if moe.shared:
-            for name, gguf_name in zip(moe.shared, _SHARED, strict=True):
-                out[f"{hf}{name}.weight"] = f"{gg}{gguf_name}.weight"
-        if moe.shared_gate:
-            out[f"{hf}{moe.shared_gate}.weight"] = f"{gg}ffn_gate_inp_shexp.weight"
-    return out
-
-
-def stacked_names(row: Family, n_blocks: int, n_experts: int
-                  ) -> dict[str, tuple[str, ...]]:
-    """GGUF name -> the per-expert HF tensors stacked into it, in expert order."""
-    out = {}
-    for bid in range(n_blocks):
-        for name, gguf_name in zip(row.moe.experts, _STACKED, strict=True):
-            out[f"blk.{bid}.{gguf_name}.weight"] = tuple(
-                f"model.layers.{bid}.{name.format(e=e)}.weight" for e in range(n_experts))
-    return out
+from llmctl.models.gguf_experts import RENORMALIZES
+from llmctl.models.spec import ModelArch
 
 
 def problems(arch: str, spec: ModelArch) -> list[str]:

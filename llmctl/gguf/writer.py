@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from llmctl.errors import NotAModelError, UsageError
-from llmctl.gguf import experts, quants
+from llmctl.gguf import quants
 from llmctl.gguf.families import (
     check_exportable,
     export_config,
@@ -35,6 +35,7 @@ from llmctl.gguf.families import (
 )
 from llmctl.gguf.tokenizer import GGUFVocab, read_hf_vocab, write_vocab
 from llmctl.gguf.types import file_type
+from llmctl.models import gguf_experts
 from llmctl.models.architectures import (
     GGUF_CONFIG_KEYS,
     Architecture,
@@ -110,8 +111,8 @@ def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
     names = expand_tensor_names(arch, layers)
     stacked: dict[str, tuple[str, ...]] = {}
     if arch.moe is not None:
-        names.update(experts.single_names(arch, layers))
-        stacked = experts.stacked_names(arch, layers, ModelArch.from_config(config).num_experts)
+        names.update(gguf_experts.single_names(arch, layers))
+        stacked = gguf_experts.stacked_names(arch, layers, ModelArch.from_config(config).num_experts)
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in _safetensors_files(directory):
         for key, info in _header(file).items():

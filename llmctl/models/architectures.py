@@ -61,11 +61,14 @@ ARCHITECTURES: dict[str, Architecture] = {
     t: row for t, row in FAMILIES.items() if row.causal_lm_class is not None}
 
 
-def get_architecture(model_type: str, *, refuse_moe: str | None = None) -> Architecture:
+def get_architecture(model_type: str, *, refuse_moe: str | None = None,
+                     refuse_engine_only: str | None = None) -> Architecture:
     """The row of ``model_type``. ``refuse_moe``: the name of a command that does not
     handle mixtures of experts yet (the engine, quantize and GGUF export do; the build
     targets and the importance matrix do not): such a row is refused in one line rather
-    than failing midway."""
+    than failing midway. ``refuse_engine_only``: the name of any command past the engine
+    (quantize, GGUF export): a row only the engine runs (``Family.engine_only``: gpt-oss)
+    is refused in one line; ``refuse_moe`` refuses it too."""
     try:
         row = ARCHITECTURES[model_type]
     except KeyError:
@@ -74,6 +77,14 @@ def get_architecture(model_type: str, *, refuse_moe: str | None = None) -> Archi
             f"llmctl runs {', '.join(sorted(ARCHITECTURES))}; adding a family: "
             "docs/architecture.md, 'Where to add'",
         ) from None
+    command = refuse_engine_only or refuse_moe
+    if command and row.engine_only:
+        others = sorted(t for t, a in ARCHITECTURES.items() if not a.engine_only
+                        and (a.moe is None or not refuse_moe))
+        raise UnsupportedArchitectureError(
+            f"{command} does not handle {model_type} models yet",
+            f"`llmctl serve` / `generate` run it as it is; {command} takes: "
+            + ", ".join(others))
     if refuse_moe and row.moe is not None:
         dense = sorted(t for t, a in ARCHITECTURES.items() if a.moe is None)
         raise UnsupportedArchitectureError(
@@ -83,15 +94,17 @@ def get_architecture(model_type: str, *, refuse_moe: str | None = None) -> Archi
     return row
 
 
-def architecture_for_gguf(gguf_arch: str) -> Architecture:
-    """The first row whose llama.cpp name matches (``llama`` maps to Llama itself)."""
+def architecture_for_gguf(gguf_arch: str, *, experts: bool = False) -> Architecture:
+    """The first row whose llama.cpp name matches, dense or with experts as the file's
+    ``expert_count`` says (``llama`` maps to Llama itself, and to Mixtral with experts)."""
     for arch in ARCHITECTURES.values():
-        if arch.gguf_arch == gguf_arch:
+        if arch.gguf_arch == gguf_arch and (arch.moe is not None) == experts:
             return arch
-    # (a mixture of experts' file is refused before this: gguf_reader.open_checkpoint)
-    known = sorted({a.gguf_arch for a in ARCHITECTURES.values() if a.gguf_arch})
+    known = sorted({a.gguf_arch + (" with experts" if a.moe else "")
+                    for a in ARCHITECTURES.values() if a.gguf_arch})
+    kind = f"{gguf_arch!r} with experts" if experts else repr(gguf_arch)
     raise UnsupportedArchitectureError(
-        f"GGUF architecture {gguf_arch!r} is not supported",
+        f"GGUF architecture {kind} is not supported",
         f"llmctl reads GGUF files of: {', '.join(known)}",
     )
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from llmctl.errors import GGUFError, ModelNotFoundError
+from llmctl.models import gguf_experts
 from llmctl.models.architectures import (
     GGUF_ARCH_KEYS,
     GGUF_CONFIG_KEYS,
@@ -100,14 +101,37 @@ class GGUFCheckpoint:
 
     @property
     def tensor_count(self) -> int:
-        return len(self.reader.tensors)
+        """The file's tensors, a stacked expert tensor counted once per expert (what
+        :meth:`tensors` yields, rope factors aside)."""
+        return len(self.reader.tensors) + sum(len(v) - 1 for v in self.expert_names().values())
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.config[self.arch.moe.experts_key[0]]) if self.arch.moe else 0
+
+    def hf_names(self) -> dict[str, str]:
+        """GGUF -> HF name of every one-to-one tensor (a MoE's router and shared expert
+        too; its stacked experts: :meth:`expert_names`)."""
+        layers = self.config["num_hidden_layers"]
+        names = expand_tensor_names(self.arch, layers)
+        if self.arch.moe:
+            names.update(gguf_experts.single_names(self.arch, layers))
+        return {g: h for h, g in names.items()}
+
+    def expert_names(self) -> dict[str, tuple[str, ...]]:
+        """Stacked GGUF tensor -> the per-expert HF names of its slices, in order."""
+        if not self.arch.moe:
+            return {}
+        return gguf_experts.stacked_names(self.arch, self.config["num_hidden_layers"],
+                                          self.num_experts)
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(HF name, float32 array) in file order, dequantized and un-permuted."""
+        """(HF name, float32 array) in file order, dequantized and un-permuted; a stacked
+        expert tensor gives one array per expert."""
         import gguf
 
-        to_hf = {g: h for h, g in expand_tensor_names(
-            self.arch, self.config["num_hidden_layers"]).items()}
+        to_hf = self.hf_names()
+        stacked = self.expert_names()
         n_head = self.config["num_attention_heads"]
         n_kv = self.config["num_key_value_heads"]
         for t in self.reader.tensors:
@@ -118,7 +142,7 @@ class GGUFCheckpoint:
                 raise GGUFError(
                     f"{self.path.name}: Llama 3.1 RoPE scaling (rope_freqs) cannot be read "
                     "back into rope_parameters", "convert from the HF checkpoint instead")
-            if hf_name is None:
+            if hf_name is None and t.name not in stacked:
                 raise GGUFError(
                     f"{self.path.name}: unexpected tensor {t.name!r} for a "
                     f"{self.arch.gguf_arch} model",
@@ -134,6 +158,10 @@ class GGUFCheckpoint:
                 ) from None
             array = np.asarray(array, dtype=np.float32).reshape(
                 tuple(int(d) for d in reversed(t.shape)))
+            if hf_name is None:  # [E, out, in]: expert e is slice e (no permutation, shift)
+                for name, part in zip(stacked[t.name], array, strict=True):
+                    yield name, np.array(part, order="C")
+                continue
             array = from_gguf(self.arch, hf_name, array, n_head, n_kv)
             # F32 tensors are views of a read-only memmap: copy so torch may own them.
             yield hf_name, np.array(array, copy=not array.flags.writeable, order="C")
@@ -230,13 +258,8 @@ def open_checkpoint(path: Path) -> GGUFCheckpoint:
     gguf_arch = field_value(reader, "general.architecture")
     if gguf_arch is None:
         raise GGUFError(f"{path} has no general.architecture key", "it is not a model GGUF")
-    if (field_value(reader, f"{gguf_arch}.expert_count") or 0) > 0:
-        # llmctl writes them (llmctl.gguf.experts) but reads no stacked experts back yet
-        raise GGUFError(f"{path} is a mixture of experts ({gguf_arch}, "
-                        f"{field_value(reader, f'{gguf_arch}.expert_count')} experts): "
-                        "llmctl does not import MoE GGUF files yet",
-                        "serve the Hugging Face checkpoint, or run the file with llama.cpp")
-    arch = architecture_for_gguf(gguf_arch)
+    n_experts = int(field_value(reader, f"{gguf_arch}.expert_count") or 0)
+    arch = architecture_for_gguf(gguf_arch, experts=n_experts > 0)
     config = _arch_fields(reader, gguf_arch)
     missing = {"num_hidden_layers", "hidden_size", "num_attention_heads"} - config.keys()
     if missing:
@@ -259,6 +282,9 @@ def open_checkpoint(path: Path) -> GGUFCheckpoint:
         torch_dtype="float32",
     )
     config.update(_family_fields(reader, gguf_arch, config))
+    if n_experts:
+        config.update(gguf_experts.config_fields(
+            arch, gguf_arch, lambda key: field_value(reader, key)))
     for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("padding_token_id", "pad_token_id")):
         value = field_value(reader, f"tokenizer.ggml.{gguf_key}")

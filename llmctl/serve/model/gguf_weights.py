@@ -9,7 +9,9 @@ at load, by gguf-py; a type it cannot read raises an error naming the type.
 Names and values are Hugging Face's: q/k rows come back in HF order (the engine applies its
 own RoPE interleaving, which is the permutation llama.cpp's converter stored), Gemma's norm
 weights without the +1 llama.cpp's converter added
-(:func:`llmctl.models.architectures.from_gguf`).
+(:func:`llmctl.models.architectures.from_gguf`). A mixture of experts' stacked
+``ffn_*_exps`` tensors answer for the per-expert names (:mod:`llmctl.models.gguf_experts`),
+each expert dequantized from its own slice: the engine's experts run in float.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from llmctl.errors import GGUFError
 from llmctl.gguf.quants import QUANTS
-from llmctl.models.architectures import expand_tensor_names, from_gguf, rope_unpermute
+from llmctl.models.architectures import from_gguf, rope_unpermute
 from llmctl.models.gguf_reader import open_checkpoint
 from llmctl.serve.layers.lowbit import AffineCodes
 
@@ -48,14 +50,18 @@ class GGUFWeights:
         self.path = Path(path)
         self._ckpt = open_checkpoint(self.path)
         config = self._ckpt.config
-        names = expand_tensor_names(self._ckpt.arch, config["num_hidden_layers"])
         by_gguf = {t.name: t for t in self._ckpt.reader.tensors}
-        self._tensors = {hf: by_gguf[g] for hf, g in names.items() if g in by_gguf}
+        self._tensors = {hf: by_gguf[g] for g, hf in self._ckpt.hf_names().items()
+                         if g in by_gguf}
+        # a MoE's per-expert name -> (its stacked tensor, its slice): experts run in float,
+        # so each is dequantized alone from its own bytes (not the whole stack E times)
+        self._experts = {hf: (by_gguf[g], e) for g, parts in self._ckpt.expert_names().items()
+                         if g in by_gguf for e, hf in enumerate(parts)}
         self._heads = {"q_proj": config["num_attention_heads"],
                        "k_proj": config["num_key_value_heads"]}
 
     def __contains__(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._tensors or name in self._experts
 
     def _entry(self, name: str):
         try:
@@ -69,25 +75,34 @@ class GGUFWeights:
             return None
         return self._heads.get(name.rsplit(".", 2)[-2]) if name.endswith(".weight") else None
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def _dequantize(self, t, raw) -> np.ndarray:
         import gguf
 
-        t = self._entry(name)
-        shape = tuple(int(d) for d in reversed(t.shape))
         try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            return np.asarray(gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32)
         except NotImplementedError:
             raise GGUFError(f"{self.path.name}: tensor {t.name} is {t.tensor_type.name}, "
                             "which gguf-py cannot dequantize",
                             "re-export the model with a float, legacy, K- or i-quant type"
                             ) from None
-        array = from_gguf(self._ckpt.arch, name, np.asarray(array, dtype=np.float32)
-                          .reshape(shape), self._heads["q_proj"], self._heads["k_proj"])
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name in self._experts:
+            t, e = self._experts[name]
+            cols, rows, n = (int(d) for d in t.shape)
+            part = np.asarray(t.data).reshape(n, -1)[e]  # expert e's rows, as stored
+            return torch.from_numpy(self._dequantize(t, part).reshape(rows, cols).copy())
+        t = self._entry(name)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        array = from_gguf(self._ckpt.arch, name, self._dequantize(t, t.data).reshape(shape),
+                          self._heads["q_proj"], self._heads["k_proj"])
         return torch.from_numpy(np.array(array, order="C"))
 
     def layer_weight(self, name: str) -> torch.Tensor | AffineCodes:
         """A linear layer's ``{name}.weight``: codes for Q4_0/Q4_1/Q8_0, else float."""
         full = f"{name}.weight"
+        if full in self._experts:
+            return self(full)
         t = self._entry(full)
         if t.tensor_type.name not in CODECS:
             return self(full)

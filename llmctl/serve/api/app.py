@@ -1,6 +1,7 @@
 """The FastAPI application: the routers (:mod:`llmctl.serve.api.routes`,
 :mod:`llmctl.serve.api.loras`) over one :class:`~llmctl.serve.api.handler.RequestHandler`
-in the app's state, errors in OpenAI's shape, API keys, and the body limit."""
+in the app's state, errors in OpenAI's shape (Anthropic's on /v1/messages), API keys,
+and the body limit."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from llmctl.serve.api.handler import RequestHandler
 from llmctl.serve.api.limits import BodyLimit
 from llmctl.serve.openai import errors
 from llmctl.serve.openai.errors import APIError
+from llmctl.serve.openai.messages_api.errors import error_body, is_messages_path
 
 
 def create_app(handler: RequestHandler, on_shutdown=None) -> FastAPI:
@@ -42,16 +44,18 @@ def create_app(handler: RequestHandler, on_shutdown=None) -> FastAPI:
 
 
 def _add_error_handlers(app: FastAPI, handler: RequestHandler) -> None:
-    """Every error answered in OpenAI's JSON shape, and counted."""
+    """Every error answered in OpenAI's JSON shape (Anthropic's on its routes), and
+    counted."""
     model_name = handler.config.model.model_name
 
-    def respond(exc: APIError) -> JSONResponse:
+    def respond(exc: APIError, request: Request) -> JSONResponse:
         handler.metrics.http_errors.labels(model_name, str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(exc, request.url.path), status_code=exc.status,
+                            headers=exc.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return respond(exc)
+        return respond(exc, request)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
@@ -59,13 +63,14 @@ def _add_error_handlers(app: FastAPI, handler: RequestHandler) -> None:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return respond(APIError(
             exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind,
-            headers=exc.headers))
+            headers=exc.headers), request)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         # A bug, not the client's fault: still OpenAI's JSON, never starlette's plain text.
         # (starlette re-raises after sending this, so uvicorn logs the traceback.)
-        return respond(errors.internal(f"internal server error: {type(exc).__name__}: {exc}"))
+        return respond(errors.internal(f"internal server error: {type(exc).__name__}: {exc}"),
+                       request)
 
 
 def _add_auth(app: FastAPI, handler: RequestHandler) -> None:
@@ -76,10 +81,15 @@ def _add_auth(app: FastAPI, handler: RequestHandler) -> None:
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         # every route, unknown paths included (a 401, not a 404 that maps the server)
-        if request.url.path not in public:
+        path = request.url.path
+        if path not in public:
+            authorization = request.headers.get("authorization")
+            if authorization is None and is_messages_path(path) and \
+                    (key := request.headers.get("x-api-key")):
+                authorization = f"Bearer {key}"  # Anthropic's clients send their key so
             try:
-                request.state.tenant = handler.tenancy.authenticate(
-                    request.headers.get("authorization"))
+                request.state.tenant = handler.tenancy.authenticate(authorization)
             except APIError as exc:
-                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+                return JSONResponse(error_body(exc, path), status_code=exc.status,
+                                    headers=exc.headers)
         return await call_next(request)

@@ -28,6 +28,8 @@ from llmctl.serve.engine.async_engine import AsyncEngine, EngineDeadError, Reque
 from llmctl.serve.openai import errors
 from llmctl.serve.openai.frontend import Frontend
 from llmctl.serve.openai.jobs import Job
+from llmctl.serve.openai.messages_api.serving import AnthropicMessages
+from llmctl.serve.openai.messages_api.stream import message_events
 from llmctl.serve.openai.models import ServedModel
 from llmctl.serve.openai.prompts import request_chars
 from llmctl.serve.openai.responses import Assembly
@@ -80,6 +82,11 @@ class RequestHandler:
             table = TenantTable.single_key(config.settings.api_key)
         self.tenancy = Tenancy(table, self.metrics, frontend.models.served_names,
                                config.settings.auth_file)
+
+    @functools.cached_property
+    def messages_api(self) -> AnthropicMessages:
+        """/v1/messages (Anthropic's Messages API) over the frontend's chat path."""
+        return AnthropicMessages(self.frontend.chat, self.frontend.models)
 
     # --- parsing -------------------------------------------------------------------
     async def parse(self, request: Request, model_cls):
@@ -181,6 +188,32 @@ class RequestHandler:
             builder.finish()
             finished()
             return builder.response
+
+        return await _respond(whole(), http, grant.headers)
+
+    async def messages(self, chat_req, jobs: list[Job], params, http: Request):
+        """A /v1/messages request (``chat_req``: the chat request it means): the chat
+        path's updates as Anthropic's stream events, or as one message."""
+        grant = self._admit("chat", chat_req, jobs, params, http)
+        serving = self.messages_api
+        assembly = serving.assembly(self.frontend.responses, chat_req, jobs)
+        builder = serving.builder(chat_req, jobs, assembly)
+        updates = self._updates(assembly, grant)
+        if chat_req.stream:
+            return StreamingResponse(
+                message_events(builder, updates, self.metrics),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                         **grant.headers})
+
+        async def whole() -> dict:
+            try:
+                async for _, upd in updates:
+                    builder.feed(upd)
+            finally:
+                await updates.aclose()
+            builder.finish()
+            return builder.message
 
         return await _respond(whole(), http, grant.headers)
 

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from llmctl.serve.openai import errors
+from llmctl.serve.openai.messages_api.errors import error_body
 from llmctl.serve.openai.protocol import MAX_PROMPTS
 
 BYTES_PER_TOKEN = 16
@@ -81,7 +82,7 @@ class BodyLimit:
             return
         length, chunked = _body_headers(scope)
         if length is not None and length > self.limit:
-            await _send_error(send, too_large(self.limit, length))
+            await _send_error(send, too_large(self.limit, length), scope)
             return
         if length is not None or not chunked:
             await self.app(scope, receive, send)
@@ -96,7 +97,7 @@ class BodyLimit:
             seen += len(chunk)
             if seen > self.limit:
                 chunks.clear()
-                await _send_error(send, too_large(self.limit))
+                await _send_error(send, too_large(self.limit), scope)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -129,8 +130,8 @@ def _body_headers(scope: Scope) -> tuple[int | None, bool]:
     return length, chunked
 
 
-async def _send_error(send, exc: errors.APIError) -> None:
-    body = json.dumps(exc.body()).encode()
+async def _send_error(send, exc: errors.APIError, scope: Scope) -> None:
+    body = json.dumps(error_body(exc, scope.get("path", ""))).encode()
     # No "Connection: close": closing while the client still sends makes its kernel
     # answer with a reset, which can discard the 413 before the client reads it. uvicorn
     # reads and drops the rest of the body instead, then keeps the connection.

@@ -1,5 +1,5 @@
-"""The OpenAI routes, health and metrics: thin wrappers that read the app's
-:class:`~llmctl.serve.api.handler.RequestHandler` (``app.state.handler``)."""
+"""The OpenAI routes, Anthropic's /v1/messages, health and metrics: thin wrappers that
+read the app's :class:`~llmctl.serve.api.handler.RequestHandler` (``app.state.handler``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmctl.serve.api.handler import RequestHandler, owner_of, tenant_of
+from llmctl.serve.openai.messages_api.protocol import CountTokensRequest, MessagesRequest
 from llmctl.serve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -115,3 +116,25 @@ async def responses(request: Request):
 async def retrieve_response(response_id: str, request: Request):
     return handler_of(request).frontend.responses_api.retrieve(response_id,
                                                                owner_of(request))
+
+
+@router.post("/v1/messages")
+async def messages(request: Request):
+    handler = handler_of(request)
+    serving = handler.messages_api
+    req = await handler.parse(request, MessagesRequest)
+    chat_req = serving.chat_request(req)
+    tools = await handler.off_loop(serving.tool_plan, chat_req)
+    ids = await handler.off_loop(serving.encode, chat_req)
+    cap = handler.tenancy.max_tokens_cap(tenant_of(request), chat_req.token_limit,
+                                         "max_tokens")
+    jobs, params = await handler.off_loop(serving.jobs, chat_req, ids, cap, tools)
+    return await handler.messages(chat_req, jobs, params, request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(request: Request):
+    handler = handler_of(request)
+    serving = handler.messages_api
+    chat_req = serving.chat_request(await handler.parse(request, CountTokensRequest))
+    return {"input_tokens": len(await handler.off_loop(serving.encode, chat_req))}

@@ -46,11 +46,18 @@ ScoreFrom = Annotated[int, Opt("--score-from",
 MaxWindows = Annotated[int | None, Opt("--max-windows", help="Use at most N windows.")]
 TopK = Annotated[int, Opt("--top-k", help="Reference log-probs kept per token.")]
 Tasks = Annotated[list[str] | None, Opt(
-    "--tasks", help="builtin | python-mc,science-mc,everyday-mc | FILE.jsonl | "
-                    "lm_eval:NAME (repeatable, comma-separated).")]
+    "--tasks", help="builtin | python-mc,science-mc,everyday-mc | arith-gen (generative) | "
+                    "FILE.jsonl | lm_eval:NAME (repeatable, comma-separated).")]
 TaskDir = Annotated[Path | None, Opt("--task-dir",
                                      help="lm-eval task YAML directory (include path).")]
 TaskLimit = Annotated[int | None, Opt("--task-limit", help="Items per task.")]
+TaskMaxTokens = Annotated[int, Opt("--task-max-tokens", min=1,
+                                   help="Generative tasks: the answer's token budget "
+                                        "(reasoning included).")]
+Thinking = Annotated[bool, Opt("--thinking/--no-thinking",
+                               help="Generative tasks: let a reasoning model think (its "
+                                    "reasoning is stripped before scoring), or switch "
+                                    "thinking off in its template (enable_thinking false).")]
 Gate = Annotated[list[str] | None, Opt(
     "--gate", help="e.g. 'ppl_ratio<=1.05', 'mean_kld<=0.05', "
                    "'delta(task.science-mc.acc)>=-0.05' (paired vs the "
@@ -99,6 +106,8 @@ def eval_(
     tasks: Tasks = None,
     task_dir: TaskDir = None,
     task_limit: TaskLimit = None,
+    task_max_tokens: TaskMaxTokens = 256,
+    thinking: Thinking = True,
     gate: Gate = None,
     gate_file: GateFile = None,
     baseline: Baseline = None,
@@ -147,6 +156,7 @@ def _build_config(args: dict):
         data=None if args["data"] in ("none", "") else args["data"], field=args["field"],
         windowing=windowing, top_k=args["top_k"], tasks=args["tasks"] or [],
         task_dir=args["task_dir"], task_limit=args["task_limit"],
+        task_max_tokens=args["task_max_tokens"], thinking=args["thinking"],
         reference_tasks=not args["no_reference_tasks"] and args["baseline"] is None,
         seed=args["seed"], dtype=args["dtype"], backend=args["backend"],
         kv_cache_dtype=args["kv_cache_dtype"],

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from llmctl.errors import ConfigError, MissingDependencyError, OfflineError
+from llmctl.eval.generative import Generation
 from llmctl.eval.metrics import CandidateRows
 
 REGISTRY: dict[str, type[Candidate]] = {}
@@ -116,8 +117,28 @@ class Candidate(abc.ABC):
         """``loglikelihood`` for several (context, continuation) pairs; adapters batch it."""
         return [self.loglikelihood(ctx, cont) for ctx, cont in pairs]
 
+    def chat(self, messages: list[dict], max_tokens: int, *, thinking: bool = True
+             ) -> Generation:
+        """A greedy answer to ``messages`` through the model's chat template (generative
+        tasks); ``thinking=False`` passes ``enable_thinking: false`` to the template."""
+        raise ConfigError(f"a {self.kind} candidate cannot generate answers",
+                          "generative tasks run on a checkpoint (transformers or "
+                          "--backend serve) or a server (openai:URL)")
+
     def close(self) -> None:
         pass
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], thinking: bool) -> list[int]:
+    """The prompt's token ids as the model's chat template writes them (no template: the
+    user text alone). ``enable_thinking`` is passed only to switch thinking off, as a
+    server's ``chat_template_kwargs`` would."""
+    if getattr(tokenizer, "chat_template", None):
+        extra = {} if thinking else {"enable_thinking": False}
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True, **extra)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
 
 
 # -- local models through transformers -----------------------------------------------
@@ -212,6 +233,24 @@ class HFCandidate(Candidate, kind="hf"):
             out.append((float(np.sum(got.target_logprob, dtype=np.float64)),
                         bool(np.all(got.top1 == targets))))
         return out
+
+    def chat(self, messages: list[dict], max_tokens: int, *, thinking: bool = True
+             ) -> Generation:
+        import torch
+
+        ids = chat_prompt_ids(self.tokenizer, messages, thinking)
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_tokens,
+                                      do_sample=False, attention_mask=torch.ones(1, len(ids),
+                                                                                 dtype=torch.long))
+        new = out[0, len(ids):].tolist()
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        ended = bool(new) and new[-1] in eos
+        # special tokens dropped as a server's detokenizer drops them (the think tags of
+        # Qwen3 and DeepSeek-R1 are ordinary added tokens: they stay)
+        text = self.tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=True)
+        return Generation(text, None, "stop" if ended or len(new) < max_tokens else "length")
 
     def close(self) -> None:
         self._model = None
@@ -434,6 +473,25 @@ class OpenAIServerCandidate(Candidate, kind="openai"):
                         at_ref[i, j] = mapped[int(tid)]
         return CandidateRows(target_lp, top1, at_ref, None)
 
+    def chat(self, messages: list[dict], max_tokens: int, *, thinking: bool = True
+             ) -> Generation:
+        """A greedy chat completion; a reasoning parser's split (``reasoning`` or the older
+        ``reasoning_content``) is kept apart from ``content``."""
+        payload = {"model": self.model_name, "messages": messages, "max_tokens": max_tokens,
+                   "temperature": 0.0}
+        if not thinking:
+            payload["chat_template_kwargs"] = {"enable_thinking": False}
+        response = self.client.post(f"{self.base_url}/chat/completions", json=payload)
+        if response.status_code != 200:
+            raise ConfigError(f"the server refused a chat completion: HTTP "
+                              f"{response.status_code} {response.text[:200]}",
+                              "the server must serve /v1/chat/completions for generative tasks")
+        choice = (response.json().get("choices") or [{}])[0]
+        message = choice.get("message") or {}
+        reasoning = message.get("reasoning") or message.get("reasoning_content")
+        return Generation(message.get("content") or "", reasoning,
+                          choice.get("finish_reason") or "stop")
+
     def close(self) -> None:
         self.client.close()
 
@@ -549,6 +607,28 @@ class ServeEngineCandidate(Candidate, kind="serve"):
                               f"{self.engine.max_model_len}",
                               f"pass --ctx {self.engine.max_model_len} or less")
         return prompt_logits(self.engine, list(input_ids))
+
+    def chat(self, messages: list[dict], max_tokens: int, *, thinking: bool = True
+             ) -> Generation:
+        from llmctl.serve.core.sampling_params import SamplingParams
+
+        ids = chat_prompt_ids(self.tokenizer, messages, thinking)
+        budget = self.engine.max_model_len - len(ids)
+        if budget < 1:
+            raise ConfigError(f"a prompt of {len(ids)} tokens leaves no room in the engine's "
+                              f"{self.engine.max_model_len}", "shorten the task's prompts")
+        self._chats = getattr(self, "_chats", 0) + 1
+        request_id = f"eval-chat-{self._chats}"
+        self.engine.add_request(request_id, ids, SamplingParams(
+            temperature=0, max_tokens=min(max_tokens, budget)))
+        while True:
+            for out in self.engine.step():
+                if out.request_id == request_id and out.finished:
+                    if out.error:
+                        raise ConfigError(f"the engine failed an answer: {out.error}",
+                                          "see the log")
+                    done = out.outputs[0]
+                    return Generation(done.text, None, done.finish_reason or "stop")
 
     def close(self) -> None:
         self.engine = None

@@ -58,6 +58,10 @@ class EvalConfig(BaseModel):
     task_dir: Path | None = None
     task_limit: int | None = Field(None, ge=1)
     reference_tasks: bool = True
+    # generative tasks: the answer's token budget, and whether the template may think
+    # (False: enable_thinking false, Qwen3's switch); reasoning is stripped either way
+    task_max_tokens: int = Field(256, ge=1)
+    thinking: bool = True
     seed: int = 0
     dtype: str = "float32"
     backend: str = "auto"
@@ -237,7 +241,9 @@ def run_tasks(candidate: Candidate, config: EvalConfig, ui, label: str) -> list[
     for name in (n for n in names if not n.startswith("lm_eval:")):
         task = load_task(name)
         with ui.progress(f"{label}: {task.name}") as update:
-            results.append(score_task(candidate, task, config.task_limit, update))
+            results.append(score_task(candidate, task, config.task_limit, update,
+                                      max_tokens=config.task_max_tokens,
+                                      thinking=config.thinking))
     if harness:
         from llmctl.eval.lm_eval_bridge import run_lm_eval
 
@@ -252,7 +258,8 @@ def _reference_tasks(reference: Candidate, config: EvalConfig, ui) -> list[TaskR
     names = expand_task_names(config.tasks)
     hashes = [load_task(n).sha256 if not n.startswith("lm_eval:") else n for n in names]
     key = store_key(reference.describe()["sha256_quick"], json.dumps(hashes), {
-        "limit": config.task_limit, "task_dir": str(config.task_dir)}, 0, None,
+        "limit": config.task_limit, "task_dir": str(config.task_dir),
+        "max_tokens": config.task_max_tokens, "thinking": config.thinking}, 0, None,
         dtype=config.dtype)
     path = (config.cache_dir or default_cache_dir()) / f"tasks-{_slug(config.reference)}-{key}.json"
     if path.is_file():

@@ -12,7 +12,6 @@ continuation).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +20,16 @@ from typing import Any
 import numpy as np
 
 from llmctl.errors import ConfigError
+from llmctl.eval.generative import (
+    GenTask,
+    is_generative,
+    parse_items,
+    read_jsonl,
+    score_generative,
+)
 
 TASK_DIR = Path(__file__).resolve().parent / "taskdata"
+GENERATIVE_DIR = TASK_DIR / "generative"
 TARGET_DELIMITER = " "
 
 
@@ -97,23 +104,32 @@ def task_metric_name(name: str) -> str:
     return path.stem if path.suffix == ".jsonl" else name
 
 
-def load_task(name: str) -> MCTask:
+def generative_task_names() -> list[str]:
+    return sorted(p.stem for p in GENERATIVE_DIR.glob("*.jsonl"))
+
+
+def load_task(name: str) -> MCTask | GenTask:
+    """A built-in set by name (multiple-choice or generative) or a JSONL file, whose
+    first item's shape says which kind it is."""
     path = TASK_DIR / f"{name}.jsonl"
+    if not path.is_file():
+        path = GENERATIVE_DIR / f"{name}.jsonl"
     if not path.is_file():
         path = Path(name).expanduser()
         if path.suffix != ".jsonl" or not path.is_file():
             raise ConfigError(f"unknown task {name!r}",
                               f"built-in tasks: {', '.join(builtin_task_names())} (or 'builtin'); "
-                              "a JSONL file of {query, choices, gold}; or lm_eval:NAME")
+                              f"generative: {', '.join(generative_task_names())}; a JSONL file "
+                              "of {query, choices, gold} or {prompt, answer}; or lm_eval:NAME")
+    lines = read_jsonl(path)
+    if lines and is_generative(lines[0][1]):
+        return GenTask(task_metric_name(name), parse_items(path, lines), path)
     items = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, raw in lines:
         try:
-            raw = json.loads(line)
             item = MCItem(str(raw.get("id", f"{path.stem}-{lineno}")), str(raw["query"]),
                           [str(c) for c in raw["choices"]], int(raw["gold"]))
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{path}:{lineno} is not a task item ({exc})",
                               'each line needs {"query": str, "choices": [str], "gold": int}') from None
         if not 0 <= item.gold < len(item.choices) or len(item.choices) < 2:
@@ -147,8 +163,13 @@ def choice_scores(candidate, item: MCItem) -> list[float]:
     return [ll for ll, _ in candidate.loglikelihoods(pairs)]
 
 
-def score_task(candidate, task: MCTask, limit: int | None = None,
-               progress=None) -> TaskResult:
+def score_task(candidate, task: MCTask | GenTask, limit: int | None = None,
+               progress=None, *, max_tokens: int = 256, thinking: bool = True) -> TaskResult:
+    """Multiple-choice by log-likelihood; a generative task by its answers
+    (:func:`llmctl.eval.generative.score_generative`, ``max_tokens`` and ``thinking``)."""
+    if isinstance(task, GenTask):
+        return score_generative(candidate, task, limit, progress, max_tokens=max_tokens,
+                                thinking=thinking)
     items = task.items[:limit] if limit else task.items
     correct = correct_norm = 0
     per_item = []

@@ -20,7 +20,7 @@ Where this is wired:
   scheduler, sampler and detokenizer drive :meth:`Engine.runner` (see
   :mod:`llmctl.engines.serve_runner` for the contract and what is not supported).
 - ``llmctl eval ENGINE_DIR`` (or ``engine:DIR``): ``EngineCandidate`` in
-  :mod:`llmctl.eval.candidates` returns :meth:`Engine.logits` (``torch.from_numpy``)
+  :mod:`llmctl.eval.engine_candidates` returns :meth:`Engine.logits` (``torch.from_numpy``)
   as its ``Candidate.logits``, so PPL, KLD and top-1 agreement score the built artifact
   against the reference.
 - ``llmctl bench``: through the server, like any other endpoint.

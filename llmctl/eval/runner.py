@@ -27,9 +27,9 @@ from llmctl.eval.candidates import (
     Candidate,
     CandidateOptions,
     HFCandidate,
-    ServeEngineCandidate,
     open_candidate,
 )
+from llmctl.eval.engine_candidates import ServeEngineCandidate
 from llmctl.eval.memory import flat_heap
 from llmctl.eval.metrics import (
     PositionStats,

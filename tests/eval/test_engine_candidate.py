@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from llmctl.cli.app import build_app
 from llmctl.engines.manifest import NotAnEngineError
-from llmctl.eval.candidates import EngineCandidate, HFCandidate, open_candidate
+from llmctl.eval.candidates import HFCandidate, open_candidate
+from llmctl.eval.engine_candidates import EngineCandidate
 from tests.engines.conftest import (
     incompatible_copy,
     onnx_fp32,  # noqa: F401 - the session fixture, reused

@@ -62,6 +62,8 @@ def build_tiny_llama(out: Path, *, seed: int = 0, tie: bool = False, layers: int
         for name, param in model.named_parameters():
             if param.ndim >= 2:  # matrices, and the stacked experts [E, out, in]
                 param.normal_(0.0, 0.15)
+            elif name.endswith(RANDOM_VECTORS.get(model_type, ())):
+                param.normal_(0.0, 0.5)  # zero-initialised biases, tiny sinks: made to count
     model.save_pretrained(str(out))
     json.loads((out / "config.json").read_text())
     return out
@@ -73,11 +75,17 @@ FAMILY_CONFIGS = Path(__file__).parent / "data" / "families"
 # tests/gguf/test_moe_export.py); the static engines refuse them, so they stay out of
 # FAMILY_NAMES, which the dense family tests of every command run
 MOE_FAMILY_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# mixtures of experts only the engine runs (quantize, GGUF export and the build targets
+# refuse them): tested by their own files (gpt_oss: tests/serve/model/test_gpt_oss.py)
+ENGINE_ONLY_FAMILY_NAMES = ("gpt_oss",)
+# per model type, the 1-D parameters (name suffixes) drawn at random as well: their
+# transformers init is zero (attention biases) or too small to matter (sinks, router bias)
+RANDOM_VECTORS = {"gpt_oss": ("bias", "sinks")}
 # every dense family llmctl runs, as a tiny config (tests/data/families/<name>.json): each
 # exercises its family's features (soft-caps, (1 + w) norms, post-norms, q/k norms,
 # multipliers, per-layer RoPE, LongRoPE with partial rotary, sliding windows)
 FAMILY_NAMES = tuple(sorted(p.stem for p in FAMILY_CONFIGS.glob("*.json")
-                            if p.stem not in MOE_FAMILY_NAMES))
+                            if p.stem not in MOE_FAMILY_NAMES + ENGINE_ONLY_FAMILY_NAMES))
 
 
 def build_family(out: Path, name: str, *, seed: int = 0) -> Path:

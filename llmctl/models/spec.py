@@ -100,6 +100,23 @@ class MoeLayout:
     # transformers 5's fused 3-D form of the experts ([E, 2I, H] gate then up rows;
     # [E, H, I]), which other writers may leave on disk; save_pretrained writes `experts`
     fused: tuple[str, str] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    # how router logits become the k weights (llmctl.models.layers.moe.route):
+    # "softmax_topk" (a softmax over all E, then its k largest: Mixtral, Qwen) or
+    # "topk_softmax" (the k largest logits, then a softmax over those k: gpt-oss)
+    routing: str = "softmax_topk"
+    router_bias: bool = False  # the router is a Linear with a bias (gpt-oss)
+    # gpt-oss: the experts only in the fused form, stored as x @ W ([E, H, 2I], [E, I, H]),
+    # with biases (`{fused}_bias`), gate/up columns interleaved (gate = [..., ::2]), the
+    # clamped SwiGLU (EXPERT_ACTS), and as bf16/float32 tensors or MXFP4 `{fused}_blocks` /
+    # `{fused}_scales` (llmctl.quant.mxfp4)
+    gpt_oss_experts: bool = False
+
+    @property
+    def expert_act(self) -> str | None:
+        """The experts' activation when it is not the family's gated MLP: a name in
+        :data:`llmctl.models.layers.moe.EXPERT_ACTS` (None: ``hidden_act`` over
+        ``[gate rows | up rows]``)."""
+        return "clamped_swiglu" if self.gpt_oss_experts else None
 
 
 @dataclass(frozen=True)
@@ -149,6 +166,13 @@ class Family:
     head_dim_default: int | None = None  # None: hidden_size / num_attention_heads
     fused: tuple[str, ...] = ()  # projections stored fused in the checkpoint
     moe: MoeLayout | None = None
+    # a learned logit per query head in each softmax's denominator ("attention sinks",
+    # gpt-oss: self_attn.sinks); the engine's native attention kernels do not compute it
+    attn_sinks: bool = False
+    # the commands past the engine (serve, generate, the LLM class) that do not take this
+    # family yet: quantize, GGUF export, build targets, importance matrix refuse it in one
+    # line (llmctl.models.architectures.get_architecture)
+    engine_only: bool = False
 
     @property
     def norms_per_layer(self) -> int:
@@ -195,6 +219,19 @@ _QWEN_MOE_DEFAULTS = {"norm_topk_prob": False, "decoder_sparse_step": 1,
                       "mlp_only_layers": [], "max_position_embeddings": 32768}
 _QWEN2_MOE_DEFAULTS = _QWEN_MOE_DEFAULTS | {"qkv_bias": True,
                                            "shared_expert_intermediate_size": 5632}
+
+# GptOssConfig's defaults (a diffed config.json leaves them out); its RoPE default is YaRN
+_GPT_OSS_DEFAULTS = {
+    "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088,
+    "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "sliding_window": 128,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4,
+    "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True,
+    "rope_theta": 150000.0,
+    # under the old key so that a stated rope_parameters or rope_scaling wins
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096}}
 
 _QWEN_MOE_EXPERTS = ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj",
                      "mlp.experts.{e}.down_proj")
@@ -254,6 +291,15 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            config_defaults=_QWEN_MOE_DEFAULTS, moe=MoeLayout(
                ("num_experts", "num_local_experts"), "moe_intermediate_size", "mlp.gate",
                _QWEN_MOE_EXPERTS, renormalize="norm_topk_prob", dense_layers=True)),
+    # gpt-oss: attention sinks and q/k/v/o biases, sliding (window 128) and full layers
+    # alternating by layer_types, YaRN RoPE; experts routed top-k then softmax, with
+    # biases and the clamped SwiGLU, on disk in MXFP4 or float. The engine runs it (sinks
+    # on its torch attention path); quantize, GGUF export and the build targets refuse it.
+    Family("gpt_oss", "GptOssForCausalLM", None, windows="alternating", attn_sinks=True,
+           head_dim_default=64, engine_only=True, config_defaults=_GPT_OSS_DEFAULTS,
+           moe=MoeLayout(("num_local_experts", "num_experts"), "intermediate_size",
+                         "mlp.router", _QWEN_MOE_EXPERTS, renormalize=False,
+                         routing="topk_softmax", router_bias=True, gpt_oss_experts=True)),
 )}
 
 
@@ -433,6 +479,12 @@ class ModelArch:
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum 1
     # per layer: a mixture of experts (True) or the dense MLP; () for a dense model
     moe_layers: tuple[bool, ...] = ()
+    attn_sinks: bool = False  # a learned per-head logit in the softmax (Family.attn_sinks)
+    # the experts' activation where it is not hidden_act's gated MLP (MoeLayout.expert_act)
+    # and its constants: gpt-oss's clamped SwiGLU, swiglu_alpha and swiglu_limit
+    expert_act: str | None = None
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @property
     def model_type(self) -> str:
@@ -514,7 +566,16 @@ class ModelArch:
             num_experts=experts, experts_per_token=per_token,
             expert_intermediate_size=expert_width, shared_expert_intermediate_size=shared,
             norm_topk_prob=moe is not None and _feature(cfg, moe.renormalize),
-            moe_layers=moe_layers)
+            moe_layers=moe_layers, attn_sinks=row.attn_sinks,
+            **_expert_act(cfg, moe))
+
+
+def _expert_act(cfg: dict, moe: MoeLayout | None) -> dict[str, Any]:
+    act = moe.expert_act if moe is not None else None
+    if act != "clamped_swiglu":
+        return {"expert_act": act}
+    return {"expert_act": act, "swiglu_alpha": float(cfg["swiglu_alpha"]),
+            "swiglu_limit": float(cfg["swiglu_limit"])}
 
 
 def _sparse_layers(cfg: dict, moe: MoeLayout, layers: int, experts: int) -> tuple[bool, ...]:

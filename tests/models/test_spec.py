@@ -25,7 +25,8 @@ SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
 MOE = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
        "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                      "shared_expert_intermediate_size": 48},
-       "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
+       "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+       "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2}}
 
 
 def hf_config(model_type: str, **overrides):

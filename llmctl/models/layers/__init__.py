@@ -11,7 +11,8 @@ quantizer's block forward (:mod:`llmctl.quant.block`) and the static decoder
   soft-capping.
 - :mod:`.mlp`: the gated MLP's activation by name (SwiGLU, GeGLU).
 - :mod:`.moe`: the sparse mixture-of-experts block: routing, grouped experts, weighted
-  combine, shared expert (Mixtral, Qwen2-MoE, Qwen3-MoE).
+  combine, shared expert (Mixtral, Qwen2-MoE, Qwen3-MoE); gpt-oss's top-k-then-softmax
+  routing, biased experts and clamped SwiGLU (``EXPERT_ACTS``).
 - :mod:`.registry`: the lookup by name that refuses an unknown variant with the known ones.
 
 A family that computes something new adds a function or an entry here and a field in

@@ -9,6 +9,14 @@ For the ``T`` tokens ``x [T, H]`` of a step, with ``E`` experts of width ``I``::
     y_t = sum_j  w_tj * down_e(act(gate_e(x_t)) * up_e(x_t))   with e = e_tj
     y_t += sigmoid(x_t . g) * shared(x_t)                      (Qwen2-MoE)
 
+gpt-oss (``Routing.order == "topk_softmax"``) routes the other way round: the router has
+a bias, ``l, e = top_k(x @ W_router^T + b)`` and ``w = softmax(l)`` over those ``k`` only,
+in the logits' dtype. Its experts have biases (``gate_up_bias [E, 2I]``, ``down_bias
+[E, H]``), their gate/up product's columns are interleaved (gate ``[..., ::2]``, up
+``[..., 1::2]``) and their activation is the clamped SwiGLU of :data:`EXPERT_ACTS`
+(``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``, ``(up + 1) * gate *
+sigmoid(alpha * gate)``), as transformers' ``GptOssExperts`` computes them.
+
 The grouped computation is transformers' default (``grouped_mm`` experts): the ``T * k``
 (token, expert) pairs sorted by expert, each expert's gated MLP on its own rows only (one
 pair of products per expert that any token picked; the others are never read), the rows
@@ -32,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from llmctl.models.layers.mlp import fused_gated
+from llmctl.models.layers.registry import lookup
 from llmctl.models.spec import ModelArch
 
 # ``[T, 2I] -> [T, I]``: act(gate) * up on a fused gate/up product (mlp.fused_gated)
@@ -46,6 +55,8 @@ class Routing:
     top_k: int
     normalize: bool  # renormalise the top-k probabilities to sum 1
     float32_weights: bool  # keep the weights float32 (Mixtral), else the logits' dtype
+    # "softmax_topk" (Mixtral, Qwen) or "topk_softmax" (gpt-oss): spec.MoeLayout.routing
+    order: str = "softmax_topk"
 
     @classmethod
     def of(cls, arch: ModelArch) -> Routing:
@@ -53,13 +64,17 @@ class Routing:
         if moe is None:
             raise ValueError(f"{arch.model_type} is not a mixture of experts")
         return cls(arch.num_experts, arch.experts_per_token, arch.norm_topk_prob,
-                   moe.float32_weights)
+                   moe.float32_weights, moe.routing)
 
 
 def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k], experts [T, k])`` of router ``logits [T, E]``: the softmax over
     all ``E`` in float32, its ``k`` largest (in descending order, as ``torch.topk``
-    returns them), renormalised where the family does."""
+    returns them), renormalised where the family does; gpt-oss's ``topk_softmax``: the
+    ``k`` largest logits, then the softmax over them in the logits' dtype."""
+    if routing.order == "topk_softmax":
+        top, experts = torch.topk(logits, routing.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), experts
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, routing.top_k, dim=-1)
     if routing.normalize:
@@ -69,11 +84,40 @@ def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.T
     return weights, experts
 
 
+def clamped_swiglu(alpha: float, limit: float) -> ActMul:
+    """gpt-oss's expert activation on the interleaved gate/up product ``[T, 2I] -> [T, I]``
+    (transformers' ``GptOssExperts._apply_gate``, the same ops in the same order)."""
+    def act_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return act_mul
+
+
+# the experts' activations that are not a family's gated MLP (ModelArch.expert_act):
+# name -> (alpha, limit) -> act_mul
+EXPERT_ACTS: dict[str, Callable[[float, float], ActMul]] = {"clamped_swiglu": clamped_swiglu}
+
+
+def expert_act_mul(spec) -> ActMul:
+    """The experts' ``act(gate) * up`` of a ``ModelArch`` (or the engine's ``ModelSpec``,
+    which shares the fields): :data:`EXPERT_ACTS` where ``expert_act`` names one, else the
+    gated MLP of ``hidden_act``."""
+    if spec.expert_act:
+        return lookup(EXPERT_ACTS, spec.expert_act, "expert activation")(
+            spec.swiglu_alpha, spec.swiglu_limit)
+    return fused_gated(spec.hidden_act)
+
+
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor, act_mul: ActMul
-                    ) -> torch.Tensor:
+                    gate_up: torch.Tensor, down: torch.Tensor, act_mul: ActMul,
+                    gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{experts[t, j]}(x_t)`` for every token (module doc):
-    the (token, slot) pairs sorted by expert, each picked expert's MLP on its rows only."""
+    the (token, slot) pairs sorted by expert, each picked expert's MLP on its rows only
+    (with gpt-oss's per-expert biases ``gate_up_bias [E, 2I]``, ``down_bias [E, H]``)."""
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -85,7 +129,9 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     for e, n in enumerate(counts):
         if n:
             seg = rows[start:start + n].to(gate_up.dtype)
-            out[start:start + n] = F.linear(act_mul(F.linear(seg, gate_up[e])), down[e])
+            h = F.linear(seg, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
+            out[start:start + n] = F.linear(act_mul(h), down[e],
+                                            None if down_bias is None else down_bias[e])
             start += n
     weighted = out * weights.reshape(-1)[order].unsqueeze(-1)
     unsorted = torch.empty_like(weighted)
@@ -106,10 +152,19 @@ class MoeWeights:
     shared_gate_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
+    # gpt-oss: the router's bias [E] and the experts' biases [E, 2I], [E, H]
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.router, self.gate_up, self.down, self.shared_gate_up,
-                            self.shared_down, self.shared_gate) if t is not None]
+        return [t for t in (self.router, self.router_bias, *self._experts(),
+                            self.shared_gate_up, self.shared_down, self.shared_gate)
+                if t is not None]
+
+    def _experts(self) -> list[torch.Tensor]:
+        return [t for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+                if t is not None]
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +174,7 @@ class MoeWeights:
     def active_nbytes(self) -> int:
         """The bytes one token reads: the router, ``k`` of the ``E`` experts and the
         shared expert: ``nbytes - (E - k) / E * experts' bytes``."""
-        experts = sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+        experts = sum(t.numel() * t.element_size() for t in self._experts())
         idle = experts * (self.routing.num_experts - self.routing.top_k) // \
             self.routing.num_experts
         return self.nbytes - idle
@@ -127,8 +182,9 @@ class MoeWeights:
 
 def sparse_moe(x: torch.Tensor, w: MoeWeights, act_mul: ActMul) -> torch.Tensor:
     """The block's output for ``x [T, H]`` (module doc), in ``x``'s dtype."""
-    weights, experts = route(F.linear(x, w.router), w.routing)
-    y = grouped_experts(x, weights, experts, w.gate_up, w.down, act_mul)
+    weights, experts = route(F.linear(x, w.router, w.router_bias), w.routing)
+    y = grouped_experts(x, weights, experts, w.gate_up, w.down, act_mul, w.gate_up_bias,
+                        w.down_bias)
     if w.shared_gate_up is not None:
         shared = F.linear(act_mul(F.linear(x, w.shared_gate_up)), w.shared_down)
         y = y + torch.sigmoid(F.linear(x, w.shared_gate)) * shared

@@ -33,6 +33,15 @@ has no such hook: the torch paths of a soft-capped layer run :func:`softcapped_a
 (float32 scores, softmax and products); the native kernels cap inside their score loops.
 Without a cap every path is the one it was.
 
+Attention sinks (gpt-oss, ``sinks``: one learned logit per query head): the softmax runs
+over ``[scores, sink]`` and the sink's column is dropped, so a head may attend to nothing
+(its weights sum to less than 1); transformers' eager ``GptOssAttention``. SDPA has no such
+hook and the native kernels (csrc's paged and prefill attention, the fused decode layer)
+compute no sink term: a layer with sinks runs :func:`softcapped_attention` (float32) on
+every group, and :func:`native_attention_computes` tells the runner to hand such a model no
+native kernel; a kernel group reaching a layer with sinks is an error, never a silently
+different softmax.
+
 Grouped-query attention without repeating K/V: the ``g = heads / kv_heads`` query heads
 of one KV head are folded into the query length, ``q [B, kv_heads, g * q_len, d]``
 against ``k [B, kv_heads, S, d]`` (HF's ``repeat_kv`` gives query head ``h`` the KV head
@@ -135,29 +144,51 @@ def build_paged_group(start: int, q_len: int, context_lens: list[int],
                                    for w in set(windows)})
 
 
+def native_attention_computes(spec) -> bool:
+    """Whether the native attention kernels compute what a model's layers need (a
+    ``ModelSpec``): not with attention sinks, which csrc's kernels have no term for (the
+    runner then builds no kernel groups: every group runs the torch paths here)."""
+    return not spec.attn_sinks
+
+
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
-    """Eager attention with soft-capped scores, in float32, cast back to ``q``'s dtype:
-    ``q [B, H, L, d]``, ``k, v [B, Hkv, S, d]`` (query head ``h`` reads KV head ``h //
-    (H / Hkv)``), ``mask`` broadcast to ``[B, H, L, S]``: bool (True: visible) or
-    additive (0 or -inf). transformers' Gemma 2: ``w = q k^T * scaling; w = tanh(w / cap)
-    * cap; w += mask; softmax(w, float32) v``."""
+                         mask: torch.Tensor, scale: float, softcap: float | None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Eager attention with soft-capped scores and/or sinks, in float32, cast back to
+    ``q``'s dtype: ``q [B, H, L, d]``, ``k, v [B, Hkv, S, d]`` (query head ``h`` reads KV
+    head ``h // (H / Hkv)``), ``mask`` broadcast to ``[B, H, L, S]``: bool (True: visible)
+    or additive (0 or -inf). transformers' Gemma 2: ``w = q k^T * scaling; w = tanh(w /
+    cap) * cap; w += mask; softmax(w, float32) v``. ``sinks``: each query row's sink logit,
+    broadcast to ``[B, H, L, 1]`` (gpt-oss: ``w = cat([w, sink]); w -= max(w); softmax(w)``
+    with the sink's column dropped)."""
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     w = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    w = torch.tanh(w / softcap) * softcap
+    if softcap:
+        w = torch.tanh(w / softcap) * softcap
     w = w.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else w + mask
-    return torch.matmul(torch.softmax(w, dim=-1), v.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(torch.softmax(w, dim=-1), v.float()).to(q.dtype)
+    w = torch.cat([w, sinks.float().expand(*w.shape[:-1], 1)], dim=-1)
+    w = w - w.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(w, dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def _head_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """``[H]`` -> ``[1, H, 1, 1]``: one sink per query head of ``q [B, H, L, d]``."""
+    return None if sinks is None else sinks.view(1, -1, 1, 1)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      softcap: float | None) -> torch.Tensor:
-    """Causal attention of ``q [B, H, L, d]`` on ``k, v [B, Hkv, L, d]``."""
-    if softcap:
+                      softcap: float | None, sinks: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """Causal attention of ``q [B, H, L, d]`` on ``k, v [B, Hkv, L, d]`` (``sinks [H]``)."""
+    if softcap or sinks is not None:
         length = q.shape[2]
         causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        return softcapped_attention(q, k, v, causal, scale, softcap)
+        return softcapped_attention(q, k, v, causal, scale, softcap, _head_sinks(sinks))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
@@ -168,14 +199,15 @@ WINDOW_QUERY_SLICE = 512
 
 
 def windowed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                              scale: float, softcap: float | None = None) -> torch.Tensor:
+                              scale: float, softcap: float | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``q [B, H, L, d]``, ``k, v [B, Hkv, L, d]``: query ``i`` attends to keys
     ``i - window + 1 .. i``; slices of queries against only the keys they reach.
-    ``softcap``: soft-capped scores (:func:`softcapped_attention`)."""
+    ``softcap``, ``sinks [H]``: soft-capped scores, sinks (:func:`softcapped_attention`)."""
     length = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if length <= window:  # the window never bites
-        return _causal_attention(q, k, v, scale, softcap)
+        return _causal_attention(q, k, v, scale, softcap, sinks)
     outs = []
     for s in range(0, length, WINDOW_QUERY_SLICE):
         e = min(length, s + WINDOW_QUERY_SLICE)
@@ -183,9 +215,9 @@ def windowed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         offset = torch.arange(s, e, device=q.device)[:, None] \
             - torch.arange(k0, e, device=q.device)[None, :]  # query - key
         mask = (offset >= 0) & (offset < window)
-        if softcap:
+        if softcap or sinks is not None:
             outs.append(softcapped_attention(q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e], mask,
-                                             scale, softcap))
+                                             scale, softcap, _head_sinks(sinks)))
             continue
         outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e],
                                                    attn_mask=mask, scale=scale,
@@ -196,13 +228,15 @@ def windowed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttnMetadata, scale: float, window: int | None = None,
                     scales: torch.Tensor | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``q [T, H, d]``, new ``k, v [T, Hkv, d]``, the layer's cache ``[2, blocks,
     block_size, Hkv, d]`` (this step's K/V already written) -> ``[T, H * d]``; ``window``:
     the layer's sliding window (None: full causal attention); ``scales``: an int8 cache's
     ``[2, blocks, block_size, Hkv]`` or an fp8 cache's ``[2, Hkv]`` (the native kernel
     reads the codes as they are, a gathered group dequantizes the blocks it gathered);
-    ``softcap``: the layer's logit soft-cap (None or 0: none)."""
+    ``softcap``: the layer's logit soft-cap (None or 0: none); ``sinks``: the layer's
+    attention sinks ``[H]`` (None: none), on the torch paths only (module doc)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     g = num_heads // kv_heads
@@ -210,7 +244,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for grp in meta.groups:
         qs = q[grp.start:grp.end]
         b, lq = grp.num_seqs, grp.q_len
-        if grp.fresh and meta.prefill is not None:
+        if sinks is not None and grp.context_lens is not None:
+            raise RuntimeError("a native-kernel attention group reached a layer with "
+                               "attention sinks, which the kernels do not compute "
+                               "(native_attention_computes)")
+        if grp.fresh and meta.prefill is not None and sinks is None:
             o = meta.prefill(qs, k[grp.start:grp.end], v[grp.start:grp.end], b, lq, scale,
                              window or 0, softcap or 0.0)
             if o is not None:
@@ -221,9 +259,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             kf = k[grp.start:grp.end].view(b, lq, kv_heads, head_dim).transpose(1, 2)
             vf = v[grp.start:grp.end].view(b, lq, kv_heads, head_dim).transpose(1, 2)
             if window:
-                o = windowed_causal_attention(qf, kf, vf, window, scale, softcap)
+                o = windowed_causal_attention(qf, kf, vf, window, scale, softcap, sinks)
             else:
-                o = _causal_attention(qf, kf, vf, scale, softcap)
+                o = _causal_attention(qf, kf, vf, scale, softcap, sinks)
             outs.append(o.transpose(1, 2).reshape(b * lq, num_heads * head_dim))
             continue
         if grp.context_lens is not None:
@@ -240,8 +278,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         qg = qs.view(b, lq, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, kv_heads, g * lq, head_dim)
         mask = grp.window_masks[window] if window else grp.mask
-        if softcap:
-            o = softcapped_attention(qg, kg, vg, mask, scale, softcap)
+        if softcap or sinks is not None:
+            # the folded rows are (query head of the KV head, query position), head-major
+            group_sinks = None if sinks is None else \
+                sinks.view(kv_heads, g, 1).expand(kv_heads, g, lq).reshape(1, kv_heads, g * lq, 1)
+            o = softcapped_attention(qg, kg, vg, mask, scale, softcap, group_sinks)
         else:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
         o = o.view(b, kv_heads, g, lq, head_dim).permute(0, 3, 1, 2, 4)

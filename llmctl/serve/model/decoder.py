@@ -18,10 +18,14 @@ Per layer, for the flat stream of this step's ``T`` tokens::
     h = RMSNorm(x);  g, u = split(h @ W_gate_up)            # fused gate/up
     x = x + W_down · (silu(g) * u)                          # SwiGLU
 
-A mixture-of-experts layer (Mixtral, Qwen2/3-MoE: ``ModelSpec.moe_layers``) replaces
-the last line by the block of :mod:`llmctl.models.layers.moe` (routing, each picked
-expert's SwiGLU on its tokens only, the weighted sum, Qwen2-MoE's gated shared expert),
-on the torch path: the fused native decode layers refuse such a model.
+A mixture-of-experts layer (Mixtral, Qwen2/3-MoE, gpt-oss: ``ModelSpec.moe_layers``)
+replaces the last line by the block of :mod:`llmctl.models.layers.moe` (routing, each
+picked expert's SwiGLU on its tokens only, the weighted sum, Qwen2-MoE's gated shared
+expert, gpt-oss's biased experts and clamped SwiGLU), on the torch path: the fused native
+decode layers refuse such a model. gpt-oss's attention sinks (``ModelSpec.attn_sinks``,
+``Layer.sinks``) run on the torch attention path of
+:func:`llmctl.serve.layers.attention.paged_attention`: the runner hands such a model no
+native attention kernel (``native_attention_computes``).
 
 RMSNorm: ``x / sqrt(mean(x^2) + eps) * w``. The torch path is the shared building blocks
 of :mod:`llmctl.models.layers` (RMSNorm, RoPE, the gated MLP); the native kernels of
@@ -50,6 +54,7 @@ from llmctl.models.layers import (
     fused_rms_norm,
     sparse_moe,
 )
+from llmctl.models.layers.moe import expert_act_mul
 from llmctl.models.spec import ModelArch
 from llmctl.serve.kernels.cpu import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.layers.attention import AttnMetadata, paged_attention
@@ -107,6 +112,14 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()
+    # gpt-oss (ModelArch's fields): a learned logit per query head in every softmax's
+    # denominator (attention sinks; the torch attention path computes them, the native
+    # kernels do not: llmctl.serve.layers.attention.native_attention_computes), and the
+    # experts' clamped SwiGLU with its constants
+    attn_sinks: bool = False
+    expert_act: str | None = None
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @property
     def kv_window(self) -> int | None:
@@ -178,8 +191,9 @@ class Layer:
     # (Llama's post_attention_layernorm), mlp_out_norm on the MLP's output. Gemma's
     # (1 + w) is folded into the weights at load. moe: a mixture-of-experts layer's
     # router and experts (llmctl.models.layers.moe.MoeWeights), in place of gate_up/down.
+    # sinks: the attention sinks' logits [heads] (gpt-oss), float32.
     __slots__ = ("attn_out_norm", "down", "gate_up", "input_norm", "mlp_out_norm", "moe",
-                 "o", "post_norm", "qk_norm", "qkv")
+                 "o", "post_norm", "qk_norm", "qkv", "sinks")
 
     def __init__(self, **parts) -> None:
         for name in self.__slots__:
@@ -256,8 +270,8 @@ class LlamaModel:
         self.norm_act = norm_act_kernels(device, dtype) or TorchNormAct()
         self.act_mul = _act_mul(self.norm_act, spec.hidden_act)
         # the experts' act(gate) * up: torch's on any rows (the native kernels serve the
-        # dense layers)
-        self.moe_act_mul = fused_gated(spec.hidden_act)
+        # dense layers); gpt-oss's clamped SwiGLU on interleaved gate/up columns
+        self.moe_act_mul = expert_act_mul(spec)
         self.rope_kv = rope_kv_kernel(device, dtype, self.freqs)
         # per layer: its RoPE table and native RoPE + cache write (Gemma 3's sliding
         # layers rotate with their own), its window
@@ -270,7 +284,8 @@ class LlamaModel:
         # Gemma rounds sqrt(hidden) to the model's dtype first (its transformers code)
         self.embed_scale = (None if spec.embedding_multiplier == 1.0 else
                             torch.tensor(spec.embedding_multiplier, dtype=dtype, device=device))
-        self.decode_layers = DecodeLayers.build(self)  # None where it cannot reproduce us
+        # None where it cannot reproduce us (attention sinks: its C attention has none)
+        self.decode_layers = None if spec.attn_sinks else DecodeLayers.build(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None,
@@ -333,7 +348,7 @@ class LlamaModel:
             if reread:
                 k, v = codec.read(layer_cache, layer_scales, slots, q.dtype)
             attn = paged_attention(q, k, v, layer_cache, meta, self.scale, self.windows[i],
-                                   layer_scales, softcap=spec.attn_softcap)
+                                   layer_scales, softcap=spec.attn_softcap, sinks=layer.sinks)
             o = self._branch(layer.attn_out_norm, self._linear(lora, i, "o", attn.to(x.dtype)))
             h = _add_norm(ops, x, o, layer.post_norm, eps)
             if layer.moe is not None:

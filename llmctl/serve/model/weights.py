@@ -11,6 +11,10 @@ rows) and ``[E, H, I]`` tensors (:class:`llmctl.models.layers.moe.MoeWeights`), 
 per-expert names ``save_pretrained`` writes (``experts.{e}.gate_proj`` / Mixtral's
 ``w1``, ``w3``, ``w2``) or transformers 5's fused 3-D ``experts.gate_up_proj`` and
 ``experts.down_proj``; a compressed-tensors expert is dequantized once at load.
+gpt-oss's experts come only fused and stored as ``x @ W`` (``[E, H, 2I]``, ``[E, I, H]``,
+transposed here), with ``_bias`` tensors, as float or as MXFP4 ``_blocks`` / ``_scales``
+(``quant_method: mxfp4``), decoded at load to the compute dtype exactly as transformers
+decodes them (:mod:`llmctl.quant.mxfp4`); its attention sinks are read in float32.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from llmctl.errors import NotAModelError, UnsupportedArchitectureError
 from llmctl.models.layers.moe import MoeWeights, Routing
 from llmctl.models.spec import FAMILIES, NORM_LAYOUTS, ModelArch, MoeLayout
+from llmctl.quant import mxfp4
 from llmctl.serve.layers.lowbit import (
     AffineCodes,
     LowBitLinear,
@@ -154,7 +159,7 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
     :class:`llmctl.serve.engine.config.EngineConfig` (:func:`bf16_gemm_plan`).
     """
     spec = spec or ModelSpec.from_dir(path)
-    read = reader if reader is not None else CheckpointReader(path, spec.quantization_config)
+    read = reader if reader is not None else CheckpointReader(path, _linear_quant_config(spec))
     family = FAMILIES[spec.model_type]
     if family.fused:
         # part_rows reads the four shape fields ModelSpec shares with ModelArch
@@ -166,6 +171,21 @@ def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, backend:
     embed, head = build.embed_and_head(lm_head)
     return LlamaModel(spec, embed=embed, layers=layers, norm=build.norm("model.norm.weight"),
                       lm_head=head, dtype=dtype, device=device, max_len=max_len)
+
+
+def _linear_quant_config(spec: ModelSpec) -> dict | None:
+    """The quantization_config the linear layers are read under. MXFP4 (gpt-oss's
+    ``quant_method: mxfp4``) covers its experts only, decoded by :meth:`_ModelBuilder.
+    experts`; every other tensor of such a checkpoint is float."""
+    config = spec.quantization_config
+    if not config or config.get("quant_method") != "mxfp4":
+        return config
+    layout = FAMILIES[spec.model_type].moe
+    if layout is None or not layout.gpt_oss_experts:
+        raise UnsupportedArchitectureError(
+            f"quantization method 'mxfp4' on a {spec.model_type} model is not supported",
+            "the engine decodes the MXFP4 experts of gpt-oss checkpoints only")
+    return None
 
 
 @dataclass
@@ -257,6 +277,8 @@ class _ModelBuilder:
                                               spec.mlp_bias),
             down=None if sparse else fused([f"{mlp}.down_proj"], spec.mlp_bias),
             mlp_out_norm=norms.get("mlp_out"), moe=self.moe(p) if sparse else None,
+            sinks=self.read(f"{attn}.sinks").to(device=self.device, dtype=torch.float32)
+            if spec.attn_sinks else None,
         )
 
     def float_weight(self, name: str) -> torch.Tensor:
@@ -273,6 +295,27 @@ class _ModelBuilder:
                 "decode for a mixture of experts",
                 "serve the bf16 or float32 checkpoint, or a compressed-tensors one")
         return weight.to(device=self.device, dtype=self.dtype)
+
+    def gpt_oss_experts(self, p: str, layout: MoeLayout) -> list[torch.Tensor]:
+        """``[gate_up [E, 2I, H], down [E, H, I], gate_up_bias [E, 2I], down_bias [E, H]]``
+        of layer ``p``'s gpt-oss experts (gate/up rows interleaved as stored), from float
+        ``x @ W`` tensors or MXFP4 blocks and scales (module doc)."""
+        weights, biases = [], []
+        for name in layout.fused:
+            full = f"{p}.{name}"
+            if f"{full}_blocks" in self.read:
+                # [E, out, in / 32, 16] -> [E, out, in]: F.linear's layout as it is stored
+                weight = mxfp4.dequantize(self.read(f"{full}_blocks"),
+                                          self.read(f"{full}_scales"), self.dtype)
+            elif full in self.read:
+                weight = self.read(full).transpose(1, 2)  # x @ W: [E, in, out]
+            else:
+                raise NotAModelError(
+                    f"the checkpoint has neither {full} nor {full}_blocks",
+                    "the weights do not match config.json; re-export the model")
+            weights.append(weight.to(device=self.device, dtype=self.dtype).contiguous())
+            biases.append(self.tensor(f"{full}_bias"))
+        return weights + biases
 
     def experts(self, p: str, layout: MoeLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gate_up [E, 2I, H], down [E, H, I])`` of layer ``p``'s experts."""
@@ -296,10 +339,17 @@ class _ModelBuilder:
         """Layer ``p``'s router, stacked experts and shared expert (module doc)."""
         spec = self.spec
         layout = FAMILIES[spec.model_type].moe
-        gate_up, down = self.experts(p, layout)
         routing = Routing(spec.num_experts, spec.experts_per_token, spec.norm_topk_prob,
-                          layout.float32_weights)
-        weights = MoeWeights(self.float_weight(f"{p}.{layout.router}"), gate_up, down, routing)
+                          layout.float32_weights, layout.routing)
+        router = self.float_weight(f"{p}.{layout.router}")
+        if layout.gpt_oss_experts:
+            gate_up, down, gate_up_bias, down_bias = self.gpt_oss_experts(p, layout)
+            return MoeWeights(router, gate_up, down, routing,
+                              router_bias=self.tensor(f"{p}.{layout.router}.bias")
+                              if layout.router_bias else None,
+                              gate_up_bias=gate_up_bias, down_bias=down_bias)
+        gate_up, down = self.experts(p, layout)
+        weights = MoeWeights(router, gate_up, down, routing)
         if layout.shared is not None and spec.shared_expert_intermediate_size:
             s_gate, s_up, s_down = (f"{p}.{name}" for name in layout.shared)
             weights.shared_gate_up = torch.cat([self.float_weight(s_gate),

@@ -1,0 +1,68 @@
+"""MXFP4 (OCP microscaling FP4): the form gpt-oss checkpoints store their experts in.
+
+A block of 32 values shares one E8M0 scale (a uint8 ``s``: the power of two ``2^(s -
+127)``); each value is an FP4 E2M1 code (1 sign, 2 exponent, 1 mantissa bit), two codes
+per byte, the even element in the low nibble and the odd one in the high nibble::
+
+    code 0..7  ->  +0, 0.5, 1, 1.5, 2, 3, 4, 6;   code 8..15  ->  the same, negative
+    value = FP4_VALUES[code] * 2^(scale - 127)
+
+On disk (gpt-oss's safetensors): ``{name}_blocks [..., rows, K / 32, 16]`` uint8 and
+``{name}_scales [..., rows, K / 32]`` uint8, ``rows`` the output features of a linear and
+``K`` its inputs: :func:`dequantize` returns ``[..., rows, K]``, the ``F.linear`` layout.
+transformers' ``convert_moe_packed_tensors`` (transformers/integrations/mxfp4.py) returns
+the same values transposed (``[E, K, rows]``, its experts compute ``x @ W``); the decoding
+is the same table lookup and ``torch.ldexp`` in the target dtype, so bit for bit the same
+numbers (tests/quant/test_mxfp4.py). :func:`quantize` is the inverse for tests and tools
+(round to the nearest code under the block's scale ``2^(floor(log2 amax) - 2)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# E2M1 code -> value (transformers' FP4_VALUES, the OCP MX spec's table)
+FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0_BIAS = 127
+BLOCK = 32  # values per scale
+FP4_MAX_EXP = 2  # the largest code, 6 = 1.5 * 2^2
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``blocks [..., G, 16]`` uint8 and ``scales [..., G]`` uint8 -> ``[..., G * 32]``
+    values in ``dtype`` (module doc), one leading slice at a time."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] * 2 != BLOCK:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales "
+                         f"{tuple(scales.shape)} (expected [..., G, 16] and [..., G])")
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    blocks = blocks.to(torch.uint8)
+    exps = scales.to(torch.int32) - E8M0_BIAS
+    out = torch.empty(*blocks.shape[:-1], BLOCK, dtype=dtype, device=blocks.device)
+    flat_blocks, flat_exps = blocks.reshape(-1, *blocks.shape[-2:]), exps.reshape(-1, exps.shape[-1])
+    flat_out = out.view(-1, *out.shape[-2:])
+    for i in range(flat_out.shape[0]):  # one expert (or row group) at a time: bounded temporaries
+        sub = flat_out[i]
+        sub[:, 0::2] = lut[(flat_blocks[i] & 0x0F).to(torch.int)]
+        sub[:, 1::2] = lut[(flat_blocks[i] >> 4).to(torch.int)]
+        torch.ldexp(sub, flat_exps[i].unsqueeze(-1), out=sub)
+    return out.flatten(-2)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [..., K]`` (K a multiple of 32) -> ``(blocks [..., K/32, 16], scales [...,
+    K/32])``: per block the scale ``2^(floor(log2 amax) - 2)`` (the largest value lands in
+    [4, 8)), each value the nearest code (ties to the lower code index)."""
+    if weight.shape[-1] % BLOCK:
+        raise ValueError(f"MXFP4 needs a multiple of {BLOCK} inputs, got {weight.shape[-1]}")
+    x = weight.float().reshape(*weight.shape[:-1], -1, BLOCK)
+    amax = x.abs().amax(-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))),
+                      torch.zeros_like(amax)) - FP4_MAX_EXP
+    exp = exp.clamp(-E8M0_BIAS, 254 - E8M0_BIAS)
+    scaled = x / torch.pow(2.0, exp).unsqueeze(-1)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = (scaled.unsqueeze(-1) - lut).abs().argmin(-1).to(torch.uint8)  # [..., G, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + E8M0_BIAS).to(torch.uint8)

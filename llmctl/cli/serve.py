@@ -103,17 +103,23 @@ EnableAutoToolChoice = Annotated[bool, Opt(
     "--enable-auto-tool-choice", help='Allow tool_choice "auto" (the default when a chat '
                                       "request has tools): the model calls tools by itself "
                                       "and --tool-call-parser reads the calls (vLLM's flags).")]
-ToolCallParser = Annotated[Literal["hermes", "llama3_json"] | None, Opt(
+ToolCallParser = Annotated[Literal["hermes", "llama3_json", "openai"] | None, Opt(
     "--tool-call-parser", help="The model's tool-call format for tool_choice auto: hermes "
-                               "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5) or "
-                               "llama3_json (a JSON call as the message: Llama 3.1+).",
+                               "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5), "
+                               "llama3_json (a JSON call as the message: Llama 3.1+) or "
+                               "openai (gpt-oss's harmony commentary-channel calls; with "
+                               "--reasoning-parser harmony).",
     show_default=False)]
-ReasoningParser = Annotated[Literal["deepseek_r1", "qwen3"] | None, Opt(
+ReasoningParser = Annotated[
+    Literal["deepseek_r1", "qwen3", "harmony", "openai_gptoss"] | None, Opt(
     "--reasoning-parser", help="Split a reasoning model's thinking (<think>...</think>) from "
                                "its answer: returned as the message's reasoning (and "
                                "reasoning_content), never in content. deepseek_r1: output "
-                               "is thinking until </think>; qwen3: only inside <think> "
-                               "(vLLM's flag and names).", show_default=False)]
+                               "is thinking until </think>; qwen3: only inside <think>; "
+                               "harmony (gpt-oss; vLLM's openai_gptoss, accepted too): the "
+                               "analysis channel is thinking, the final channel the answer "
+                               "(vLLM's flag and names).",
+    show_default=False)]
 DefaultChatTemplateKwargs = Annotated[str | None, Opt(
     "--default-chat-template-kwargs",
     help="""A JSON object of chat template variables for every chat request, e.g. """

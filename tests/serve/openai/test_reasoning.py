@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from llmctl.serve.openai.reasoning.parsers import (
-    REASONING_PARSERS,
+    THINK_TAG_PARSERS,
     ReasoningPlan,
     reasoning_parser,
 )
@@ -71,13 +71,13 @@ def _chunked(splitter: ThinkingSplitter, tok: Tok, text: str, size: int) -> Spli
 
 
 @pytest.mark.parametrize("tags", [True, False], ids=["by-id", "by-text"])
-@pytest.mark.parametrize("name", list(REASONING_PARSERS))
+@pytest.mark.parametrize("name", list(THINK_TAG_PARSERS))
 @pytest.mark.parametrize("text", list(OUTPUTS))
 def test_split_whole_and_chunked(text, name, tags):
     tok = Tok(tags)
     plan = _plan(name, tok)
     assert plan.parser.tags.by_id is tags
-    want = OUTPUTS[text][list(REASONING_PARSERS).index(name)]
+    want = OUTPUTS[text][list(THINK_TAG_PARSERS).index(name)]
     ids = tok.encode(text)
     assert split_whole(plan.new_choice(), text, ids) == want
     for size in range(1, len(ids) + 1):
@@ -97,7 +97,7 @@ def test_text_split_holds_a_tag_cut_across_chunks():
 def test_reasoning_tokens_by_id_exclude_the_tags():
     tok = Tok(tags=True)
     text = "<think>Let me think</think>answer"
-    for name in REASONING_PARSERS:
+    for name in THINK_TAG_PARSERS:
         for size in (1, 2, 5):
             got = _chunked(_plan(name, tok).new_choice(), tok, text, size)
             assert got.reasoning_tokens == len(tok.encode("Let me think")), (name, size)
@@ -126,14 +126,14 @@ def test_by_id_the_tag_text_written_in_pieces_is_not_a_tag():
     assert split_whole(splitter, "a</think>b", ids) == ("a</think>b", "")
 
 
-@pytest.mark.parametrize("name", list(REASONING_PARSERS))
+@pytest.mark.parametrize("name", list(THINK_TAG_PARSERS))
 def test_the_prompt_ending_decides_the_first_phase(name):
     tok = Tok(tags=True)
     assert _plan(name, tok, "assistant:\n<think>\n").phase is Phase.THINKING
     closed = _plan(name, tok, "assistant:\n<think>\n\n</think>\n\n")
     assert closed.phase is Phase.ANSWER
     assert split_whole(closed.new_choice(), "answer", tok.encode("answer")) == ("", "answer")
-    default = REASONING_PARSERS[name].default_phase
+    default = THINK_TAG_PARSERS[name].default_phase
     assert _plan(name, tok).phase is default
 
 

@@ -10,6 +10,9 @@ tag is:
 - ``qwen3``: reasoning only inside a ``<think>`` the model writes (Qwen3 with thinking
   switched off writes none, and all of it is content).
 
+``harmony`` (gpt-oss; ``openai_gptoss``, vLLM's name for it) reads channels rather
+than tags: :mod:`.harmony`.
+
 Either way the prompt has the last word: a prompt whose text ends in an open
 ``<think>`` (Qwen3-2507's thinking templates) starts the output thinking, one that ends
 in ``</think>`` (``enable_thinking: false`` renders ``<think>\\n\\n</think>``) starts it
@@ -22,6 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from llmctl.serve.openai.reasoning.harmony import (
+    HarmonyReasoningParser,
+    OpenAIGptOssReasoningParser,
+)
 from llmctl.serve.openai.reasoning.split import Phase, ThinkingSplitter, ThinkTags
 
 # prompt tokens read for its ending: a tag and the blank lines after it fit
@@ -63,11 +70,16 @@ class Qwen3ReasoningParser(ReasoningParser):
     default_phase = Phase.BEFORE
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+# the <think> parsers (ReasoningParser's); harmony's reads channels, not tags
+THINK_TAG_PARSERS: dict[str, type[ReasoningParser]] = {
     cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+REASONING_PARSERS: dict[str, type] = {
+    **THINK_TAG_PARSERS,
+    **{cls.name: cls for cls in (HarmonyReasoningParser, OpenAIGptOssReasoningParser)}}
 
 
-def reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None:
+def reasoning_parser(name: str | None,
+                     tokenizer) -> ReasoningParser | HarmonyReasoningParser | None:
     """The parser ``name`` over ``tokenizer``; None: none asked for. An unknown name is
     a ValueError listing the names (the CLI checks it before anything loads)."""
     if name is None:

@@ -17,6 +17,8 @@ vLLM's flag; :data:`AUTO_PARSERS`):
   (``"arguments"`` accepted too), optionally after ``<|python_tag|>``, several
   separated by ``;``. Anything else is content. Nothing can be streamed before the end
   of such a message: it is a call only if all of it parses.
+- ``openai`` (gpt-oss, with ``--reasoning-parser harmony``): commentary-channel
+  messages to ``functions.NAME`` (:mod:`llmctl.serve.openai.tools.harmony`).
 
 Content is the text outside the calls, without leading and trailing whitespace
 (``None`` when nothing is left). Text that may still become the start of a call is held
@@ -30,6 +32,7 @@ object alone); their arguments stream piece by piece.
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -221,6 +224,11 @@ AUTO_PARSERS: dict[str, type] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
 }
+
+
+# ``openai`` lives in its own module, which imports the events above and enters itself
+# in AUTO_PARSERS on its last line (import_module: whichever of the two comes first)
+importlib.import_module("llmctl.serve.openai.tools.harmony")
 
 
 def auto_parser(name: str) -> type:

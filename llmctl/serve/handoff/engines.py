@@ -34,10 +34,14 @@ class HandoffOptions:
     otlp_traces_endpoint: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # hermes / llama3_json: vLLM has the same names
-    reasoning_parser: str | None = None  # deepseek_r1 / qwen3: vLLM has the same names
+    reasoning_parser: str | None = None  # deepseek_r1 / qwen3 as vLLM names them; harmony mapped
     default_chat_template_kwargs: str | None = None  # JSON text, as vLLM's flag takes it
     kv_cache_dtype: str | None = None  # given on the command line (None: the engine's default)
     extra_args: tuple[str, ...] = ()
+
+
+# llmctl's reasoning-parser names that vLLM spells otherwise (the others are the same)
+VLLM_REASONING_NAMES = {"harmony": "openai_gptoss"}
 
 
 def _python_with(module: str, python: str | None) -> str:
@@ -76,7 +80,8 @@ def vllm_command(opts: HandoffOptions) -> list[str]:
     if opts.tool_call_parser:
         cmd += ["--tool-call-parser", opts.tool_call_parser]
     if opts.reasoning_parser:
-        cmd += ["--reasoning-parser", opts.reasoning_parser]
+        cmd += ["--reasoning-parser", VLLM_REASONING_NAMES.get(opts.reasoning_parser,
+                                                           opts.reasoning_parser)]
     if opts.default_chat_template_kwargs:
         cmd += ["--default-chat-template-kwargs", opts.default_chat_template_kwargs]
     if opts.kv_cache_dtype:

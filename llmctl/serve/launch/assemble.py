@@ -67,7 +67,6 @@ def _build_engine(opts: ServeOptions) -> tuple[Any, str, tuple[str, ...]]:
 
 
 def build_server(opts: ServeOptions) -> tuple[RequestHandler, AsyncEngine]:
-    from llmctl.serve.api.limits import default_max_request_bytes
     from llmctl.serve.api.tenancy.keys import TenantTable
 
     settings = opts.settings
@@ -80,6 +79,22 @@ def build_server(opts: ServeOptions) -> tuple[RequestHandler, AsyncEngine]:
         tracing = setup_tracing(settings.otlp_traces_endpoint)
         log.info("tracing: a span per request to %s", tracing.url)
     engine, name, aliases = _build_engine(opts)
+    try:
+        return _assemble(opts, engine, name, aliases, tenants, tracing)
+    except BaseException:
+        # engine processes run from here on: whatever fails next (a reasoning parser
+        # refusing the tokenizer, a LoRA name clash) must end them, or `serve` hangs
+        # after printing its error
+        if hasattr(engine, "close"):
+            engine.close()
+        raise
+
+
+def _assemble(opts: ServeOptions, engine, name: str, aliases, tenants, tracing
+              ) -> tuple[RequestHandler, AsyncEngine]:
+    from llmctl.serve.api.limits import default_max_request_bytes
+
+    settings = opts.settings
     vocab_size, grammars = vocab_and_grammars(engine)
     model = ServedModel(model_name=name, max_model_len=engine.max_model_len,
                         vocab_size=vocab_size, extra_model_names=aliases,
@@ -89,9 +104,7 @@ def build_server(opts: ServeOptions) -> tuple[RequestHandler, AsyncEngine]:
                               engine.max_model_len, settings.max_queue))
     clash = set(getattr(engine, "lora_names", tuple)()) & {name, *aliases}
     if clash:  # a request naming it could not say which one it means
-        if hasattr(engine, "close"):  # engine processes
-            engine.close()
-        raise ConfigError(f"LoRA adapter {sorted(clash)[0]!r} has the base model's name",
+        raise ConfigError(f"LoRA adapter {min(clash)!r} has the base model's name",
                           "give the adapter another name")
     async_engine = AsyncEngine(engine, max_queue=settings.max_queue,
                                request_timeout=settings.request_timeout)

@@ -184,6 +184,11 @@ def auto_tool_parser(settings: ServeSettings) -> str | None:
     if name is not None and name not in AUTO_PARSERS:
         raise UsageError(f"unknown --tool-call-parser {name!r}",
                          f"choose one of: {', '.join(AUTO_PARSERS)}")
+    needed = getattr(AUTO_PARSERS.get(name), "needs_reasoning_parser", None)
+    if needed and settings.reasoning_parser not in needed:
+        raise UsageError(f"--tool-call-parser {name} reads the calls that --reasoning-parser "
+                         f"{needed[0]} passes on; without it no call is ever found",
+                         f"add --reasoning-parser {needed[0]}")
     if settings.enable_auto_tool_choice and name is None:
         raise UsageError("--enable-auto-tool-choice needs --tool-call-parser",
                          f"add --tool-call-parser with one of: {', '.join(AUTO_PARSERS)}")

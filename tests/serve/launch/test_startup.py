@@ -49,6 +49,19 @@ def test_tool_call_flags_follow_vllm():
         check(ServeSettings(model="m", enable_auto_tool_choice=True))
     with pytest.raises(UsageError, match="unknown --tool-call-parser 'mistral'"):
         auto_tool_parser(ServeSettings(model="m", tool_call_parser="mistral"))
+    # gpt-oss's calls come through the harmony reasoning parser: alone it finds none
+    with pytest.raises(UsageError, match="add --reasoning-parser harmony"):
+        auto_tool_parser(ServeSettings(model="m", enable_auto_tool_choice=True,
+                                       tool_call_parser="openai"))
+    for name in ("harmony", "openai_gptoss"):
+        assert auto_tool_parser(ServeSettings(model="m", enable_auto_tool_choice=True,
+                                              tool_call_parser="openai",
+                                              reasoning_parser=name)) == "openai"
+    # handed to vLLM, harmony is its openai_gptoss
+    cmd = vllm_command(HandoffOptions(model_path="p", served_name="s", host="h", port=1,
+                                      python=__import__("sys").executable,
+                                      reasoning_parser="harmony"))
+    assert cmd[-2:] == ["--reasoning-parser", "openai_gptoss"]
     # vLLM takes the same flags and names; trtllm-serve has none
     cmd = vllm_command(HandoffOptions(model_path="p", served_name="s", host="h", port=1,
                                       python=__import__("sys").executable,

@@ -29,6 +29,9 @@ _FUNCTIONS = "functions."
 
 class OpenAIToolParser:
     skip_special_tokens = True  # the reasoning parser reads the ids; the text is its own
+    # the reasoning parsers that write the call markup this one reads (startup refuses
+    # the pair otherwise: no call would ever be found)
+    needs_reasoning_parser = ("harmony", "openai_gptoss")
 
     def __init__(self) -> None:
         self.pending = ""

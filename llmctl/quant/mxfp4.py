@@ -30,24 +30,25 @@ FP4_MAX_EXP = 2  # the largest code, 6 = 1.5 * 2^2
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor,
-               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               dtype: torch.dtype = torch.bfloat16, *,
+               rows_per_chunk: int = 1 << 20) -> torch.Tensor:
     """``blocks [..., G, 16]`` uint8 and ``scales [..., G]`` uint8 -> ``[..., G * 32]``
-    values in ``dtype`` (module doc), one leading slice at a time."""
+    values in ``dtype`` (module doc), ``rows_per_chunk`` blocks of 32 at a time (bounded
+    temporaries: the index tensors are 4 bytes per value)."""
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] * 2 != BLOCK:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales "
                          f"{tuple(scales.shape)} (expected [..., G, 16] and [..., G])")
     lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    blocks = blocks.to(torch.uint8)
-    exps = scales.to(torch.int32) - E8M0_BIAS
-    out = torch.empty(*blocks.shape[:-1], BLOCK, dtype=dtype, device=blocks.device)
-    flat_blocks, flat_exps = blocks.reshape(-1, *blocks.shape[-2:]), exps.reshape(-1, exps.shape[-1])
-    flat_out = out.view(-1, *out.shape[-2:])
-    for i in range(flat_out.shape[0]):  # one expert (or row group) at a time: bounded temporaries
-        sub = flat_out[i]
-        sub[:, 0::2] = lut[(flat_blocks[i] & 0x0F).to(torch.int)]
-        sub[:, 1::2] = lut[(flat_blocks[i] >> 4).to(torch.int)]
-        torch.ldexp(sub, flat_exps[i].unsqueeze(-1), out=sub)
-    return out.flatten(-2)
+    rows = blocks.reshape(-1, BLOCK // 2).to(torch.uint8)
+    exps = (scales.to(torch.int32) - E8M0_BIAS).reshape(-1, 1)
+    out = torch.empty(rows.shape[0], BLOCK, dtype=dtype, device=blocks.device)
+    for r0 in range(0, rows.shape[0], rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, rows.shape[0])
+        sub, blk = out[r0:r1], rows[r0:r1]
+        sub[:, 0::2] = lut[(blk & 0x0F).to(torch.int)]  # the even element: the low nibble
+        sub[:, 1::2] = lut[(blk >> 4).to(torch.int)]
+        torch.ldexp(sub, exps[r0:r1], out=sub)
+    return out.view(*scales.shape[:-1], scales.shape[-1] * BLOCK)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,8 @@ def test_dequantize_is_bit_exact_with_transformers(dtype):
     assert ours.shape == (experts, rows, groups * 32) and ours.dtype == dtype
     theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2)
     assert torch.equal(_bits(ours), _bits(theirs.contiguous()))
+    chunked = mxfp4.dequantize(blocks, scales, dtype, rows_per_chunk=7)
+    assert torch.equal(_bits(chunked), _bits(ours))
 
 
 def test_typical_scales_decode_to_the_table_times_a_power_of_two():

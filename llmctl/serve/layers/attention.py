@@ -184,9 +184,20 @@ def _head_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       softcap: float | None, sinks: torch.Tensor | None = None
                       ) -> torch.Tensor:
-    """Causal attention of ``q [B, H, L, d]`` on ``k, v [B, Hkv, L, d]`` (``sinks [H]``)."""
+    """Causal attention of ``q [B, H, L, d]`` on ``k, v [B, Hkv, L, d]`` (``sinks [H]``).
+    With sinks, a long prompt runs in slices of queries, each against the keys up to its
+    last (the eager float32 scores of a whole 8K prompt of 64 heads would be 16 GiB)."""
+    length = q.shape[2]
+    if sinks is not None and length > WINDOW_QUERY_SLICE:
+        outs = []
+        for s in range(0, length, WINDOW_QUERY_SLICE):
+            e = min(length, s + WINDOW_QUERY_SLICE)
+            mask = torch.arange(s, e, device=q.device)[:, None] \
+                >= torch.arange(e, device=q.device)[None, :]
+            outs.append(softcapped_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], mask,
+                                             scale, softcap, _head_sinks(sinks)))
+        return torch.cat(outs, dim=2)
     if softcap or sinks is not None:
-        length = q.shape[2]
         causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
         return softcapped_attention(q, k, v, causal, scale, softcap, _head_sinks(sinks))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,

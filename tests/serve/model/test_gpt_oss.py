@@ -94,6 +94,33 @@ def test_config_reads_as_transformers_reads_it(tiny_family):
     assert rope == {**ref.rope_parameters, "rope_theta": ref.rope_parameters["rope_theta"]}
 
 
+def test_the_released_config_layout_reads():
+    """config.json as openai/gpt-oss-20b ships it (transformers 4.55's writer: the old
+    rope_scaling key, rope_theta beside it, no swiglu_alpha, an mxfp4
+    quantization_config): transformers' numbers."""
+    from transformers import GptOssConfig
+
+    released = {
+        "model_type": "gpt_oss", "attention_bias": True, "experts_per_token": 4,
+        "head_dim": 64, "hidden_size": 2880, "intermediate_size": 2880,
+        "initial_context_length": 4096, "layer_types": ["sliding_attention",
+                                                        "full_attention"] * 12,
+        "max_position_embeddings": 131072, "num_attention_heads": 64,
+        "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+        "num_local_experts": 32, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                         "truncate": False},
+        "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+        "vocab_size": 201088, "quantization_config": {"quant_method": "mxfp4"}}
+    arch = ModelArch.from_config(released)
+    ref = GptOssConfig(**{k: v for k, v in released.items()
+                          if k not in ("model_type", "quantization_config")})
+    assert arch.rope == {**ref.rope_parameters, "rope_theta": 150000}
+    assert (arch.num_experts, arch.experts_per_token, arch.swiglu_alpha) == (32, 4, 1.702)
+    assert arch.layer_windows == (128, None) * 12
+
+
 @pytest.mark.parametrize("truncate", [False, True])
 def test_yarn_equals_transformers(truncate):
     """llmctl's YaRN frequencies and attention factor: transformers'
@@ -145,6 +172,23 @@ def test_sink_attention_equals_transformers_eager():
     torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-6, rtol=1e-6)
     plain = softcapped_attention(q, k, v, causal, 0.3, None)
     assert (plain - got).abs().max() > 0.01
+
+
+def test_sink_attention_in_query_slices_is_the_whole(monkeypatch):
+    """A fresh prompt longer than the query slice, full and windowed, with sinks: the
+    sliced attention equals the one-piece eager one."""
+    from llmctl.serve.layers import attention
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, 23, 8, generator=gen) for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=gen)
+    whole = [attention._causal_attention(q, k, v, 0.3, None, sinks),
+             attention.windowed_causal_attention(q, k, v, 6, 0.3, None, sinks)]
+    monkeypatch.setattr(attention, "WINDOW_QUERY_SLICE", 5)
+    sliced = [attention._causal_attention(q, k, v, 0.3, None, sinks),
+              attention.windowed_causal_attention(q, k, v, 6, 0.3, None, sinks)]
+    for a, b in zip(whole, sliced):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 # --- the engine against transformers ----------------------------------------------------
@@ -216,6 +260,20 @@ def test_bfloat16_stays_close(tiny_family):
     ours = (got - want).abs().amax(-1).median().item()
     theirs = (hf_bf16 - want).abs().amax(-1).median().item()
     assert ours <= 2 * theirs + 0.1, (ours, theirs)
+
+
+def test_int8_kv_cache_stays_close(tiny_family):
+    """float32 weights over an int8 cache (gathered and dequantized on the torch path, sinks
+    included) against the float32 reference: test_moe.py's bounds on the typical position
+    (the cache's rounding can tip a router near-tie)."""
+    path = tiny_family(NAME)
+    ids = encode(path, PROMPTS[3])
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, kv_cache_dtype="int8")
+    got = teacher_forced_logits(llm.engine, ids, 12)
+    with torch.inference_mode():
+        want = hf_model(str(path))(torch.tensor([ids])).logits[0, 11:].float()
+    assert (got - want).abs().amax(-1).median() < 0.2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
 
 
 # --- MXFP4 experts -----------------------------------------------------------------------

@@ -4,7 +4,7 @@ One decoder covers every family of the table: they differ in data, not code
 (their rows of :data:`llmctl.models.spec.FAMILIES`, read into
 :class:`llmctl.models.spec.ModelArch`): qkv biases (qwen2 always, llama/qwen3 when
 ``attention_bias``), an RMSNorm over each head of q and k before RoPE (qwen3), tied embeddings, and which
-layers attend through a sliding window (``spec.WINDOW_RULES``, as transformers reads the
+layers attend through a sliding window (``llmctl.models.windows.WINDOW_RULES``, as transformers reads the
 config: mistral's ``sliding_window`` covers every layer; qwen2/qwen3 window only with
 ``use_sliding_window``, the layers ``layer_types`` names "sliding_attention", by default
 those with index >= ``max_window_layers``). A windowed layer's query at position ``p``

@@ -33,7 +33,7 @@ and the reference forwards share them. Expert weights are stacked: ``gate_up [E,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,31 +112,49 @@ def expert_act_mul(spec) -> ActMul:
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor, act_mul: ActMul,
+                    gate_up: Experts, down: Experts, act_mul: ActMul,
                     gate_up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{experts[t, j]}(x_t)`` for every token (module doc):
     the (token, slot) pairs sorted by expert, each picked expert's MLP on its rows only
-    (with gpt-oss's per-expert biases ``gate_up_bias [E, 2I]``, ``down_bias [E, H]``)."""
+    (with gpt-oss's per-expert biases ``gate_up_bias [E, 2I]``, ``down_bias [E, H]``).
+    ``gate_up``/``down``: the stacked weights, or one linear per expert (a callable on
+    ``[rows, in]`` with its bias inside: the engine's native bf16 kernel), in expert order."""
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # one host sync for the group sizes, as transformers' grouped fallback does
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
     rows = x[order // k]  # pair p's token is p // k
-    out = torch.empty(t * k, down.shape[1], dtype=gate_up.dtype, device=x.device)
+    stacked = isinstance(gate_up, torch.Tensor)
+    out = torch.empty(t * k, x.shape[-1], dtype=gate_up.dtype if stacked else x.dtype,
+                      device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n:
-            seg = rows[start:start + n].to(gate_up.dtype)
-            h = F.linear(seg, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
-            out[start:start + n] = F.linear(act_mul(h), down[e],
-                                            None if down_bias is None else down_bias[e])
+            seg = rows[start:start + n]
+            if stacked:
+                h = F.linear(seg.to(gate_up.dtype), gate_up[e],
+                             None if gate_up_bias is None else gate_up_bias[e])
+                out[start:start + n] = F.linear(act_mul(h), down[e],
+                                                None if down_bias is None else down_bias[e])
+            else:  # the engine's own per-expert linears (biases inside)
+                out[start:start + n] = down[e](act_mul(gate_up[e](seg)))
             start += n
     weighted = out * weights.reshape(-1)[order].unsqueeze(-1)
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted  # back to (token, slot) order
     return unsorted.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+# the stacked weights [E, out, in], or one callable linear per expert (bias inside)
+Experts = torch.Tensor | Sequence[Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _bytes(part) -> int:
+    if isinstance(part, torch.Tensor):
+        return part.numel() * part.element_size()
+    return sum(linear.nbytes for linear in part)
 
 
 @dataclass
@@ -146,8 +164,8 @@ class MoeWeights:
     ``shared_gate [1, H]``)."""
 
     router: torch.Tensor  # [E, H]
-    gate_up: torch.Tensor  # [E, 2I, H]
-    down: torch.Tensor  # [E, H, I]
+    gate_up: Experts  # [E, 2I, H]
+    down: Experts  # [E, H, I]
     routing: Routing
     shared_gate_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None
@@ -157,24 +175,23 @@ class MoeWeights:
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.router, self.router_bias, *self._experts(),
-                            self.shared_gate_up, self.shared_down, self.shared_gate)
-                if t is not None]
+    def _parts(self) -> list:
+        return [p for p in (self.router, self.router_bias, self.shared_gate_up,
+                            self.shared_down, self.shared_gate) if p is not None]
 
-    def _experts(self) -> list[torch.Tensor]:
-        return [t for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
-                if t is not None]
+    def _experts(self) -> list:
+        return [p for p in (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+                if p is not None]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return sum(_bytes(p) for p in self._parts() + self._experts())
 
     @property
     def active_nbytes(self) -> int:
         """The bytes one token reads: the router, ``k`` of the ``E`` experts and the
         shared expert: ``nbytes - (E - k) / E * experts' bytes``."""
-        experts = sum(t.numel() * t.element_size() for t in self._experts())
+        experts = sum(_bytes(p) for p in self._experts())
         idle = experts * (self.routing.num_experts - self.routing.top_k) // \
             self.routing.num_experts
         return self.nbytes - idle

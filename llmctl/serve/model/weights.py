@@ -344,18 +344,35 @@ class _ModelBuilder:
         router = self.float_weight(f"{p}.{layout.router}")
         if layout.gpt_oss_experts:
             gate_up, down, gate_up_bias, down_bias = self.gpt_oss_experts(p, layout)
-            return MoeWeights(router, gate_up, down, routing,
-                              router_bias=self.tensor(f"{p}.{layout.router}.bias")
-                              if layout.router_bias else None,
-                              gate_up_bias=gate_up_bias, down_bias=down_bias)
+            return self.packed_experts(MoeWeights(
+                router, gate_up, down, routing, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                router_bias=self.tensor(f"{p}.{layout.router}.bias")
+                if layout.router_bias else None))
         gate_up, down = self.experts(p, layout)
-        weights = MoeWeights(router, gate_up, down, routing)
+        weights = self.packed_experts(MoeWeights(router, gate_up, down, routing))
         if layout.shared is not None and spec.shared_expert_intermediate_size:
             s_gate, s_up, s_down = (f"{p}.{name}" for name in layout.shared)
             weights.shared_gate_up = torch.cat([self.float_weight(s_gate),
                                                 self.float_weight(s_up)])
             weights.shared_down = self.float_weight(s_down)
             weights.shared_gate = self.float_weight(f"{p}.{layout.shared_gate}")
+        return weights
+
+    def packed_experts(self, weights: MoeWeights) -> MoeWeights:
+        """bf16 experts on the CPU as one native-kernel linear each (the bf16 GEMM of the
+        dense layers, ``csrc/gemm_bf16.cpp``, in its "own" form: one copy, any rows; a
+        decode step gives each picked expert a few rows, where oneDNN's ``F.linear``
+        repacks the weight per call), the biases inside; the stacked tensors are dropped.
+        Other dtypes, devices and ``--bf16-gemm onednn`` keep the stacked form."""
+        if self.gemm == "onednn" or self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return weights
+        gate_bias, down_bias = weights.gate_up_bias, weights.down_bias
+        weights.gate_up = [dense_linear(w.contiguous(), None if gate_bias is None
+                                        else gate_bias[e], gemm="own")
+                           for e, w in enumerate(weights.gate_up)]
+        weights.down = [dense_linear(w.contiguous(), None if down_bias is None else down_bias[e],
+                                     gemm="own") for e, w in enumerate(weights.down)]
+        weights.gate_up_bias = weights.down_bias = None
         return weights
 
     def embed_and_head(self, lm_head: str):

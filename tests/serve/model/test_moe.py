@@ -312,3 +312,30 @@ def test_build_targets_refuse_moe_in_one_line(name):
     for target in ("torch-compile", "onnx", "tensorrt-llm"):
         with pytest.raises(UnsupportedArchitectureError, match=f"the {target} target does"):
             get_target(target).check_source(SimpleNamespace(model_type=name, config={}))
+
+
+@pytest.mark.parametrize("name", MOE_FAMILY_NAMES)
+def test_bf16_experts_run_on_the_native_kernel_like_the_stacked_ones(tiny_family, name):
+    """In bf16 on the CPU each expert is one native-kernel linear (``--bf16-gemm`` auto or
+    own); ``onednn`` keeps the stacked tensors on ``F.linear``. The same weights and
+    routing: the logits differ by the two GEMMs' bf16 roundings, bounded as the bf16
+    test above bounds them (a router near-tie may flip a position's expert), and the
+    bytes a step reads are the same."""
+    from llmctl.serve.layers.quant_linear import PackedLinear, packing_available
+
+    path = tiny_family(name)
+    ids = encode(path, PROMPTS[3])
+    native = LLM(str(path), kv_cache_memory="4MiB", block_size=4, dtype="bfloat16",
+                 bf16_gemm="own")
+    stacked = LLM(str(path), kv_cache_memory="4MiB", block_size=4, dtype="bfloat16",
+                  bf16_gemm="onednn")
+    moe_native = next(layer.moe for layer in _model(native).layers if layer.moe is not None)
+    moe_stacked = next(layer.moe for layer in _model(stacked).layers if layer.moe is not None)
+    assert isinstance(moe_stacked.gate_up, torch.Tensor)
+    if packing_available(torch.bfloat16, torch.device("cpu")):
+        assert all(isinstance(w, PackedLinear) for w in moe_native.gate_up + moe_native.down)
+    assert _model(native).bytes_read_per_step == _model(stacked).bytes_read_per_step
+    a = teacher_forced_logits(native.engine, ids, 7)
+    b = teacher_forced_logits(stacked.engine, ids, 7)
+    assert (a - b).abs().amax(-1).median().item() <= 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85

@@ -172,24 +172,13 @@ class RequestHandler:
         def finished() -> None:
             serving.finished(req, history, builder, owner_of(http))
 
-        if req.stream:
-            return StreamingResponse(
-                response_events(builder, updates, self.metrics, finished),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                         **grant.headers})
-
-        async def whole() -> dict:
-            try:
-                async for _, upd in updates:
-                    builder.feed(upd)
-            finally:
-                await updates.aclose()
-            builder.finish()
+        def result() -> dict:
             finished()
             return builder.response
 
-        return await _respond(whole(), http, grant.headers)
+        events = response_events(builder, updates, self.metrics, finished) if req.stream \
+            else None
+        return await _built(builder, updates, grant, http, events, result)
 
     async def messages(self, chat_req, jobs: list[Job], params, http: Request):
         """A /v1/messages request (``chat_req``: the chat request it means): the chat
@@ -199,23 +188,8 @@ class RequestHandler:
         assembly = serving.assembly(self.frontend.responses, chat_req, jobs)
         builder = serving.builder(chat_req, jobs, assembly)
         updates = self._updates(assembly, grant)
-        if chat_req.stream:
-            return StreamingResponse(
-                message_events(builder, updates, self.metrics),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                         **grant.headers})
-
-        async def whole() -> dict:
-            try:
-                async for _, upd in updates:
-                    builder.feed(upd)
-            finally:
-                await updates.aclose()
-            builder.finish()
-            return builder.message
-
-        return await _respond(whole(), http, grant.headers)
+        events = message_events(builder, updates, self.metrics) if chat_req.stream else None
+        return await _built(builder, updates, grant, http, events, lambda: builder.message)
 
     async def embed(self, req, jobs: list[Job], params, http: Request) -> Response:
         """An embeddings request: its pooling engine requests submitted (all or none),
@@ -312,6 +286,27 @@ class RequestHandler:
                 prompt_tokens=len(out.prompt_token_ids),
                 output_tokens=len(completion.token_ids),
                 ttft=None if first is None else first - start, e2e=now - start)
+
+
+async def _built(builder, updates, grant, http: Request, events, result):
+    """A builder fed from the chat path's updates (/v1/responses, /v1/messages): its
+    ``events`` streamed as server-sent events when the request streams (else None), or
+    every update fed, the builder finished and ``result()`` sent."""
+    if events is not None:
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no", **grant.headers})
+
+    async def whole() -> dict:
+        try:
+            async for _, upd in updates:
+                builder.feed(upd)
+        finally:
+            await updates.aclose()
+        builder.finish()
+        return result()
+
+    return await _respond(whole(), http, grant.headers)
 
 
 async def _respond(body, http: Request, headers: dict[str, str]) -> Response:

@@ -314,16 +314,17 @@ def test_build_targets_refuse_moe_in_one_line(name):
             get_target(target).check_source(SimpleNamespace(model_type=name, config={}))
 
 
-@pytest.mark.parametrize("name", MOE_FAMILY_NAMES)
-def test_bf16_experts_run_on_the_native_kernel_like_the_stacked_ones(tiny_family, name):
-    """In bf16 on the CPU each expert is one native-kernel linear (``--bf16-gemm`` auto or
-    own); ``onednn`` keeps the stacked tensors on ``F.linear``. The same weights and
-    routing: the logits differ by the two GEMMs' bf16 roundings, bounded as the bf16
-    test above bounds them (a router near-tie may flip a position's expert), and the
-    bytes a step reads are the same."""
+def test_bf16_experts_run_on_the_native_kernel_like_the_stacked_ones(tiny_family, isa):
+    """In bf16 on the CPU each expert is one packed linear (``--bf16-gemm`` auto or own):
+    on the own kernel in each build that has it (native, avx512-bf16), on oneDNN's packed
+    weight in the others (avx512, avx2, portable); ``onednn`` keeps the stacked tensors on
+    ``F.linear``. The same weights and routing: the logits differ by the GEMMs' bf16
+    roundings, bounded as the bf16 test above bounds them (a router near-tie may flip a
+    position's expert), and the bytes a step reads are the same."""
+    from llmctl.serve.kernels import cpu as cpu_kernels
     from llmctl.serve.layers.quant_linear import PackedLinear, packing_available
 
-    path = tiny_family(name)
+    path = tiny_family("qwen3_moe")
     ids = encode(path, PROMPTS[3])
     native = LLM(str(path), kv_cache_memory="4MiB", block_size=4, dtype="bfloat16",
                  bf16_gemm="own")
@@ -333,7 +334,10 @@ def test_bf16_experts_run_on_the_native_kernel_like_the_stacked_ones(tiny_family
     moe_stacked = next(layer.moe for layer in _model(stacked).layers if layer.moe is not None)
     assert isinstance(moe_stacked.gate_up, torch.Tensor)
     if packing_available(torch.bfloat16, torch.device("cpu")):
-        assert all(isinstance(w, PackedLinear) for w in moe_native.gate_up + moe_native.down)
+        experts = moe_native.gate_up + moe_native.down
+        assert all(isinstance(w, PackedLinear) for w in experts)
+        own = cpu_kernels.gemm_bf16_kernel() is not None
+        assert all((w.own is not None) == own and (w.weight is None) == own for w in experts)
     assert _model(native).bytes_read_per_step == _model(stacked).bytes_read_per_step
     a = teacher_forced_logits(native.engine, ids, 7)
     b = teacher_forced_logits(stacked.engine, ids, 7)

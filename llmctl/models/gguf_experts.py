@@ -50,13 +50,6 @@ def stacked_names(row: Family, n_blocks: int, n_experts: int) -> dict[str, tuple
     return out
 
 
-def expert_slices(row: Family, n_blocks: int, n_experts: int) -> dict[str, tuple[str, int]]:
-    """HF per-expert name -> (the stacked GGUF tensor, its index there)."""
-    return {hf: (gguf_name, e)
-            for gguf_name, parts in stacked_names(row, n_blocks, n_experts).items()
-            for e, hf in enumerate(parts)}
-
-
 def config_fields(row: Family, gguf_arch: str, field) -> dict[str, Any]:
     """The config.json fields of a MoE file's metadata (``field(key)`` reads one key, None
     when absent): expert count and width, experts per token, the shared expert's width,

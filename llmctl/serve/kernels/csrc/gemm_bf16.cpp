@@ -117,6 +117,13 @@ constexpr Tile kTiles[kRowBlock + 1] = {nullptr,  tile<1>, tile<2>, tile<3>, til
 // From this many rows the tile unit: below it a pair's stream is read from memory at the
 // same speed either way and the A tiles would be mostly padding.
 constexpr int64_t kAmxRows = 8;
+// The tile path's prefetch distance: twice the vdpbf16ps path's (a chunk of two B tiles
+// is 2 KiB; 4 KiB ahead is two chunks, short of the memory latency once a chunk is 4
+// TDPBF16PS). 17 products of Granite-3.1-2B's shapes (621 MB, cold, 2 threads, 10
+// alternating rounds, development measurement): 32 rows 16.7 -> 17.7 GB/s and 21.1 ->
+// 22.2 in a second run, 16 rows 24.0 -> 25.3, 8 rows 20.4 -> 20.8; 12 and 16 KiB no
+// better, an L2-only hint (T1) 17.2.
+constexpr int64_t kAmxPrefetch = 8192;
 // The padded x's row stride: k plus one cache line. An A tile reads 16 rows at this
 // stride; where k * 2 bytes is a multiple of 4 KiB (k = 2048, 4096, 8192, ...) all of
 // them fall in one L1 set of 12 ways and evict each other (two A tiles at 32 rows). Padded:
@@ -149,10 +156,10 @@ void amx_pair(const uint16_t* xp, int64_t k, int64_t ld, const uint8_t* base, in
   _tile_zero(3);
   for (int64_t c = 0; c < chunks; ++c) {
     const uint8_t* b = base + c * 16 * step;
-    // the 2 KiB of this chunk's two B tiles, kPrefetch ahead (as the vdpbf16ps path:
+    // the 2 KiB of this chunk's two B tiles, kAmxPrefetch ahead (as the vdpbf16ps path:
     // 8 and 16 rows of a cold 13824 x 1152 weight 13 -> 18-19 GB/s, development measurement)
     for (int64_t line = 0; line < 16 * step; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetch + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + kAmxPrefetch + line), _MM_HINT_T0);
     _tile_loadd(6, b, step);
     _tile_loadd(7, b + kStepBytes, step);
     _tile_loadd(4, a0 + c * 32, lda);

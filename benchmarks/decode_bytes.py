@@ -51,6 +51,9 @@ def _decode_path_bytes(layer) -> int:
                    if t is not None)
     if kind == "concat":
         return sum(_decode_path_bytes(p) for p in layer.parts)
+    if hasattr(layer, "active_nbytes"):  # a mixture of experts: the router, the shared
+        # expert and k of its E experts, at their bytes as held (low-bit codes or float)
+        return layer.active_nbytes
     return layer.nbytes
 
 

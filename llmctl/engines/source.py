@@ -109,7 +109,8 @@ def float_checkpoint(source: Source, workdir: Path) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from llmctl.serve.layers.quant_linear import QuantConfig, load_quant_weight
+    from llmctl.serve.layers.quant_config import QuantConfig
+    from llmctl.serve.layers.quant_linear import load_quant_weight
     from llmctl.serve.model.weights import CheckpointReader
 
     read = CheckpointReader(source.path)

@@ -15,6 +15,19 @@ the same values transposed (``[E, K, rows]``, its experts compute ``x @ W``); th
 is the same table lookup and ``torch.ldexp`` in the target dtype, so bit for bit the same
 numbers (tests/quant/test_mxfp4.py). :func:`quantize` is the inverse for tests and tools
 (round to the nearest code under the block's scale ``2^(floor(log2 amax) - 2)``).
+
+:func:`int8_codes` gives the same numbers as integers with a scale per block, for the
+engine's int8 kernel: every E2M1 value is a multiple of 1/2, so ``2 * value`` is one of
+the integers 0, 1, 2, 3, 4, 6, 8, 12 (and negatives) and ``value * 2^(s - 127) = (2 *
+value) * 2^(s - 128)``, exactly: the codes are MXFP4 held as int8 (1 byte per weight and
+a float32 scale per 32: 1.125 bytes against MXFP4's 0.53 and bf16's 2), not the FP4
+nibbles read in place. Every scale is a power of two float32 holds exactly, ``2^-128``
+for ``s = 0`` and ``2^-127`` for ``s = 1`` (subnormals: float32's reach ``2^-149``, and
+each ``q * scale`` is a multiple of the scale, so exact) up to ``2^127`` for ``s = 255``
+(NaN in the MX spec; transformers' ``torch.ldexp`` decodes it as the power ``2^128``,
+exactly, and so does this): where ``q * scale`` overflows to inf, ``value * 2^(s - 127)``
+does too. The one difference is the sign of zero: code 8 (``-0``) becomes the integer
+0, so it decodes to ``+0.0`` (equal as a number).
 """
 
 from __future__ import annotations
@@ -29,15 +42,23 @@ BLOCK = 32  # values per scale
 FP4_MAX_EXP = 2  # the largest code, 6 = 1.5 * 2^2
 
 
+# twice each E2M1 value (FP4_VALUES): integers, -0 becoming 0
+FP4_TIMES_2 = tuple(int(2 * v) for v in FP4_VALUES)
+
+
+def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] * 2 != BLOCK:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales "
+                         f"{tuple(scales.shape)} (expected [..., G, 16] and [..., G])")
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor,
                dtype: torch.dtype = torch.bfloat16, *,
                rows_per_chunk: int = 1 << 20) -> torch.Tensor:
     """``blocks [..., G, 16]`` uint8 and ``scales [..., G]`` uint8 -> ``[..., G * 32]``
     values in ``dtype`` (module doc), ``rows_per_chunk`` blocks of 32 at a time (bounded
     temporaries: the index tensors are 4 bytes per value)."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] * 2 != BLOCK:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales "
-                         f"{tuple(scales.shape)} (expected [..., G, 16] and [..., G])")
+    _check(blocks, scales)
     lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
     rows = blocks.reshape(-1, BLOCK // 2).to(torch.uint8)
     exps = (scales.to(torch.int32) - E8M0_BIAS).reshape(-1, 1)
@@ -67,3 +88,20 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (scaled.unsqueeze(-1) - lut).abs().argmin(-1).to(torch.uint8)  # [..., G, 32]
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks, (exp + E8M0_BIAS).to(torch.uint8)
+
+
+def int8_codes(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``blocks [..., G, 16]`` and ``scales [..., G]`` uint8 -> ``(q [..., G * 32]`` int8,
+    ``scale [..., G]`` float32``)`` with ``q * scale`` (per block of 32) the MXFP4 values,
+    exactly (module doc): ``q = 2 * value``, ``scale = 0.5 * 2^(s - 127)``, the power of
+    two computed as :func:`dequantize` (and transformers) compute it, ``torch.ldexp`` in
+    float32."""
+    _check(blocks, scales)
+    lut = torch.tensor(FP4_TIMES_2, dtype=torch.int8, device=blocks.device)
+    pairs = blocks.to(torch.uint8)
+    q = torch.empty(*pairs.shape[:-1], BLOCK, dtype=torch.int8, device=blocks.device)
+    q[..., 0::2] = lut[(pairs & 0x0F).to(torch.int)]  # the even element: the low nibble
+    q[..., 1::2] = lut[(pairs >> 4).to(torch.int)]
+    half = torch.full(scales.shape, 0.5, dtype=torch.float32, device=scales.device)
+    scale = torch.ldexp(half, scales.to(torch.int32) - E8M0_BIAS)
+    return q.view(*scales.shape[:-1], scales.shape[-1] * BLOCK), scale

@@ -346,9 +346,9 @@ def test_checkpoint_loads_in_transformers(tiny_family, quantized_moe, name, reci
                                           ("qwen2_moe", "w4a16-rtn-g16")])
 def test_the_engine_serves_quantized_experts_as_transformers_decodes_them(quantized_moe,
                                                                           name, recipe):
-    """The engine dequantizes each expert once at load (no expert kernel reads codes yet):
-    with the other linears dequantized too (quant_backend "dequantize", as the dense
-    families' engine test), float32 logits within 2e-4 of transformers' on the same
+    """quant_backend "dequantize": the engine dequantizes each expert once at load, and
+    the other linears too (as the dense families' engine test; the low-bit kernel path:
+    tests/serve/model/test_moe_lowbit_experts.py), float32 logits within 2e-4 of transformers' on the same
     checkpoint and the same greedy tokens; the router stays float."""
     from llmctl.serve.core.sampling_params import SamplingParams
     from llmctl.serve.engine.llm import LLM

@@ -119,7 +119,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     the (token, slot) pairs sorted by expert, each picked expert's MLP on its rows only
     (with gpt-oss's per-expert biases ``gate_up_bias [E, 2I]``, ``down_bias [E, H]``).
     ``gate_up``/``down``: the stacked weights, or one linear per expert (a callable on
-    ``[rows, in]`` with its bias inside: the engine's native bf16 kernel), in expert order."""
+    ``[rows, in]`` with its bias inside: the engine's native bf16 or low-bit kernels), in
+    expert order."""
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -152,6 +153,8 @@ Experts = torch.Tensor | Sequence[Callable[[torch.Tensor], torch.Tensor]]
 
 
 def _bytes(part) -> int:
+    """A stacked tensor's bytes, or the sum of the per-expert linears' ``nbytes`` (what
+    each reads: a low-bit expert's codes, scales and bias, not a bf16 equivalent)."""
     if isinstance(part, torch.Tensor):
         return part.numel() * part.element_size()
     return sum(linear.nbytes for linear in part)

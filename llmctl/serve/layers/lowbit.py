@@ -220,14 +220,17 @@ class LowBitLinear:
     the most rows the VNNI kernel takes for this layer (0: none), ``vnni_codes`` its
     ``(packed, scales, offsets)``. ``avx2``: rows beyond those run on
     :file:`csrc/lowbit_avx2.cpp` (a CPU without AVX512-BF16), whose layout ``packed``,
-    ``scales`` and ``zeros`` then hold."""
+    ``scales`` and ``zeros`` then hold. ``vnni_copy=False`` keeps one copy of the codes
+    (every row count on the first kernel): a mixture's experts, where a second copy
+    would double the memory that holding codes instead of bf16 saves."""
 
     __slots__ = ("packed", "scales", "zeros", "bits", "group_size", "bias", "out_features",
                  "in_features", "out_float", "portable", "_wide", "_vnni", "vnni_rows",
                  "_out_args", "vnni_codes", "avx2")
 
     def __init__(self, codes: AffineCodes, bias: torch.Tensor | None = None, *,
-                 out_float: bool = False, portable: bool = False, vnni: bool = True) -> None:
+                 out_float: bool = False, portable: bool = False, vnni: bool = True,
+                 vnni_copy: bool = True) -> None:
         kernel = lowbit_kernel()
         if kernel is None or not kernel_fits(codes):
             raise ValueError("the low-bit kernel is not available for this layer")
@@ -248,7 +251,8 @@ class LowBitLinear:
             self.packed, self.scales, self.zeros = pack(codes)
             self._wide = self._bind(kernel[0], self.packed, self.scales, self.zeros,
                                     self.packed.shape[0])
-        small = lowbit_vnni_kernel() if vnni and not portable and vnni_fits(codes) else None
+        small = (lowbit_vnni_kernel() if vnni and vnni_copy and not portable
+                 and vnni_fits(codes) else None)
         self.vnni_codes = None if small is None else pack_vnni(codes)
         self._vnni = None if small is None else self._bind(small[0], *self.vnni_codes,
                                                            self.vnni_codes[1].shape[0])

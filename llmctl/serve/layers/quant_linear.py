@@ -42,7 +42,6 @@ dtype: "W4A16"):
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 
@@ -517,6 +516,21 @@ def concat_quant(parts: list[QuantWeight]) -> QuantWeight | None:
         group_size=first.group_size, num_bits=first.num_bits)
 
 
+def kernel_linear(weight: QuantWeight | AffineCodes, bias: torch.Tensor | None, *,
+                  backend: str, device: torch.device,
+                  one_copy: bool = False) -> LowBitLinear | None:
+    """``weight`` as a :class:`LowBitLinear` where the engine runs low-bit layers on the
+    native kernel (``backend == "kernel"`` on a CPU with a SIMD body built, a layout that
+    :func:`fast_fits`), else None: the one decision of dense layers and of a mixture's
+    experts. ``one_copy``: without the VNNI kernel's second layout (``vnni_copy``)."""
+    if backend != "kernel" or device.type != "cpu" or not (simd_available() or avx2_available()):
+        return None
+    codes = weight if isinstance(weight, AffineCodes) else weight.affine()
+    if codes is None or not fast_fits(codes):
+        return None
+    return LowBitLinear(codes, bias, vnni_copy=not one_copy)
+
+
 def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *,
                 dtype: torch.dtype, device: torch.device, backend: str,
                 gemm: str = "onednn"):
@@ -526,11 +540,10 @@ def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *
     if isinstance(weight, torch.Tensor):
         return dense_linear(weight.to(device=device, dtype=dtype).contiguous(), bias,
                             gemm=gemm)
+    fast = kernel_linear(weight, bias, backend=backend, device=device)
+    if fast is not None:
+        return fast
     kernels = backend == "kernel" and device.type == "cpu"
-    if kernels and (simd_available() or avx2_available()):
-        codes = weight if isinstance(weight, AffineCodes) else weight.affine()
-        if codes is not None and fast_fits(codes):
-            return LowBitLinear(codes, bias)
     if isinstance(weight, AffineCodes):
         return dense_linear(weight.dequantize(dtype).to(device).contiguous(), bias)
     # low-bit layers compute in bf16 (or fp16) whatever the model dtype: "W4A16"
@@ -540,50 +553,6 @@ def make_linear(weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None, *
     if kernels and weight.num_bits == 8 and weight.scale.shape[1] == 1:
         return Int8Linear(weight.q, weight.scale, weight.zero_point, bias, act)
     return dense_linear(weight.dequantize(dtype).to(device).contiguous(), bias)
-
-
-# --- the checkpoint's quantization_config ---------------------------------------------
-def _matches(name: str, target: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    # a class name ("Linear") targets every linear layer; else a module name or suffix
-    return target == "Linear" or name == target or name.endswith("." + target)
-
-
-@dataclass
-class QuantScheme:
-    args: dict  # the weights' QuantizationArgs as stored
-    format: str
-
-
-class QuantConfig:
-    """Which scheme and format apply to each linear layer of a checkpoint."""
-
-    def __init__(self, config: dict | None) -> None:
-        self.config = config or {}
-        method = self.config.get("quant_method")
-        if config and method != "compressed-tensors":
-            raise UnsupportedArchitectureError(
-                f"quantization method {method!r} is not supported by the engine",
-                "serve a compressed-tensors checkpoint (llmctl quantize writes them)")
-        self.groups = list((self.config.get("config_groups") or {}).values())
-        self.ignore = list(self.config.get("ignore") or [])
-        self.format = self.config.get("format") or "dense"
-
-    def __bool__(self) -> bool:
-        return bool(self.groups)
-
-    def scheme_for(self, name: str) -> QuantScheme | None:
-        if not self.groups or any(_matches(name, t) for t in self.ignore):
-            return None
-        for group in self.groups:
-            if group.get("weights") and any(_matches(name, t) for t in group.get("targets", [])):
-                fmt = group.get("format") or self.format
-                if fmt == "mixed-precision":
-                    fmt = "pack-quantized" if group["weights"].get("type") == "int" \
-                        else "float-quantized"
-                return QuantScheme(args=group["weights"], format=fmt)
-        return None
 
 
 def describe(layers: dict[str, object]) -> dict[str, int]:

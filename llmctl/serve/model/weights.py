@@ -10,11 +10,18 @@ A mixture-of-experts layer's experts are stacked into ``[E, 2I, H]`` (gate rows,
 rows) and ``[E, H, I]`` tensors (:class:`llmctl.models.layers.moe.MoeWeights`), from the
 per-expert names ``save_pretrained`` writes (``experts.{e}.gate_proj`` / Mixtral's
 ``w1``, ``w3``, ``w2``) or transformers 5's fused 3-D ``experts.gate_up_proj`` and
-``experts.down_proj``; a compressed-tensors expert is dequantized once at load.
-gpt-oss's experts come only fused and stored as ``x @ W`` (``[E, H, 2I]``, ``[E, I, H]``,
-transposed here), with ``_bias`` tensors, as float or as MXFP4 ``_blocks`` / ``_scales``
-(``quant_method: mxfp4``), decoded at load to the compute dtype exactly as transformers
-decodes them (:mod:`llmctl.quant.mxfp4`); its attention sinks are read in float32.
+``experts.down_proj``. Integer experts (compressed-tensors int4/int8; a GGUF reader
+answers experts in float) become one :class:`llmctl.serve.layers.lowbit.LowBitLinear`
+each (gate and up rows joined; one copy of the codes, not the VNNI kernel's second)
+where the dense layers would get that kernel (:func:`kernel_linear`: the CPU,
+``quant_backend`` "kernel", a layout it fits), else are dequantized once at load.
+gpt-oss's experts come only fused and stored as ``x @ W`` (``[E, H, 2I]``, ``[E, I,
+H]``, transposed here), with ``_bias`` tensors, as float or as MXFP4 ``_blocks`` /
+``_scales`` (``quant_method: mxfp4``): on the kernel path each expert is an int8
+LowBitLinear on the exact integer form of its MXFP4 values
+(:func:`llmctl.quant.mxfp4.int8_codes`), its bias inside; elsewhere decoded at load to
+the compute dtype exactly as transformers decodes them (:mod:`llmctl.quant.mxfp4`). Its
+attention sinks are read in float32.
 """
 
 from __future__ import annotations
@@ -36,12 +43,13 @@ from llmctl.serve.layers.lowbit import (
     fast_fits,
     quantize_int8,
 )
+from llmctl.serve.layers.quant_config import QuantConfig
 from llmctl.serve.layers.quant_linear import (
     ConcatLinear,
-    QuantConfig,
     QuantWeight,
     concat_quant,
     dense_linear,
+    kernel_linear,
     load_quant_weight,
     make_linear,
 )
@@ -61,6 +69,17 @@ def _map_rows(weight, fn):
             zero_point=None if weight.zero_point is None else fn(weight.zero_point),
             group_size=weight.group_size, num_bits=weight.num_bits)
     return fn(weight)
+
+
+def _joined(weights: list):
+    """One weight of the rows of ``weights`` (layers sharing an input: q/k/v, gate/up), or
+    None where their formats differ."""
+    kinds = {type(w) for w in weights}
+    if len(kinds) != 1:
+        return None
+    return (torch.cat(weights) if torch.Tensor in kinds
+            else AffineCodes.cat(weights) if AffineCodes in kinds
+            else concat_quant(weights))
 
 
 def _interleave(weight, num_heads: int, rotated: int | None = None):
@@ -230,13 +249,9 @@ class _ModelBuilder:
                 if biases[i] is not None:
                     biases[i] = interleave_rows(biases[i], heads, self.rotated_dims)
         bias = torch.cat(biases) if all(b is not None for b in biases) else None
-        kinds = {type(w) for w in weights}
-        if len(kinds) == 1:
-            joined = (torch.cat(weights) if torch.Tensor in kinds
-                      else AffineCodes.cat(weights) if AffineCodes in kinds
-                      else concat_quant(weights))
-            if joined is not None:
-                return self.linear(joined, bias)
+        joined = _joined(weights)
+        if joined is not None:
+            return self.linear(joined, bias)
         return ConcatLinear([self.linear(w, b) for w, b in zip(weights, biases)])
 
     def norm(self, name: str) -> torch.Tensor:
@@ -282,10 +297,10 @@ class _ModelBuilder:
         )
 
     def float_weight(self, name: str) -> torch.Tensor:
-        """Module ``name``'s weight in the model's dtype. The experts run in float (bf16 or
-        float32; no expert kernel reads integer codes yet), so a compressed-tensors expert
-        (integer codes with scales) is dequantized once here, as transformers decodes it:
-        the quantized model's numbers at float's memory and speed. FP8 arrives decoded."""
+        """Module ``name``'s weight in the model's dtype: integer codes (an expert off the
+        low-bit kernel path, :meth:`lowbit_experts`) dequantized once here, as
+        transformers decodes them: the quantized model's numbers at float's memory and
+        speed. FP8 arrives decoded."""
         weight = self.read.layer_weight(name)
         if isinstance(weight, (QuantWeight, AffineCodes)):
             return weight.dequantize(self.dtype).to(self.device)
@@ -296,13 +311,20 @@ class _ModelBuilder:
                 "serve the bf16 or float32 checkpoint, or a compressed-tensors one")
         return weight.to(device=self.device, dtype=self.dtype)
 
-    def gpt_oss_experts(self, p: str, layout: MoeLayout) -> list[torch.Tensor]:
-        """``[gate_up [E, 2I, H], down [E, H, I], gate_up_bias [E, 2I], down_bias [E, H]]``
-        of layer ``p``'s gpt-oss experts (gate/up rows interleaved as stored), from float
-        ``x @ W`` tensors or MXFP4 blocks and scales (module doc)."""
-        weights, biases = [], []
-        for name in layout.fused:
-            full = f"{p}.{name}"
+    def gpt_oss_experts(self, p: str, layout: MoeLayout) -> list:
+        """``[gate_up, down, gate_up_bias, down_bias]`` of layer ``p``'s gpt-oss experts
+        (gate/up rows interleaved as stored): MXFP4 on the kernel path, one int8 linear
+        per expert each with its bias inside (the biases then None); else ``[E, 2I, H]``,
+        ``[E, H, I]``, ``[E, 2I]``, ``[E, H]`` from float ``x @ W`` tensors or decoded
+        MXFP4 (module doc)."""
+        names = [f"{p}.{name}" for name in layout.fused]
+        biases = [self.tensor(f"{n}_bias") for n in names]
+        if all(f"{n}_blocks" in self.read for n in names):
+            linears = [self.mxfp4_linears(n, b) for n, b in zip(names, biases)]
+            if None not in linears:
+                return [*linears, None, None]
+        weights = []
+        for full in names:
             if f"{full}_blocks" in self.read:
                 # [E, out, in / 32, 16] -> [E, out, in]: F.linear's layout as it is stored
                 weight = mxfp4.dequantize(self.read(f"{full}_blocks"),
@@ -314,14 +336,55 @@ class _ModelBuilder:
                     f"the checkpoint has neither {full} nor {full}_blocks",
                     "the weights do not match config.json; re-export the model")
             weights.append(weight.to(device=self.device, dtype=self.dtype).contiguous())
-            biases.append(self.tensor(f"{full}_bias"))
         return weights + biases
 
-    def experts(self, p: str, layout: MoeLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(gate_up [E, 2I, H], down [E, H, I])`` of layer ``p``'s experts."""
+    def mxfp4_linears(self, name: str, bias: torch.Tensor) -> list | None:
+        """The MXFP4 experts ``name`` (``[E, out, in / 32, 16]`` blocks) as one int8
+        low-bit linear each on :func:`llmctl.quant.mxfp4.int8_codes` (exact: the same
+        numbers transformers decodes), ``bias [E, out]`` inside; None off the kernel
+        path (:func:`kernel_linear`: every expert has the first one's layout)."""
+        blocks, scales = self.read(f"{name}_blocks"), self.read(f"{name}_scales")
+        linears = []
+        for e in range(blocks.shape[0]):
+            q, scale = mxfp4.int8_codes(blocks[e], scales[e])
+            linear = kernel_linear(AffineCodes(q, scale, None, mxfp4.BLOCK, 8), bias[e],
+                                   backend=self.backend, device=self.device, one_copy=True)
+            if linear is None:
+                return None
+            linears.append(linear)
+        return linears
+
+    def lowbit_experts(self, names: tuple[str, str, str]) -> tuple[list, list] | None:
+        """``(gate_up, down)``: one low-bit linear per expert (gate and up rows joined)
+        from the integer codes of the experts ``names`` (``{e}`` patterns), or None when
+        they are float or the kernel does not take them (:func:`kernel_linear`, every
+        expert decided alike: the layer's experts are all linears or all stacked)."""
+        gate, up, down = names
+        gate_up, downs = [], []
+        for e in range(self.spec.num_experts):
+            parts = [self.read.layer_weight(n.format(e=e)) for n in (gate, up, down)]
+            if not all(isinstance(w, (QuantWeight, AffineCodes)) for w in parts):
+                return None
+            joined = _joined(parts[:2])
+            if joined is None:
+                return None
+            pair = [kernel_linear(w, None, backend=self.backend, device=self.device,
+                                  one_copy=True) for w in (joined, parts[2])]
+            if None in pair:
+                return None
+            gate_up.append(pair[0])
+            downs.append(pair[1])
+        return gate_up, downs
+
+    def experts(self, p: str, layout: MoeLayout) -> tuple:
+        """``(gate_up, down)`` of layer ``p``'s experts: stacked ``[E, 2I, H]`` and ``[E,
+        H, I]`` tensors, or one low-bit linear per expert (:meth:`lowbit_experts`)."""
         gate, up, down = (f"{p}.{name}" for name in layout.experts)
         if f"{gate.format(e=0)}.weight" in self.read \
                 or f"{gate.format(e=0)}.weight_packed" in self.read:
+            lowbit = self.lowbit_experts((gate, up, down))
+            if lowbit is not None:
+                return lowbit
             e_range = range(self.spec.num_experts)
             gate_up = torch.stack([torch.cat([self.float_weight(gate.format(e=e)),
                                               self.float_weight(up.format(e=e))])
@@ -363,8 +426,10 @@ class _ModelBuilder:
         dense layers, ``csrc/gemm_bf16.cpp``, in its "own" form: one copy, any rows; a
         decode step gives each picked expert a few rows, where oneDNN's ``F.linear``
         repacks the weight per call), the biases inside; the stacked tensors are dropped.
-        Other dtypes, devices and ``--bf16-gemm onednn`` keep the stacked form."""
-        if self.gemm == "onednn" or self.dtype != torch.bfloat16 or self.device.type != "cpu":
+        Other dtypes, devices and ``--bf16-gemm onednn`` keep the stacked form, and
+        experts already one low-bit linear each stay so."""
+        if self.gemm == "onednn" or self.dtype != torch.bfloat16 or self.device.type != "cpu" \
+                or not isinstance(weights.gate_up, torch.Tensor):
             return weights
         gate_bias, down_bias = weights.gate_up_bias, weights.down_bias
         weights.gate_up = [dense_linear(w.contiguous(), None if gate_bias is None

@@ -304,9 +304,11 @@ def _mxfp4_checkpoint(path, out):
 
 
 def test_mxfp4_experts_equal_transformers_on_the_dequantized_weights(tiny_family, tmp_path):
-    """The MXFP4 checkpoint on the engine: its logits within 1e-4 of transformers' model
-    whose experts are ``convert_moe_packed_tensors`` of the same blocks and scales; and
-    the quantization moved them (it is not the float checkpoint by another name)."""
+    """The MXFP4 checkpoint on the engine, decoded at load (quant_backend "dequantize";
+    the int8 kernel path: tests/serve/model/test_moe_lowbit_experts.py): its logits
+    within 1e-4 of transformers' model whose experts are ``convert_moe_packed_tensors`` of
+    the same blocks and scales; and the quantization moved them (it is not the float
+    checkpoint by another name)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from llmctl.models.loading import load_model
@@ -315,7 +317,7 @@ def test_mxfp4_experts_equal_transformers_on_the_dequantized_weights(tiny_family
     packed = _mxfp4_checkpoint(path, tmp_path / "mxfp4")
     ids = (encode(path, PROMPTS[1]) * 4)[:40]
     got = teacher_forced_logits(LLM(str(tmp_path / "mxfp4"), kv_cache_memory="4MiB",
-                                    block_size=4).engine, ids, 10)
+                                    block_size=4, quant_backend="dequantize").engine, ids, 10)
     reference = load_model(path, "float32")
     with torch.no_grad():
         params = dict(reference.named_parameters())

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from llmctl.models.layers.mlp import fused_gated
 from llmctl.models.layers.registry import lookup
+from llmctl.models.layers.scratch import Scratch
 from llmctl.models.spec import ModelArch
 
 # ``[T, 2I] -> [T, I]``: act(gate) * up on a fused gate/up product (mlp.fused_gated)
@@ -114,22 +115,31 @@ def expert_act_mul(spec) -> ActMul:
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                     gate_up: Experts, down: Experts, act_mul: ActMul,
                     gate_up_bias: torch.Tensor | None = None,
-                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                    down_bias: torch.Tensor | None = None,
+                    scratch: Scratch | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{experts[t, j]}(x_t)`` for every token (module doc):
     the (token, slot) pairs sorted by expert, each picked expert's MLP on its rows only
     (with gpt-oss's per-expert biases ``gate_up_bias [E, 2I]``, ``down_bias [E, H]``).
     ``gate_up``/``down``: the stacked weights, or one linear per expert (a callable on
     ``[rows, in]`` with its bias inside: the engine's native bf16 or low-bit kernels), in
-    expert order."""
+    expert order. ``scratch``: where the four ``[T * k, H]`` buffers come from (the
+    engine's, reused step after step: :mod:`llmctl.models.layers.scratch`); None
+    allocates them."""
     t, k = experts.shape
+    h_size = x.shape[-1]
+
+    def buffer(name: str, dtype: torch.dtype) -> torch.Tensor:
+        if scratch is None:
+            return torch.empty(t * k, h_size, dtype=dtype, device=x.device)
+        return scratch.take(name, (t * k, h_size), dtype, x.device)
+
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # one host sync for the group sizes, as transformers' grouped fallback does
     counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
-    rows = x[order // k]  # pair p's token is p // k
+    rows = torch.index_select(x, 0, order // k, out=buffer("rows", x.dtype))  # p's token: p // k
     stacked = isinstance(gate_up, torch.Tensor)
-    out = torch.empty(t * k, x.shape[-1], dtype=gate_up.dtype if stacked else x.dtype,
-                      device=x.device)
+    out = buffer("out", gate_up.dtype if stacked else x.dtype)
     start = 0
     for e, n in enumerate(counts):
         if n:
@@ -142,9 +152,14 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
             else:  # the engine's own per-expert linears (biases inside)
                 out[start:start + n] = down[e](act_mul(gate_up[e](seg)))
             start += n
-    weighted = out * weights.reshape(-1)[order].unsqueeze(-1)
-    unsorted = torch.empty_like(weighted)
-    unsorted[order] = weighted  # back to (token, slot) order
+    scale = weights.reshape(-1)[order].unsqueeze(-1)
+    weighted = torch.mul(out, scale, out=buffer("weighted", torch.promote_types(
+        out.dtype, scale.dtype)))
+    # back to (token, slot) order: gather by the inverse permutation (pair p went to
+    # inverse[p]), the same values as scattering by ``order``
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    unsorted = torch.index_select(weighted, 0, inverse, out=buffer("unsorted", weighted.dtype))
     return unsorted.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
@@ -200,11 +215,13 @@ class MoeWeights:
         return self.nbytes - idle
 
 
-def sparse_moe(x: torch.Tensor, w: MoeWeights, act_mul: ActMul) -> torch.Tensor:
-    """The block's output for ``x [T, H]`` (module doc), in ``x``'s dtype."""
+def sparse_moe(x: torch.Tensor, w: MoeWeights, act_mul: ActMul,
+               scratch: Scratch | None = None) -> torch.Tensor:
+    """The block's output for ``x [T, H]`` (module doc), in ``x``'s dtype; ``scratch``:
+    :func:`grouped_experts`'."""
     weights, experts = route(F.linear(x, w.router, w.router_bias), w.routing)
     y = grouped_experts(x, weights, experts, w.gate_up, w.down, act_mul, w.gate_up_bias,
-                        w.down_bias)
+                        w.down_bias, scratch)
     if w.shared_gate_up is not None:
         shared = F.linear(act_mul(F.linear(x, w.shared_gate_up)), w.shared_down)
         y = y + torch.sigmoid(F.linear(x, w.shared_gate)) * shared

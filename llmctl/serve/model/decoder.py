@@ -55,6 +55,7 @@ from llmctl.models.layers import (
     sparse_moe,
 )
 from llmctl.models.layers.moe import expert_act_mul
+from llmctl.models.layers.scratch import Scratch
 from llmctl.models.spec import ModelArch
 from llmctl.serve.kernels.cpu import norm_act_kernels, rope_kv_kernel
 from llmctl.serve.layers.attention import AttnMetadata, paged_attention
@@ -272,6 +273,7 @@ class LlamaModel:
         # the experts' act(gate) * up: torch's on any rows (the native kernels serve the
         # dense layers); gpt-oss's clamped SwiGLU on interleaved gate/up columns
         self.moe_act_mul = expert_act_mul(spec)
+        self.moe_scratch = Scratch()  # the experts' [tokens x k, hidden] buffers, reused
         self.rope_kv = rope_kv_kernel(device, dtype, self.freqs)
         # per layer: its RoPE table and native RoPE + cache write (Gemma 3's sliding
         # layers rotate with their own), its window
@@ -398,7 +400,7 @@ class LlamaModel:
 
             raise LoRAError(f"a LoRA adapter adapts the MLP of layer {i}, a mixture of "
                             "experts", "LoRA on experts is not supported: adapt attention")
-        return sparse_moe(h, layer.moe, self.moe_act_mul)
+        return sparse_moe(h, layer.moe, self.moe_act_mul, self.moe_scratch)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head's logits in float32: divided by Granite's ``logits_scaling``,

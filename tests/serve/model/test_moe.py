@@ -50,10 +50,10 @@ def routed(monkeypatch):
     calls: list[list[frozenset[int]]] = []
     block = decoder.sparse_moe
 
-    def recording(h, weights, act_mul):
+    def recording(h, weights, act_mul, *scratch):
         _, experts = route(torch.nn.functional.linear(h, weights.router), weights.routing)
         calls.append([frozenset(row) for row in experts.tolist()])
-        return block(h, weights, act_mul)
+        return block(h, weights, act_mul, *scratch)
 
     monkeypatch.setattr(decoder, "sparse_moe", recording)
     return calls

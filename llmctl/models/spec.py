@@ -165,7 +165,7 @@ class Family:
     fused: tuple[str, ...] = ()  # projections stored fused in the checkpoint
     moe: MoeLayout | None = None
     # a learned logit per query head in each softmax's denominator ("attention sinks",
-    # gpt-oss: self_attn.sinks); the engine's native attention kernels do not compute it
+    # gpt-oss: self_attn.sinks); every attention path of the engine computes it
     attn_sinks: bool = False
     # the commands past the engine (serve, generate, the LLM class) that do not take this
     # family yet: quantize, GGUF export, build targets, importance matrix refuse it in one
@@ -292,7 +292,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # gpt-oss: attention sinks and q/k/v/o biases, sliding (window 128) and full layers
     # alternating by layer_types, YaRN RoPE; experts routed top-k then softmax, with
     # biases and the clamped SwiGLU, on disk in MXFP4 or float. The engine runs it (sinks
-    # on its torch attention path); quantize, GGUF export and the build targets refuse it.
+    # in its native attention kernels too); quantize, GGUF export and the build targets
+    # refuse it.
     Family("gpt_oss", "GptOssForCausalLM", None, windows="alternating", attn_sinks=True,
            head_dim_default=64, engine_only=True, config_defaults=_GPT_OSS_DEFAULTS,
            moe=MoeLayout(("num_local_experts", "num_experts"), "intermediate_size",

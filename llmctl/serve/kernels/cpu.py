@@ -109,7 +109,7 @@ SYMBOLS = {(torch.float32, None): "paged_attention_f32",
            (torch.bfloat16, torch.uint8): "paged_attention_bf16_f8"}
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _PAGED_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-               _F32, _PTR, _INT, _I64, _F32]
+               _F32, _PTR, _INT, _I64, _F32, _PTR]
 # 8-bit caches: the K and V scales follow the K and V codes
 _PAGED_I8_ARGS = _PAGED_ARGS[:3] + [_PTR, _PTR] + _PAGED_ARGS[3:]
 _ROPE_KV_ARGS = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
@@ -142,7 +142,7 @@ ARGTYPES = {
     "gemm_bf16w_avx2_available": [],
     "decode_layer_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64],
     "prefill_attention_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
-                               _F32, _PTR, _I64, _INT, _I64, _F32],
+                               _F32, _PTR, _I64, _INT, _I64, _F32, _PTR],
     "prefill_attention_available": [],
     "rope_kv_bf16": _ROPE_KV_ARGS,
     "rope_kv_bf16_i8": _ROPE_KV_I8_ARGS,
@@ -281,16 +281,18 @@ def paged_attention_kernel(device: torch.device, dtype: torch.dtype,
     None (use the torch path).
 
     The returned callable takes ``(q, layer_cache, block_tables, context_lens, q_len,
-    scale, window=0, scales=None, softcap=0.0)``: ``q [B * q_len, heads, d]`` (rows of one
-    token may be strided apart, each head's ``d`` values contiguous), ``layer_cache [2, blocks,
-    block_size, kv_heads, d]`` contiguous, ``block_tables [B, max_blocks]`` and
-    ``context_lens [B]`` int64 (context including this step's tokens), ``window`` a
-    sliding window (0: none; the query at ``p`` sees keys ``p - window + 1 .. p``, and
+    scale, window=0, scales=None, softcap=0.0, sinks=None)``: ``q [B * q_len, heads, d]``
+    (rows of one token may be strided apart, each head's ``d`` values contiguous),
+    ``layer_cache [2, blocks, block_size, kv_heads, d]`` contiguous, ``block_tables [B,
+    max_blocks]`` and ``context_lens [B]`` int64 (context including this step's tokens),
+    ``window`` a sliding window (0: none; the query at ``p`` sees keys ``p - window + 1 .. p``, and
     blocks wholly before the first query's window are never read), ``scales`` an int8
     cache's ``[2, blocks, block_size, kv_heads]`` or an fp8 cache's ``[2, kv_heads]``
     float32, ``softcap`` Gemma 2's logit soft-cap (each scaled score ``s`` becomes
-    ``softcap * tanh(s / softcap)`` before the softmax; 0 or None: none); it returns
-    float32 ``[B * q_len, heads * d]``.
+    ``softcap * tanh(s / softcap)`` before the softmax; 0 or None: none), ``sinks``
+    gpt-oss's attention sinks (float32 ``[heads]``, one logit per query head in each
+    softmax's denominator, :func:`sink_pointer`; None: none); it returns float32
+    ``[B * q_len, heads * d]``.
     """
     if torch.device(device).type != "cpu" or (dtype, codes) not in SYMBOLS:
         return None
@@ -303,7 +305,7 @@ def paged_attention_kernel(device: torch.device, dtype: torch.dtype,
     def run(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, q_len: int, scale: float,
             window: int = 0, scales: torch.Tensor | None = None,
-            softcap: float | None = 0.0) -> torch.Tensor:
+            softcap: float | None = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         tokens, heads, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
@@ -315,22 +317,34 @@ def paged_attention_kernel(device: torch.device, dtype: torch.dtype,
         fn(q.data_ptr(), *kv, block_tables.data_ptr(), block_tables.shape[1],
            context_lens.data_ptr(), block_tables.shape[0], q_len, q.stride(0), heads, kv_heads,
            d, block_size, scale, out.data_ptr(), torch.get_num_threads(), window,
-           softcap or 0.0)
+           softcap or 0.0, sink_pointer(sinks, heads))
         return out
 
     return run
 
 
+def sink_pointer(sinks: torch.Tensor | None, heads: int) -> int | None:
+    """The address the kernels read ``heads`` float32 sink logits at (None: no sinks).
+    The kernels index it by query head with no check of their own, so a tensor of another
+    dtype, length or layout is an error here rather than a wrong read there."""
+    if sinks is None:
+        return None
+    if sinks.dtype != torch.float32 or sinks.shape != (heads,) or not sinks.is_contiguous():
+        raise ValueError(f"attention sinks must be contiguous float32 [{heads}], got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
+    return sinks.data_ptr()
+
+
 def prefill_attention_kernel(device: torch.device, dtype: torch.dtype):
     """:file:`csrc/prefill_attention.cpp` for a bf16 CPU step, or None.
 
-    The callable takes ``(q, k, v, num_seqs, q_len, scale, window=0, softcap=0.0)``: ``q [B * q_len,
-    heads, d]``, ``k, v [B * q_len, kv_heads, d]`` (token rows may be strided apart, each
-    token's heads contiguous), the causal attention of B fresh sequences of ``q_len``
-    tokens (with ``window`` > 0: query ``i`` sees keys ``i - window + 1 .. i``; with
-    ``softcap``: scores soft-capped as :func:`paged_attention_kernel`'s are); it
-    returns bf16 ``[B * q_len, heads * d]``, or None for a shape it does not take
-    (head_dim other than 64/128), which the caller runs on its other path.
+    The callable takes ``(q, k, v, num_seqs, q_len, scale, window=0, softcap=0.0,
+    sinks=None)``: ``q [B * q_len, heads, d]``, ``k, v [B * q_len, kv_heads, d]`` (token
+    rows may be strided apart, each token's heads contiguous), the causal attention of B
+    fresh sequences of ``q_len`` tokens (with ``window`` > 0: query ``i`` sees keys ``i -
+    window + 1 .. i``; ``softcap`` and ``sinks`` as :func:`paged_attention_kernel` takes
+    them); it returns bf16 ``[B * q_len, heads * d]``, or None for a shape it does not
+    take (head_dim other than 64/128), which the caller runs on its other path.
     """
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return None
@@ -343,7 +357,8 @@ def prefill_attention_kernel(device: torch.device, dtype: torch.dtype):
         return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, q_len: int,
-            scale: float, window: int = 0, softcap: float | None = 0.0) -> torch.Tensor | None:
+            scale: float, window: int = 0, softcap: float | None = 0.0,
+            sinks: torch.Tensor | None = None) -> torch.Tensor | None:
         q, k, v = packed(q), packed(k), packed(v)
         if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
             return None
@@ -353,7 +368,8 @@ def prefill_attention_kernel(device: torch.device, dtype: torch.dtype):
         out = torch.empty((tokens, heads * d), dtype=torch.bfloat16)
         status = fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
                     num_seqs, q_len, heads, k.shape[1], d, scale, out.data_ptr(), heads * d,
-                    torch.get_num_threads(), window, softcap or 0.0)
+                    torch.get_num_threads(), window, softcap or 0.0,
+                    sink_pointer(sinks, heads))
         return out if status == 0 else None
 
     return run

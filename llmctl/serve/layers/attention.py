@@ -33,14 +33,17 @@ has no such hook: the torch paths of a soft-capped layer run :func:`softcapped_a
 (float32 scores, softmax and products); the native kernels cap inside their score loops.
 Without a cap every path is the one it was.
 
-Attention sinks (gpt-oss, ``sinks``: one learned logit per query head): the softmax runs
-over ``[scores, sink]`` and the sink's column is dropped, so a head may attend to nothing
-(its weights sum to less than 1); transformers' eager ``GptOssAttention``. SDPA has no such
-hook and the native kernels (csrc's paged and prefill attention, the fused decode layer)
-compute no sink term: a layer with sinks runs :func:`softcapped_attention` (float32) on
-every group, and :func:`native_attention_computes` tells the runner to hand such a model no
-native kernel; a kernel group reaching a layer with sinks is an error, never a silently
-different softmax.
+Attention sinks (gpt-oss, ``sinks``: one learned float32 logit per query head): the
+softmax runs over ``[scores, sink]`` and the sink's column is dropped, so a head may attend
+to nothing (its weights sum to less than 1); transformers' eager ``GptOssAttention``. With
+``m = max(max_j s_j, sink)``: ``out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) +
+exp(sink - m))``. SDPA has no such hook: the torch paths of a layer with sinks run
+:func:`softcapped_attention` (float32). The native kernels (csrc's paged and prefill
+attention) take the sinks per call: an online-softmax body starts each row as if it had
+seen the sink, a key with a zero value (running max ``sink``, sum ``1``); a two-pass one
+(AVX512-BF16) takes it into each row's max and sum. The fused decode layers pass none;
+gpt-oss, the one family with sinks, is a mixture of experts, which they do not run
+(:mod:`llmctl.serve.model.decoder`).
 
 Grouped-query attention without repeating K/V: the ``g = heads / kv_heads`` query heads
 of one KV head are folded into the query length, ``q [B, kv_heads, g * q_len, d]``
@@ -144,13 +147,6 @@ def build_paged_group(start: int, q_len: int, context_lens: list[int],
                                    for w in set(windows)})
 
 
-def native_attention_computes(spec) -> bool:
-    """Whether the native attention kernels compute what a model's layers need (a
-    ``ModelSpec``): not with attention sinks, which csrc's kernels have no term for (the
-    runner then builds no kernel groups: every group runs the torch paths here)."""
-    return not spec.attn_sinks
-
-
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          mask: torch.Tensor, scale: float, softcap: float | None,
                          sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,7 +243,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     ``[2, blocks, block_size, Hkv]`` or an fp8 cache's ``[2, Hkv]`` (the native kernel
     reads the codes as they are, a gathered group dequantizes the blocks it gathered);
     ``softcap``: the layer's logit soft-cap (None or 0: none); ``sinks``: the layer's
-    attention sinks ``[H]`` (None: none), on the torch paths only (module doc)."""
+    attention sinks, float32 ``[H]`` (None: none; module doc)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     g = num_heads // kv_heads
@@ -255,13 +251,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for grp in meta.groups:
         qs = q[grp.start:grp.end]
         b, lq = grp.num_seqs, grp.q_len
-        if sinks is not None and grp.context_lens is not None:
-            raise RuntimeError("a native-kernel attention group reached a layer with "
-                               "attention sinks, which the kernels do not compute "
-                               "(native_attention_computes)")
-        if grp.fresh and meta.prefill is not None and sinks is None:
+        if grp.fresh and meta.prefill is not None:
             o = meta.prefill(qs, k[grp.start:grp.end], v[grp.start:grp.end], b, lq, scale,
-                             window or 0, softcap or 0.0)
+                             window or 0, softcap or 0.0, sinks)
             if o is not None:
                 outs.append(o)
                 continue
@@ -277,7 +269,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             continue
         if grp.context_lens is not None:
             outs.append(meta.kernel(qs, kv_cache, grp.block_tables, grp.context_lens, lq, scale,
-                                    window or 0, scales, softcap or 0.0))
+                                    window or 0, scales, softcap or 0.0, sinks))
             continue
         s = grp.block_tables.shape[1] * kv_cache.shape[2]
         rows = kv_cache.view(-1, kv_cache.shape[2] * kv_heads * head_dim)

@@ -23,9 +23,8 @@ replaces the last line by the block of :mod:`llmctl.models.layers.moe` (routing,
 picked expert's SwiGLU on its tokens only, the weighted sum, Qwen2-MoE's gated shared
 expert, gpt-oss's biased experts and clamped SwiGLU), on the torch path: the fused native
 decode layers refuse such a model. gpt-oss's attention sinks (``ModelSpec.attn_sinks``,
-``Layer.sinks``) run on the torch attention path of
-:func:`llmctl.serve.layers.attention.paged_attention`: the runner hands such a model no
-native attention kernel (``native_attention_computes``).
+``Layer.sinks``) go to :func:`llmctl.serve.layers.attention.paged_attention`, which hands
+them to the native attention kernels or computes them on its torch path.
 
 RMSNorm: ``x / sqrt(mean(x^2) + eps) * w``. The torch path is the shared building blocks
 of :mod:`llmctl.models.layers` (RMSNorm, RoPE, the gated MLP); the native kernels of
@@ -114,9 +113,8 @@ class ModelSpec:
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()
     # gpt-oss (ModelArch's fields): a learned logit per query head in every softmax's
-    # denominator (attention sinks; the torch attention path computes them, the native
-    # kernels do not: llmctl.serve.layers.attention.native_attention_computes), and the
-    # experts' clamped SwiGLU with its constants
+    # denominator (attention sinks: llmctl.serve.layers.attention), and the experts'
+    # clamped SwiGLU with its constants
     attn_sinks: bool = False
     expert_act: str | None = None
     swiglu_alpha: float = 0.0
@@ -286,7 +284,10 @@ class LlamaModel:
         # Gemma rounds sqrt(hidden) to the model's dtype first (its transformers code)
         self.embed_scale = (None if spec.embedding_multiplier == 1.0 else
                             torch.tensor(spec.embedding_multiplier, dtype=dtype, device=device))
-        # None where it cannot reproduce us (attention sinks: its C attention has none)
+        # None where it cannot reproduce us. Attention sinks: the fused layer's attention
+        # call passes none (csrc/decode_layer.cpp). Giving it them would buy nothing today:
+        # gpt-oss, the one family with sinks, has mixture-of-experts layers, which the fused
+        # layer has no form for (DecodeLayers.supports refuses them too)
         self.decode_layers = None if spec.attn_sinks else DecodeLayers.build(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,

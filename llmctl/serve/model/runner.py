@@ -29,7 +29,6 @@ from llmctl.serve.layers.attention import (
     AttnMetadata,
     build_kernel_group,
     build_paged_group,
-    native_attention_computes,
 )
 from llmctl.serve.lora.batch import LoRABatch
 from llmctl.serve.model.decoder import LlamaModel
@@ -227,10 +226,6 @@ class ModelRunner:
         self.kernel = paged_attention_kernel(
             self.device, self.attn_dtype, codes=kv_cache.dtype if kv_scales is not None else None)
         self.prefill = prefill_attention_kernel(self.device, self.attn_dtype)
-        if not native_attention_computes(model.spec):
-            # attention sinks (gpt-oss): the native kernels have no sink term, so every
-            # group is a gathered or fresh one on the torch path, which computes them
-            self.kernel = self.prefill = None
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

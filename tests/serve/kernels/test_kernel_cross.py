@@ -58,13 +58,13 @@ WRONG_SCALE = r"""
 #include <cstdint>
 extern "C" void real_paged_attention_f32(const float*, const float*, const float*,
     const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-    int64_t, int64_t, float, float*, int, int64_t, float);
+    int64_t, int64_t, float, float*, int, int64_t, float, const float*);
 extern "C" void paged_attention_f32(const float* q, const float* k, const float* v,
     const int64_t* bt, int64_t mb, const int64_t* ctx, int64_t ns, int64_t ql, int64_t qs,
     int64_t h, int64_t kvh, int64_t d, int64_t bs, float scale, float* out, int t, int64_t w,
-    float cap) {
+    float cap, const float* sinks) {
   real_paged_attention_f32(q, k, v, bt, mb, ctx, ns, ql, qs, h, kvh, d, bs, 1.01f * scale,
-                           out, t, w, cap);
+                           out, t, w, cap, sinks);
 }
 """
 

@@ -45,6 +45,35 @@ def _config(path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
+def _kernel_calls(llm: LLM, kernels: str = "on", which: str = "kernel") -> list[bool] | None:
+    """Spy on the runner's native attention kernel (``which``: the paged ``kernel`` or the
+    ``prefill`` one): per call, whether it was handed sinks (its last argument). None
+    where the kernels are off, or not built (only without a C++ compiler, or switched off
+    by ``LLMCTL_CPU_KERNELS=0``)."""
+    from llmctl.serve.kernels import cpu as cpu_kernels
+
+    runner = llm.engine.runner
+    inner = getattr(runner, which)
+    if kernels == "off":
+        assert inner is None
+        return None
+    if inner is None:
+        assert cpu_kernels._compiler() is None or not cpu_kernels.native_enabled()
+        return None
+    calls = []
+
+    def spy(*args):
+        calls.append(args[-1] is not None)
+        return inner(*args)
+
+    setattr(runner, which, spy)
+    return calls
+
+
+def _assert_kernel_ran_with_sinks(calls: list[bool] | None) -> None:
+    assert calls is None or (calls and all(calls)), calls
+
+
 @pytest.fixture
 def routed(monkeypatch):
     """Each call of the engine's MoE block records its rows' top-k expert sets."""
@@ -195,17 +224,17 @@ def test_sink_attention_in_query_slices_is_the_whole(monkeypatch):
 @pytest.mark.parametrize("kernels", ["on", "off"])
 def test_logits_equal_transformers(tiny_family, request, kernels):
     """A 20-token fresh prefill (past the window), then one token at a time through the
-    paged cache: every position's logits within 1e-4 of transformers' (float32). The
-    native attention kernels are never handed this model (its sinks), kernels on or off."""
+    paged cache: every position's logits within 1e-4 of transformers' (float32). Kernels
+    on: every decode step's attention is the native paged kernel, handed the sinks."""
     if kernels == "off":
         request.getfixturevalue("kernels_off")
     path = tiny_family(NAME)
     ids = (encode(path, PROMPTS[3]) * 2)[:80]
     llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4)
-    runner = llm.engine.runner
-    assert runner.kernel is None and runner.prefill is None
-    assert _model(llm).decode_layers is None
+    calls = _kernel_calls(llm, kernels)
+    assert _model(llm).decode_layers is None  # mixture-of-experts layers (decoder.py)
     got = teacher_forced_logits(llm.engine, ids, 20)
+    _assert_kernel_ran_with_sinks(calls)
     with torch.inference_mode():
         want = hf_model(str(path))(torch.tensor([ids])).logits[0, 19:].float()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -222,9 +251,11 @@ def test_greedy_tokens_equal_transformers(tiny_family, request, routed, kernels)
     ids = _prompts(path)
     want = [hf_greedy(path, p, NEW_TOKENS) for p in ids]
     llm = LLM(str(path), kv_cache_memory="8MiB", block_size=4)
+    calls = _kernel_calls(llm, kernels)
     for _ in range(2):
         outs = llm.generate(ids, _greedy())
         assert [o.outputs[0].token_ids for o in outs] == want
+    _assert_kernel_ran_with_sinks(calls)
     assert llm.engine.stats().prefix_cache_hit_tokens > 0
     assert_all_blocks_free(llm.engine)
     mixed = [c for c in routed if len(c) > 1 and len(set(c)) > 1]
@@ -233,27 +264,35 @@ def test_greedy_tokens_equal_transformers(tiny_family, request, routed, kernels)
 
 
 def test_chunked_prefill_and_speculation_keep_the_tokens(tiny_family):
-    """Prompt chunks of 5 tokens (later chunks attend through the gathered paged path,
-    sinks and windows included), and n-gram drafts verified several tokens at a time."""
+    """Prompt chunks of 5 tokens (later chunks attend through the native paged kernel,
+    several queries per sequence, sinks and windows included), and n-gram drafts verified
+    several tokens at a time."""
     path = tiny_family(NAME)
     ids = _prompts(path)
     want = [hf_greedy(path, p, NEW_TOKENS) for p in ids]
     chunked = LLM(str(path), kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=5)
+    calls = _kernel_calls(chunked, "on")
     assert [o.outputs[0].token_ids for o in chunked.generate(ids, _greedy())] == want
+    _assert_kernel_ran_with_sinks(calls)
     spec = LLM(str(path), kv_cache_memory="8MiB", block_size=4,
                speculative={"method": "ngram", "num_speculative_tokens": 3})
+    calls = _kernel_calls(spec, "on")
     assert [o.outputs[0].token_ids for o in spec.generate(ids[2:], _greedy())] == want[2:]
+    _assert_kernel_ran_with_sinks(calls)
 
 
 def test_bfloat16_stays_close(tiny_family):
-    """bf16 weights, activations and cache: the median over positions of the largest
-    logit error at most twice transformers' own bf16 one plus 0.1 (test_moe.py's bound)."""
+    """bf16 weights, activations and cache, attention on the native kernel: the median
+    over positions of the largest logit error at most twice transformers' own bf16 one
+    plus 0.1 (test_moe.py's bound)."""
     from llmctl.models.loading import load_model
 
     path = tiny_family(NAME)
     ids = encode(path, PROMPTS[3])
     llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, dtype="bfloat16")
+    calls = _kernel_calls(llm, "on")
     got = teacher_forced_logits(llm.engine, ids, 12)
+    _assert_kernel_ran_with_sinks(calls)
     with torch.inference_mode():
         want = hf_model(str(path))(torch.tensor([ids])).logits[0, 11:].float()
         hf_bf16 = load_model(path, "bfloat16")(torch.tensor([ids])).logits[0, 11:].float()
@@ -262,14 +301,55 @@ def test_bfloat16_stays_close(tiny_family):
     assert ours <= 2 * theirs + 0.1, (ours, theirs)
 
 
+@pytest.fixture(scope="module")
+def wide_heads(tiny_variants):
+    """The tiny gpt-oss with heads of 64: the size the kernels' vector bodies take."""
+    from tests.tiny import FAMILY_CONFIGS
+
+    config = json.loads((FAMILY_CONFIGS / f"{NAME}.json").read_text()) | {"head_dim": 64}
+    return tiny_variants("gpt_oss_d64", layers=config.pop("num_hidden_layers"), **config)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_vector_kernel_bodies_compute_the_sinks(wide_heads, dtype):
+    """Heads of 64 in blocks of 16: decode steps on the paged kernel's vector bodies
+    (float32 AVX-512 or AVX2; bf16 AVX512-BF16) and, bf16 where built, the fresh prompt on
+    the prefill kernel, sinks handed to each. float32: logits within 1e-4 of
+    transformers'; bf16: test_bfloat16_stays_close's bound."""
+    from llmctl.models.loading import load_model
+    from llmctl.utils.cpu import cpu_flags
+
+    ids = (encode(wide_heads, PROMPTS[3]) * 2)[:80]
+    llm = LLM(str(wide_heads), kv_cache_memory="8MiB", block_size=16, dtype=dtype)
+    calls = _kernel_calls(llm)
+    # the prefill kernel: bf16 where the build has AVX512-BF16 (only a CPU without it lacks it)
+    runner, prefills = llm.engine.runner, None
+    if dtype == "bfloat16" and (runner.prefill is not None or "avx512_bf16" in cpu_flags()):
+        prefills = _kernel_calls(llm, which="prefill")
+    got = teacher_forced_logits(llm.engine, ids, 20)
+    _assert_kernel_ran_with_sinks(calls)
+    _assert_kernel_ran_with_sinks(prefills)
+    with torch.inference_mode():
+        want = hf_model(str(wide_heads))(torch.tensor([ids])).logits[0, 19:].float()
+        if dtype == "float32":
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            return
+        hf_bf16 = load_model(wide_heads, "bfloat16")(torch.tensor([ids])).logits[0, 19:].float()
+    ours = (got - want).abs().amax(-1).median().item()
+    theirs = (hf_bf16 - want).abs().amax(-1).median().item()
+    assert ours <= 2 * theirs + 0.1, (ours, theirs)
+
+
 def test_int8_kv_cache_stays_close(tiny_family):
-    """float32 weights over an int8 cache (gathered and dequantized on the torch path, sinks
+    """float32 weights over an int8 cache (read in place by the native kernel, sinks
     included) against the float32 reference: test_moe.py's bounds on the typical position
     (the cache's rounding can tip a router near-tie)."""
     path = tiny_family(NAME)
     ids = encode(path, PROMPTS[3])
     llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, kv_cache_dtype="int8")
+    calls = _kernel_calls(llm, "on")
     got = teacher_forced_logits(llm.engine, ids, 12)
+    _assert_kernel_ran_with_sinks(calls)
     with torch.inference_mode():
         want = hf_model(str(path))(torch.tensor([ids])).logits[0, 11:].float()
     assert (got - want).abs().amax(-1).median() < 0.2
@@ -376,23 +456,16 @@ def test_llmctl_quantize_refuses_it_in_one_line(tiny_family, args):
     assert "Traceback" not in result.output
 
 
-def test_a_kernel_group_never_meets_sinks():
-    """The capability check: a model with sinks gets no native kernels; a kernel group
-    reaching a layer with sinks raises rather than computing a sink-less softmax."""
-    from llmctl.serve.layers.attention import (
-        AttnGroup,
-        AttnMetadata,
-        native_attention_computes,
-        paged_attention,
-    )
+def test_a_kernel_group_hands_the_kernel_its_sinks():
+    """A kernel group of a layer with sinks passes them to the native kernel (the kernel
+    tests, tests/serve/kernels/test_attention_sinks.py, check what it computes)."""
+    from llmctl.serve.layers.attention import AttnGroup, AttnMetadata, paged_attention
 
-    assert not native_attention_computes(SimpleNamespace(attn_sinks=True))
-    assert native_attention_computes(SimpleNamespace(attn_sinks=False))
+    sinks, seen = torch.zeros(4), []
     group = AttnGroup(start=0, end=1, num_seqs=1, q_len=1, fresh=False,
                       context_lens=torch.tensor([1]))
     meta = AttnMetadata(slot_mapping=torch.tensor([0]), groups=[group],
-                        kernel=lambda *a: pytest.fail("kernel called"))
+                        kernel=lambda *a: seen.append(a[9]) or torch.zeros(1, 32))
     q, kv = torch.zeros(1, 4, 8), torch.zeros(1, 2, 8)
-    with pytest.raises(RuntimeError, match="attention sinks"):
-        paged_attention(q, kv, kv, torch.zeros(2, 1, 4, 2, 8), meta, 1.0,
-                        sinks=torch.zeros(4))
+    paged_attention(q, kv, kv, torch.zeros(2, 1, 4, 2, 8), meta, 1.0, sinks=sinks)
+    assert len(seen) == 1 and seen[0] is sinks

@@ -74,7 +74,7 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* 
                           int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                           float scale, float* out, int num_threads, int64_t window,
-                          float softcap);
+                          float softcap, const float* sinks);
 void rope_kv_bf16_i8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
                      int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
                      int64_t rot, const float* freqs, const int64_t* positions,
@@ -87,7 +87,7 @@ void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v
                              int64_t q_len, int64_t q_stride, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              float scale, float* out, int num_threads, int64_t window,
-                          float softcap);
+                          float softcap, const float* sinks);
 void rope_kv_bf16_f8(uint16_t* qk, int64_t qk_stride, const uint16_t* v, int64_t v_stride,
                      int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d,
                      int64_t rot, const float* freqs, const int64_t* positions,
@@ -100,7 +100,7 @@ void paged_attention_bf16_f8(const uint16_t* q, const uint8_t* k, const uint8_t*
                              int64_t q_len, int64_t q_stride, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              float scale, float* out, int num_threads, int64_t window,
-                          float softcap);
+                          float softcap, const float* sinks);
 void add_rms_norm_bf16(uint16_t* x, const uint16_t* residual, const uint16_t* weight,
                        uint16_t* out, int64_t rows, int64_t cols, float eps, int num_threads);
 void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter,
@@ -209,6 +209,8 @@ static void apply(const Matrix& mat, const uint16_t* x, uint16_t* out, const Ste
 }
 
 // RoPE + cache write and attention of the step's q/k/v in st.qkv, into st.attn (bf16)
+// (no attention sinks: the one family with them, gpt-oss, has mixture-of-experts layers,
+// which have no form here, so decoder.py never builds this for it)
 static void attention(const Step& st, const Layer& ly, void* k_cache, void* v_cache,
                       float* k_scale, float* v_scale, int64_t kv_kind) {
   const int64_t d = st.head_dim, q_size = st.q_heads * d, width = ly.qkv->n;
@@ -221,7 +223,7 @@ static void attention(const Step& st, const Layer& ly, void* k_cache, void* v_ca
     paged_attention_bf16_f8(st.qkv, kc, vc, k_scale, v_scale, st.block_tables, st.max_blocks,
                             st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
                             st.block_size, st.scale, st.attn_f, st.num_threads, ly.window,
-                            st.softcap);
+                            st.softcap, nullptr);
   } else if (kv_kind == 1) {
     int8_t* kc = static_cast<int8_t*>(k_cache);
     int8_t* vc = static_cast<int8_t*>(v_cache);
@@ -230,7 +232,7 @@ static void attention(const Step& st, const Layer& ly, void* k_cache, void* v_ca
     paged_attention_bf16_i8(st.qkv, kc, vc, k_scale, v_scale, st.block_tables, st.max_blocks,
                             st.context_lens, st.m, 1, width, st.q_heads, st.kv_heads, d,
                             st.block_size, st.scale, st.attn_f, st.num_threads, ly.window,
-                            st.softcap);
+                            st.softcap, nullptr);
   } else {
     uint16_t* kc = static_cast<uint16_t*>(k_cache);
     uint16_t* vc = static_cast<uint16_t*>(v_cache);
@@ -238,7 +240,7 @@ static void attention(const Step& st, const Layer& ly, void* k_cache, void* v_ca
                  ly.freqs, st.positions, st.slots, kc, vc, st.num_threads);
     paged_attention_bf16(st.qkv, kc, vc, st.block_tables, st.max_blocks, st.context_lens,
                          st.m, 1, width, st.q_heads, st.kv_heads, d, st.block_size, st.scale,
-                         st.attn_f, st.num_threads, ly.window, st.softcap);
+                         st.attn_f, st.num_threads, ly.window, st.softcap, nullptr);
   }
   for (int64_t i = 0; i < st.m * q_size; ++i) st.attn[i] = float_to_bf16(st.attn_f[i]);
 }

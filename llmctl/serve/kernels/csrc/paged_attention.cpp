@@ -37,6 +37,17 @@
 // scores of a tile right after computing them, in float32 with std::tanh; softcap 0
 // leaves each body's arithmetic as it was.
 //
+// Attention sinks (gpt-oss, sinks: one float32 logit per query head, null: none): the
+// softmax runs over [scores, sink] and the sink's column is dropped (transformers'
+// eager GptOssAttention), so with m = max(max_j s_j, sink)
+//   out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m)).
+// The sink is a key with a zero value row: the online-softmax bodies start each row's
+// walk as if it had seen it (m = sink, l = exp(sink - m) = 1, acc = 0) and go on as
+// before; the two-pass AVX512-BF16 body takes it into the row's max and adds its term to
+// the row's sum. A row that sees no key then gets 0 / 1 = 0, and one whose sink dwarfs
+// its scores attends to (almost) nothing. A sink must be finite or -inf (+inf would make
+// exp(m - m) NaN). Without sinks every body's arithmetic is what it was.
+//
 // fp8 cache: E4M3 codes (fp8.h) with static scales, one per (layer, K or V, KV head),
 // x = e4m3(c) * s. The same arithmetic as int8 with the code widened from E4M3 (exact
 // in float32 and in bf16) and the scale of the item's KV head for every position.
@@ -103,6 +114,7 @@ struct Call {
   int num_threads;
   int64_t window;  // sliding window, 0: none
   float softcap;   // logit soft-capping, 0: none
+  const float* sinks;  // attention sinks [num_heads], null: none
 
   int64_t group() const { return num_heads / num_kv_heads; }  // query heads per KV head
   int64_t rows() const { return group() * q_len; }              // rows of one work item
@@ -132,6 +144,7 @@ struct Item {
   float* out_row(int64_t r) const {
     return c.out + ((seq * c.q_len + r / g) * c.num_heads + kvh * g + r % g) * c.head_dim;
   }
+  float sink(int64_t r) const { return c.sinks[kvh * g + r % g]; }  // of row r's head
   // fp8: one scale per KV head for every position, not one per slot
   static constexpr bool static_scales = std::is_same<KV, e4m3>::value;
   // (slot, KV head) index of key / value `pos` of this KV head
@@ -168,8 +181,9 @@ struct OnlineRows {
       for (int64_t x = 0; x < d; ++x) dst[x] = load(src, x) * scale;
       limit[r] = it.last_key(r);
       first[r] = it.first_key(r);
-      m[r] = -INFINITY;
-      l[r] = 0.f;
+      // a sink is a key already seen with a zero value: m = sink, l = exp(sink - m) = 1
+      m[r] = it.c.sinks ? it.sink(r) : -INFINITY;
+      l[r] = it.c.sinks ? 1.f : 0.f;
     }
     std::fill(acc.begin(), acc.end(), 0.f);
   }
@@ -332,7 +346,7 @@ void attend_avx512(const Call<Q, KV>& c) {
           const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, scores.data() + r * 16);
           const float bm = _mm512_reduce_max_ps(s);
           const float nm = bm > st.m[r] ? bm : st.m[r];
-          const float rescale = std::exp(st.m[r] - nm);  // 0 on the first tile (m = -inf)
+          const float rescale = std::exp(st.m[r] - nm);  // 0 first, without a sink (m = -inf)
           const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(nm))));
           st.l[r] = st.l[r] * rescale + _mm512_reduce_add_ps(p);
           st.m[r] = nm;
@@ -518,7 +532,7 @@ void attend_avx2(const Call<Q, KV>& c) {
           }
           const float bm = reduce_max8(_mm256_max_ps(s[0], s[1]));
           const float nm = bm > st.m[r] ? bm : st.m[r];
-          rescale[r] = std::exp(st.m[r] - nm);  // 0 on the first tile (m = -inf)
+          rescale[r] = std::exp(st.m[r] - nm);  // 0 first, without a sink (m = -inf)
           const __m256 nmv = _mm256_set1_ps(nm);
           const __m256 p0 = _mm256_and_ps(live[0], exp8_ps(_mm256_sub_ps(s[0], nmv)));
           const __m256 p1 = _mm256_and_ps(live[1], exp8_ps(_mm256_sub_ps(s[1], nmv)));
@@ -633,7 +647,7 @@ void attend_neon(const Call<Q, KV>& c) {
           }
           const float bm = vmaxvq_f32(vmaxq_f32(vmaxq_f32(s[0], s[1]), vmaxq_f32(s[2], s[3])));
           const float nm = bm > st.m[r] ? bm : st.m[r];
-          rescale[r] = std::exp(st.m[r] - nm);  // 0 on the first tile (m = -inf)
+          rescale[r] = std::exp(st.m[r] - nm);  // 0 first, without a sink (m = -inf)
           const float32x4_t nmv = vdupq_n_f32(nm);
           float32x4_t p[4];
           for (int h = 0; h < 4; ++h) {
@@ -815,7 +829,10 @@ void attend_bf16(const Call<uint16_t, KV>& c) {
         __m512 mv = _mm512_set1_ps(-INFINITY);
         for (int64_t tile = t0; tile < tiles; ++tile)
           mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + tile * 16));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        // a sink enters the row's max, and its exp(sink - m) the sum below
+        const float top = _mm512_reduce_max_ps(mv);
+        const float mr = c.sinks ? std::max(top, it.sink(r)) : top;
+        const __m512 m = _mm512_set1_ps(mr);
         __m512 lv = _mm512_setzero_ps();
         uint32_t* pr = pairs.data() + r * padded / 2;
         for (int64_t tile = t0; tile < tiles; ++tile) {
@@ -829,7 +846,7 @@ void attend_bf16(const Call<uint16_t, KV>& c) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + tile * 8),
                               (__m256i)_mm512_cvtneps_pbh(pw));
         }
-        const float l = _mm512_reduce_add_ps(lv);
+        const float l = _mm512_reduce_add_ps(lv) + (c.sinks ? std::exp(it.sink(r) - mr) : 0.f);
         inv[r] = l > 0.f ? 1.f / l : 0.f;
       }
 
@@ -933,15 +950,16 @@ extern "C" {
 const char* paged_attention_simd() { return "neon"; }
 #endif
 
-// The layouts are Call's; window 0: full causal attention; softcap 0: no soft-capping.
+// The layouts are Call's; window 0: full causal attention; softcap 0: no soft-capping;
+// sinks null: no attention sinks, else one float32 logit per query head.
 void paged_attention_f32(const float* q, const float* k, const float* v, const int64_t* bt,
                          int64_t max_blocks, const int64_t* ctx, int64_t num_seqs, int64_t q_len,
                          int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, float* out,
-                         int num_threads, int64_t window, float softcap) {
+                         int num_threads, int64_t window, float softcap, const float* sinks) {
   dispatch(Call<float, float>{q, k, v, nullptr, nullptr, bt, max_blocks, ctx, num_seqs, q_len,
                               q_stride, num_heads, num_kv_heads, head_dim, block_size, scale,
-                              out, num_threads, window, softcap});
+                              out, num_threads, window, softcap, sinks});
 }
 
 void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
@@ -949,11 +967,11 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* 
                           int64_t num_seqs, int64_t q_len, int64_t q_stride, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                           float scale, float* out, int num_threads, int64_t window,
-                          float softcap) {
+                          float softcap, const float* sinks) {
   dispatch_bf16(Call<uint16_t, uint16_t>{q, k, v, nullptr, nullptr, bt, max_blocks, ctx,
                                          num_seqs, q_len, q_stride, num_heads, num_kv_heads,
                                          head_dim, block_size, scale, out, num_threads, window,
-                                         softcap});
+                                         softcap, sinks});
 }
 
 // int8 caches: the codes' scales ks, vs [blocks, block_size, num_kv_heads] after k and v
@@ -962,10 +980,10 @@ void paged_attention_f32_i8(const float* q, const int8_t* k, const int8_t* v, co
                             const int64_t* ctx, int64_t num_seqs, int64_t q_len,
                             int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, float* out,
-                            int num_threads, int64_t window, float softcap) {
+                            int num_threads, int64_t window, float softcap, const float* sinks) {
   dispatch(Call<float, int8_t>{q, k, v, ks, vs, bt, max_blocks, ctx, num_seqs, q_len, q_stride,
                                num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                               num_threads, window, softcap});
+                               num_threads, window, softcap, sinks});
 }
 
 void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v,
@@ -974,10 +992,10 @@ void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k, const int8_t* v
                              int64_t q_len, int64_t q_stride, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              float scale, float* out, int num_threads, int64_t window,
-                             float softcap) {
+                             float softcap, const float* sinks) {
   dispatch_bf16(Call<uint16_t, int8_t>{q, k, v, ks, vs, bt, max_blocks, ctx, num_seqs, q_len,
                                        q_stride, num_heads, num_kv_heads, head_dim, block_size,
-                                       scale, out, num_threads, window, softcap});
+                                       scale, out, num_threads, window, softcap, sinks});
 }
 
 // fp8 (E4M3) caches: k, v hold the codes; ks, vs [num_kv_heads] the static scales
@@ -986,11 +1004,11 @@ void paged_attention_f32_f8(const float* q, const uint8_t* k, const uint8_t* v, 
                             const int64_t* ctx, int64_t num_seqs, int64_t q_len,
                             int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, float* out,
-                            int num_threads, int64_t window, float softcap) {
+                            int num_threads, int64_t window, float softcap, const float* sinks) {
   dispatch(Call<float, e4m3>{q, reinterpret_cast<const e4m3*>(k),
                              reinterpret_cast<const e4m3*>(v), ks, vs, bt, max_blocks, ctx,
                              num_seqs, q_len, q_stride, num_heads, num_kv_heads, head_dim,
-                             block_size, scale, out, num_threads, window, softcap});
+                             block_size, scale, out, num_threads, window, softcap, sinks});
 }
 
 void paged_attention_bf16_f8(const uint16_t* q, const uint8_t* k, const uint8_t* v,
@@ -999,12 +1017,12 @@ void paged_attention_bf16_f8(const uint16_t* q, const uint8_t* k, const uint8_t*
                              int64_t q_len, int64_t q_stride, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              float scale, float* out, int num_threads, int64_t window,
-                             float softcap) {
+                             float softcap, const float* sinks) {
   dispatch_bf16(Call<uint16_t, e4m3>{q, reinterpret_cast<const e4m3*>(k),
                                      reinterpret_cast<const e4m3*>(v), ks, vs, bt, max_blocks,
                                      ctx, num_seqs, q_len, q_stride, num_heads, num_kv_heads,
                                      head_dim, block_size, scale, out, num_threads, window,
-                                     softcap});
+                                     softcap, sinks});
 }
 
 }  // extern "C"

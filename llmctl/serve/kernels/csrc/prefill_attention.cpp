@@ -19,6 +19,10 @@
 //   window W > 0 only j >= i - W + 1 (transformers' kv_idx > q_idx - W). With logit
 //   soft-capping (Gemma 2, softcap > 0) each scaled score s becomes cap * tanh(s / cap)
 //   before the mask and the softmax (transformers' eager attention), float32 std::tanh.
+//   With attention sinks (gpt-oss, one float32 logit per query head) the softmax runs
+//   over [scores, sink] with the sink's column dropped: the sink enters the row's max m
+//   and exp(sink - m) its sum, so out = sum_j p_j v_j / (sum_j p_j + exp(sink - m)) as
+//   in paged_attention.cpp (a sink must be finite or -inf).
 //
 // Work items: (sequence, KV head, block of 128 query positions), scheduled dynamically
 // over the threads, the blocks with the most keys first (48 items for 16 sequences of 128
@@ -57,6 +61,7 @@ struct Call {
   int64_t out_stride;
   int64_t window;  // 0: none
   float softcap;   // 0: none
+  const float* sinks;  // [heads], null: none
 };
 
 constexpr int64_t kQueryBlock = 128;  // query positions per work item
@@ -132,7 +137,10 @@ void item(const Call& c, int64_t seq, int64_t kvh, int64_t i0, int64_t i1,
       __m512 mv = _mm512_set1_ps(-INFINITY);
       for (int64_t tile = tf; tile < tiles; ++tile)
         mv = _mm512_max_ps(mv, _mm512_loadu_ps(scores.data() + tile * 16));
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+      // a sink enters the row's max, and its exp(sink - m) the sum below
+      const float top = _mm512_reduce_max_ps(mv);
+      const float mr = c.sinks ? std::max(top, c.sinks[head]) : top;
+      const __m512 m = _mm512_set1_ps(mr);
       __m512 lv = _mm512_setzero_ps();
       for (int64_t tile = tf; tile < tiles; ++tile) {
         __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + tile * 16), m));
@@ -142,7 +150,7 @@ void item(const Call& c, int64_t seq, int64_t kvh, int64_t i0, int64_t i1,
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + tile * 8),
                             (__m256i)_mm512_cvtneps_pbh(p));
       }
-      const float l = _mm512_reduce_add_ps(lv);
+      const float l = _mm512_reduce_add_ps(lv) + (c.sinks ? std::exp(c.sinks[head] - mr) : 0.f);
       // P.V over pairs of keys (a zero probability pads an odd end)
       __m512 acc[D16];
       for (int u = 0; u < D16; ++u) acc[u] = _mm512_setzero_ps();
@@ -192,24 +200,25 @@ int prefill_attention_available(void) { return kSimd ? 1 : 0; }
 
 // q [num_seqs * len, q_stride], k/v [num_seqs * len, kv_stride] (heads side by side,
 // head_dim each), out [num_seqs * len, out_stride] bf16, window 0 (causal) or a sliding
-// window, softcap 0 (none) or the logit soft-cap. head_dim 64 or 128; returns 0
-// when it ran, -1 when this shape is not supported (the caller takes its other path).
+// window, softcap 0 (none) or the logit soft-cap, sinks null (none) or one float32 logit
+// per query head. head_dim 64 or 128; returns 0 when it ran, -1 when this shape is not
+// supported (the caller takes its other path).
 int prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
                            const uint16_t* v, int64_t kv_stride, int64_t num_seqs, int64_t len,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
                            uint16_t* out, int64_t out_stride, int num_threads, int64_t window,
-                           float softcap) {
+                           float softcap, const float* sinks) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (kv_heads <= 0 || heads % kv_heads != 0 || len <= 0 || window < 0) return -1;
   const Call c{q, q_stride, k, v, kv_stride, num_seqs, len, heads, kv_heads, scale, out,
-               out_stride, window, softcap};
+               out_stride, window, softcap, sinks};
   if (head_dim == 64) { run<4>(c, num_threads); return 0; }
   if (head_dim == 128) { run<8>(c, num_threads); return 0; }
   return -1;
 #else
   (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)num_seqs, (void)len;
   (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)out, (void)out_stride;
-  (void)num_threads, (void)window, (void)softcap;
+  (void)num_threads, (void)window, (void)softcap, (void)sinks;
   return -1;
 #endif
 }

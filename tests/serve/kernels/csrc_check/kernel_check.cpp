@@ -9,11 +9,12 @@
 //   causal masking, GQA, head_dim 64 and 128 (the vector bodies) and 16 (the portable
 //   loop), contexts that end inside and on block edges and span several 16-key tiles,
 //   with and without a sliding window, with and without logit soft-capping (each scaled
-//   score s -> cap * tanh(s / cap) before the softmax). The reference takes the same bf16 queries and
-//   the same dequantized K/V (code times scale): float32 sums of at most a few hundred
-//   terms, so relative error 1e-4 is generous. AVX512-BF16's body for bf16 queries
-//   rounds the probabilities to bf16 for its P.V product (2^-9 relative each, |v| <= 1):
-//   absolute error 4e-3 there.
+//   score s -> cap * tanh(s / cap) before the softmax), with and without attention sinks
+//   (one logit per query head in each softmax's denominator, gpt-oss). The reference
+//   takes the same bf16 queries and the same dequantized K/V (code times scale): float32
+//   sums of at most a few hundred terms, so relative error 1e-4 is generous.
+//   AVX512-BF16's body for bf16 queries rounds the probabilities to bf16 for its P.V
+//   product (2^-9 relative each, |v| <= 1): absolute error 4e-3 there.
 // - add_rms_norm_bf16 and silu_mul_bf16: bf16 in and out, so one bf16 rounding
 //   (2^-8 relative) plus float32 noise: 2^-7 relative.
 //
@@ -31,12 +32,13 @@
 
 extern "C" {
 // (..., q_len, q_stride, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-// num_threads, window, softcap), after the queries, the cache (and its scales) and the tables
+// num_threads, window, softcap, sinks), after the queries, the cache (and its scales) and
+// the tables
 #define PA_TAIL                                                                          \
   const int64_t *bt, int64_t max_blocks, const int64_t *ctx, int64_t num_seqs,           \
       int64_t q_len, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,          \
       int64_t head_dim, int64_t block_size, float scale, float *out, int num_threads,   \
-      int64_t window, float softcap
+      int64_t window, float softcap, const float *sinks
 void paged_attention_f32(const float* q, const float* k, const float* v, PA_TAIL);
 void paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, PA_TAIL);
 void paged_attention_f32_i8(const float* q, const int8_t* k, const int8_t* v, const float* ks,
@@ -151,7 +153,8 @@ struct CacheData {
 };
 
 bool attention_case(const Variant& kind, int64_t heads, int64_t kv_heads, int64_t d,
-                    int64_t block, int64_t q_len, int64_t window, float softcap) {
+                    int64_t block, int64_t q_len, int64_t window, float softcap,
+                    bool with_sinks) {
   const std::vector<int64_t> contexts = {q_len, q_len + 5, q_len + 15, q_len + 16, q_len + 40,
                                          q_len + 70};
   const int64_t seqs = static_cast<int64_t>(contexts.size());
@@ -180,10 +183,14 @@ bool attention_case(const Variant& kind, int64_t heads, int64_t kv_heads, int64_
     q16[i] = to_bf16(q[i]);
     if (kind.bf16_q) q[i] = from_bf16(q16[i]);  // what the kernel sees
   }
+  // sinks of either sign around the scaled scores (~0.3, up to ~1), so they bite
+  std::vector<float> sinks(heads);
+  for (auto& e : sinks) e = 2 * uniform();
   std::vector<float> out(seqs * q_len * heads * d, NAN);
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
 #define TAIL tables.data(), max_blocks, contexts.data(), seqs, q_len, q_stride, heads, kv_heads, \
-             d, block, scale, out.data(), 2, window, softcap
+             d, block, scale, out.data(), 2, window, softcap,                         \
+             with_sinks ? sinks.data() : nullptr
   const uint8_t* kf8 = k.f8.data();
   const uint8_t* vf8 = v.f8.data();
   switch (kind.cache) {
@@ -228,7 +235,9 @@ bool attention_case(const Variant& kind, int64_t heads, int64_t kv_heads, int64_
                                        : dot * scale);
           top = std::max(top, logits.back());
         }
-        double sum = 0;
+        // a sink: in the max, and exp(sink - top) in the sum (its column is dropped)
+        if (with_sinks) top = std::max(top, static_cast<double>(sinks[h]));
+        double sum = with_sinks ? std::exp(sinks[h] - top) : 0;
         for (double& l : logits) sum += (l = std::exp(l - top));
         const float* got = out.data() + ((s * q_len + t) * heads + h) * d;
         for (int64_t x = 0; x < d; ++x) {
@@ -240,9 +249,9 @@ bool attention_case(const Variant& kind, int64_t heads, int64_t kv_heads, int64_
           }
           if (!close(got[x], want, rel, abs_tol, kind.name)) {
             std::printf("  (heads %lld/%lld, head_dim %lld, block %lld, q_len %lld, window %lld, "
-                        "softcap %g, context %lld)\n", (long long)heads, (long long)kv_heads,
-                        (long long)d, (long long)block, (long long)q_len, (long long)window,
-                        softcap, (long long)contexts[s]);
+                        "softcap %g, sinks %d, context %lld)\n", (long long)heads,
+                        (long long)kv_heads, (long long)d, (long long)block, (long long)q_len,
+                        (long long)window, softcap, (int)with_sinks, (long long)contexts[s]);
             return false;
           }
         }
@@ -322,14 +331,17 @@ int main() {
   // (heads, kv_heads, head_dim, block, q_len, window): SmolLM2's GQA 9/3 x 64, MHA and GQA
   // x 128, a head_dim and a block size off the vector paths, sliding windows (one that
   // leaves whole tiles out); each without a cap and with one that bites (the scaled
-  // scores of these inputs are ~0.3, up to ~1: a cap of 0.5 bends most of them)
+  // scores of these inputs are ~0.3, up to ~1: a cap of 0.5 bends most of them), each
+  // without and with sinks
   const int64_t cases[][6] = {{9, 3, 64, 16, 1, 0},  {9, 3, 64, 16, 3, 0},  {4, 4, 128, 32, 1, 0},
                               {8, 2, 128, 16, 3, 0}, {4, 2, 16, 16, 3, 0},  {6, 2, 64, 8, 1, 0},
                               {9, 3, 64, 16, 3, 7},  {4, 2, 128, 32, 1, 20}};
   for (const Variant& kind : kVariants)
     for (const auto& c : cases)
       for (float softcap : {0.f, 0.5f})
-        if (!attention_case(kind, c[0], c[1], c[2], c[3], c[4], c[5], softcap)) return 1;
+        for (bool sinks : {false, true})
+          if (!attention_case(kind, c[0], c[1], c[2], c[3], c[4], c[5], softcap, sinks))
+            return 1;
   // SmolLM2's hidden size, sizes that leave a tail to every vector width, no residual
   for (int64_t rows : {1, 7})
     for (int64_t cols : {576, 1000, 1003})

@@ -74,24 +74,6 @@ def _assert_kernel_ran_with_sinks(calls: list[bool] | None) -> None:
     assert calls is None or (calls and all(calls)), calls
 
 
-@pytest.fixture
-def routed(monkeypatch):
-    """Each call of the engine's MoE block records its rows' top-k expert sets."""
-    from llmctl.models.layers.moe import route
-    from llmctl.serve.model import decoder
-
-    calls: list[list[frozenset[int]]] = []
-    block = decoder.sparse_moe
-
-    def recording(h, weights, act_mul):
-        logits = torch.nn.functional.linear(h, weights.router, weights.router_bias)
-        calls.append([frozenset(row) for row in route(logits, weights.routing)[1].tolist()])
-        return block(h, weights, act_mul)
-
-    monkeypatch.setattr(decoder, "sparse_moe", recording)
-    return calls
-
-
 # --- the config and the layer pieces -----------------------------------------------------
 def test_config_reads_as_transformers_reads_it(tiny_family):
     """The tiny config, and a config.json that states nothing past model_type (read with

@@ -41,24 +41,6 @@ def _model(llm: LLM):
     return llm.engine.runner.model
 
 
-@pytest.fixture
-def routed(monkeypatch):
-    """Each call of the engine's MoE block records its rows' top-k expert sets."""
-    from llmctl.models.layers.moe import route
-    from llmctl.serve.model import decoder
-
-    calls: list[list[frozenset[int]]] = []
-    block = decoder.sparse_moe
-
-    def recording(h, weights, act_mul, *scratch):
-        _, experts = route(torch.nn.functional.linear(h, weights.router), weights.routing)
-        calls.append([frozenset(row) for row in experts.tolist()])
-        return block(h, weights, act_mul, *scratch)
-
-    monkeypatch.setattr(decoder, "sparse_moe", recording)
-    return calls
-
-
 @pytest.mark.parametrize("kernels", ["on", "off"])
 @pytest.mark.parametrize("name", MOE_FAMILY_NAMES)
 def test_logits_equal_transformers(tiny_family, request, name, kernels):

@@ -73,3 +73,16 @@ def assert_8bit_kernel_reads_like_torch(case: str, codes, scales, tables, q, *, 
     # bf16: the kernel rounds the probabilities (times V's scales) to bf16 for P.V
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def prefill_qkv(seqs: int, length: int, heads: int, kv_heads: int, d: int):
+    """bf16 ``q [T, heads, d]``, ``k, v [T, kv_heads, d]`` of ``seqs`` fresh sequences of
+    ``length`` tokens, as views of one packed qkv projection (token rows strided apart,
+    as the engine hands them to the prefill kernel); seeded by ``length``."""
+    gen = torch.Generator().manual_seed(length)
+    tokens = seqs * length
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen) * 2).bfloat16()
+    q = qkv[:, :heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
+    return q, k, v

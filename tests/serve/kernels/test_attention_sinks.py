@@ -36,7 +36,7 @@ from llmctl.serve.layers.kv_quant import (
     quantize_int8,
 )
 from llmctl.utils.cpu import cpu_flags
-from tests.serve.paged_cases import CASES, needs_kernels, random_case
+from tests.serve.paged_cases import CASES, needs_kernels, prefill_qkv, random_case
 
 CPU = torch.device("cpu")
 CAP = 2.5  # a soft-cap that bites: the scaled scores of these inputs reach ~3
@@ -181,16 +181,6 @@ def test_the_kernels_refuse_sinks_they_would_misread():
             cpu_kernels.sink_pointer(bad, 4)
 
 
-def _prefill_inputs(seqs, length, heads, kv_heads, d):
-    gen = torch.Generator().manual_seed(length)
-    tokens = seqs * length
-    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen) * 2).bfloat16()
-    q = qkv[:, :heads * d].view(tokens, heads, d)
-    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
-    v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
-    return q, k, v
-
-
 def _fresh_reference(q, k, v, seqs, length, window, scale, cap, sinks):
     """softcapped_attention in float32 of fresh sequences (causal, within ``window``)."""
     def per_seq(t):
@@ -220,7 +210,7 @@ def test_prefill_kernel_computes_the_sinks(seqs, length, heads, kv_heads, d, win
     if fn is None:
         assert isa not in ("native", "avx512-bf16") or "avx512_bf16" not in cpu_flags()
         pytest.skip(f"the {isa} build has no AVX512-BF16 prefill kernel")
-    q, k, v = _prefill_inputs(seqs, length, heads, kv_heads, d)
+    q, k, v = prefill_qkv(seqs, length, heads, kv_heads, d)
     scale = 1 / math.sqrt(d)
     sinks = mixed_sinks(heads, seed=length)
     for cap in (None, CAP):
@@ -266,7 +256,7 @@ def test_paged_attention_hands_the_sinks_to_the_kernels(dtype):
     if prefill is None:
         return  # float32, or a build without AVX512-BF16: fresh groups run on torch
     seqs, length = 2, 37
-    fq, fk, fv = _prefill_inputs(seqs, length, heads, kv_heads, d)
+    fq, fk, fv = prefill_qkv(seqs, length, heads, kv_heads, d)
     fresh = AttnGroup(start=0, end=seqs * length, num_seqs=seqs, q_len=length, fresh=True)
     on_kernel = AttnMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), groups=[fresh],
                              prefill=prefill)

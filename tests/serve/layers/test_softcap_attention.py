@@ -29,7 +29,7 @@ from llmctl.serve.layers.attention import (
 )
 from llmctl.serve.layers.kv_quant import quantize_int8
 from llmctl.utils.cpu import cpu_flags
-from tests.serve.paged_cases import CASES, needs_kernels, random_case
+from tests.serve.paged_cases import CASES, needs_kernels, prefill_qkv, random_case
 
 CPU = torch.device("cpu")
 # a cap that bites: the random scores reach ~3 * scale * sqrt(d) ~ 3, and inputs are scaled
@@ -221,12 +221,8 @@ def test_prefill_kernel_caps_the_scores(seqs, length, heads, kv_heads, d, window
     if fn is None:
         assert isa not in ("native", "avx512-bf16") or "avx512_bf16" not in cpu_flags()
         pytest.skip(f"the {isa} build has no AVX512-BF16 prefill kernel")
-    gen = torch.Generator().manual_seed(length)
+    q, k, v = prefill_qkv(seqs, length, heads, kv_heads, d)
     tokens = seqs * length
-    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen) * 2).bfloat16()
-    q = qkv[:, :heads * d].view(tokens, heads, d)
-    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
-    v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
     scale = 1 / math.sqrt(d)
     got = fn(q, k, v, seqs, length, scale, window, CAP)
 

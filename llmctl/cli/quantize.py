@@ -25,18 +25,6 @@ def _is_gguf(format_: str, recipe: str | None) -> bool:
     return False
 
 
-def _refuse_engine_only(path: Path, command: str) -> None:
-    """One line for a family only the engine runs (gpt-oss), before any work."""
-    import json
-
-    from llmctl.models.architectures import get_architecture
-
-    config = path / "config.json"
-    if config.is_file():
-        model_type = json.loads(config.read_text()).get("model_type", "")
-        get_architecture(model_type, refuse_engine_only=command)
-
-
 def _gguf(model: str, output: str | None, recipe: str | None, calibration: str | None,
           gguf_type: str | None, imatrix: str | None, dry_run: bool, threads: int | None, out) -> None:
     """Hand over to the GGUF exporter (llmctl.gguf.export.quantize_to_gguf)."""
@@ -53,8 +41,9 @@ def _gguf(model: str, output: str | None, recipe: str | None, calibration: str |
 
     if not output and not dry_run:
         raise UsageError("--output is required", "pass -o model.gguf")
+    # every family with a llama.cpp graph, gpt-oss too: what a graph cannot compute is
+    # refused by the exporter (llmctl.gguf.families.check_exportable) before any work
     resolved = resolve_model(model)
-    _refuse_engine_only(resolved.path, "GGUF export")
     offered = {"model_dir": resolved.path, "out_path": Path(output) if output else None,
                "gguf_type": gguf_type, "recipe_overrides": recipe, "imatrix": imatrix,
                "calibration": calibration, "dry_run": dry_run, "threads": threads}

@@ -9,12 +9,14 @@ share them); here is what only the writer does.
 What the graphs fix rather than read, refused when a model differs
 (:func:`problems`): llama.cpp's ``llama`` graph (Mixtral) and ``qwen3moe`` renormalise the
 top-k routing weights, ``qwen2moe`` does not (``build_moe_ffn``'s ``norm_w``); none has
-dense layers among the MoE ones (Qwen's ``mlp_only_layers``/``decoder_sparse_step``).
+dense layers among the MoE ones (Qwen's ``mlp_only_layers``/``decoder_sparse_step``);
+``gpt-oss`` routes top-k then softmax and clamps its SwiGLU with alpha 1.702 and limit 7.0
+(``LLM_FFN_SWIGLU_OAI_MOE``'s constants, not read from the file).
 """
 
 from __future__ import annotations
 
-from llmctl.models.gguf_experts import RENORMALIZES
+from llmctl.models.gguf_experts import RENORMALIZES, ROUTING, SWIGLU_OAI
 from llmctl.models.spec import ModelArch
 
 
@@ -28,6 +30,15 @@ def problems(arch: str, spec: ModelArch) -> list[str]:
         out.append("its graph " + ("renormalises" if RENORMALIZES[arch] else "does not "
                                    "renormalise") + " the top-k routing weights "
                    f"(norm_topk_prob {spec.norm_topk_prob})")
+    routing = ROUTING.get(arch, "softmax_topk")
+    if spec.family.moe.routing != routing:
+        out.append(f"its graph routes {routing}, the model {spec.family.moe.routing}")
+    if spec.expert_act == "clamped_swiglu":
+        for key, fixed in SWIGLU_OAI.items():
+            value = getattr(spec, key)
+            if value != fixed:
+                out.append(f"its graph fixes {key} at {fixed}, the model's is {value} "
+                           "(config.json)")
     return out
 
 

@@ -36,6 +36,8 @@ _ROPE_TYPES = {"phi3": ("default", "longrope"), "gemma3": ("default", "linear")}
 _DEFAULT_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 # archs whose graph takes token_embd as the output (no output.weight read)
 _TIED = ("gemma", "gemma2")
+# archs whose graph reads which layers are sliding as a per-layer array (load_swa_pattern)
+_SWA_PATTERN = ("gemma2", "gemma3", "gpt-oss")
 # layers of the Gemma that llama.cpp scales by 1/sqrt(hidden / heads): its 27B models
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -76,6 +78,11 @@ def _problems(arch: str, spec: ModelArch) -> list[str]:
     rope = str(spec.rope["rope_type"]).lower()
     if rope not in _ROPE_TYPES.get(arch, _DEFAULT_ROPE_TYPES):
         out.append(f"it does not read RoPE type {rope!r}")
+    if rope == "yarn" and not spec.rope.get("truncate", True):
+        # ggml_rope_yarn_corr_dims: floor/ceil of the correction range, always
+        out.append("its YaRN rounds the correction range to whole dimensions, the model's "
+                   "rope_parameters has truncate: false (set it true to accept the rounding, "
+                   "as llama.cpp's converter does)")
     if spec.local_rope is not None and spec.local_rope["rope_type"] != "default":
         out.append("its sliding-window layers take no RoPE scaling")
     if spec.partial_rotary_factor != 1.0 and arch != "phi3":
@@ -94,6 +101,10 @@ def check_exportable(config: dict[str, Any]) -> None:
     """Refuse (one line naming the arch) what llama.cpp's graph cannot compute."""
     spec = ModelArch.from_config(config)
     arch = spec.family.gguf_arch
+    if arch is None:
+        raise UnsupportedArchitectureError(
+            f"GGUF export does not handle {spec.model_type} models: llama.cpp has no graph "
+            "for them", "`llmctl serve` / `generate` run it from the HF checkpoint")
     problems = _problems(arch, spec)
     if spec.family.moe is not None:
         problems += experts.problems(arch, spec)
@@ -121,7 +132,7 @@ def write_arch_metadata(writer, config: dict[str, Any]) -> None:
     writer.add_rope_dimension_count(rotary_dim(spec.head_dim, spec.partial_rotary_factor))
     if spec.family.moe is not None:
         experts.write_metadata(writer, arch, spec)
-    if arch in ("gemma2", "gemma3") and spec.layer_windows:
+    if arch in _SWA_PATTERN and spec.layer_windows:
         # which layers attend through the window, per layer (llama.cpp's load_swa_pattern
         # reads the array before any period)
         writer.add_sliding_window_pattern([w is not None for w in spec.layer_windows])

@@ -63,6 +63,7 @@ class TensorPlan:
     n_bytes: int
     note: str = ""  # why this type: override, fallback, 1-D, ...
     parts: tuple[str, ...] = ()  # HF tensors stacked into this one (a layer's experts)
+    cut: gguf_experts.Cut | None = None  # cut out of a fused HF tensor (gpt-oss's experts)
 
     @property
     def n_elements(self) -> int:
@@ -79,6 +80,7 @@ class SourceTensor:
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without "torch."
     parts: tuple[str, ...] = ()  # stacked HF tensors (llmctl.gguf.experts); hf_name: their pattern
+    cut: gguf_experts.Cut | None = None  # hf_name: the fused tensor it is cut out of
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -110,9 +112,11 @@ def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
     layers = config["num_hidden_layers"]
     names = expand_tensor_names(arch, layers)
     stacked: dict[str, tuple[str, ...]] = {}
+    cuts: dict[str, gguf_experts.Cut] = {}
     if arch.moe is not None:
         names.update(gguf_experts.single_names(arch, layers))
         stacked = gguf_experts.stacked_names(arch, layers, ModelArch.from_config(config).num_experts)
+        cuts = gguf_experts.cut_names(arch, layers)
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in _safetensors_files(directory):
         for key, info in _header(file).items():
@@ -121,6 +125,7 @@ def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
                 dtype = SAFETENSORS[code].name if code in SAFETENSORS else code
                 found[key] = (tuple(info["shape"]), dtype)
     in_stacks = {part for parts in stacked.values() for part in parts}
+    in_stacks |= {c.source + suffix for c in cuts.values() for suffix in _FUSED_FORMS}
     unknown = sorted(k for k in found if k not in names and k not in in_stacks
                      and not k.endswith("rotary_emb.inv_freq"))
     if unknown:
@@ -145,7 +150,30 @@ def source_tensors(directory: Path, config: dict[str, Any], arch: Architecture
         shape, dtype = found[parts[0]]
         pattern = parts[0].replace("experts.0.", "experts.{e}.")
         out.append(SourceTensor(pattern, gguf_name, (len(parts), *shape), dtype, parts))
+    out += [_cut_source(directory, found, gguf_name, cut) for gguf_name, cut in cuts.items()]
     return sorted(out, key=_file_order)
+
+
+# a fused tensor's forms on disk: float, or MXFP4 blocks and scales (llmctl.quant.mxfp4)
+_FUSED_FORMS = ("", "_blocks", "_scales")
+
+
+def _cut_source(directory: Path, found: dict[str, tuple[tuple[int, ...], str]],
+                gguf_name: str, cut: gguf_experts.Cut) -> SourceTensor:
+    """A GGUF tensor cut out of a fused one, its shape from the fused one's, rows first."""
+    if cut.source in found:
+        shape, dtype = found[cut.source]
+        if cut.x_at_w:
+            shape = (shape[0], shape[2], shape[1])
+    elif f"{cut.source}_blocks" in found:
+        blocks, _ = found[f"{cut.source}_blocks"]  # [E, out, in / 32, 16]
+        # decoded, MXFP4's values (a 2-bit significand times a power of two) are exact in
+        # bfloat16: the intermediate type a llama.cpp quantization starts from
+        shape, dtype = (*blocks[:2], blocks[2] * blocks[3] * 2), "bfloat16"
+    else:
+        raise NotAModelError(f"{directory} has neither {cut.source} nor {cut.source}_blocks",
+                             "the weights do not match config.json; re-save the model")
+    return SourceTensor(cut.source, gguf_name, cut.shape(shape), dtype, cut=cut)
 
 
 def _file_order(t: SourceTensor) -> tuple[int, int]:
@@ -196,6 +224,10 @@ def plan_tensors(tensors: list[SourceTensor], default_type: str, *,
         note = ""
         if len(t.shape) < 2:
             kind, note = "F32", "1-D"
+        elif not t.gguf_name.endswith(".weight"):
+            # llama.cpp's converter keeps every bias F32 and llama-quantize leaves them
+            # (it quantizes only "*weight"): gpt-oss's stacked expert biases [E, out]
+            kind, note = "F32", "bias"
         elif t.gguf_name == "output.weight" and output_type:
             kind, note = output_type, "output_type"
         elif t.gguf_name == "token_embd.weight" and tied and output_type and not token_embd_type:
@@ -216,7 +248,7 @@ def plan_tensors(tensors: list[SourceTensor], default_type: str, *,
             note = f"fallback: {t.shape[-1]} columns do not fit {kind} blocks"
             kind = "F16"
         plans.append(TensorPlan(t.gguf_name, t.hf_name, t.shape, kind,
-                                type_nbytes(t.shape, kind), note, t.parts))
+                                type_nbytes(t.shape, kind), note, t.parts, t.cut))
     return plans + list(extra)
 
 
@@ -255,6 +287,23 @@ def _write_metadata(writer, config: dict[str, Any], arch: Architecture, name: st
 def _load_array(handle, hf_name: str) -> np.ndarray:
     # framework="pt": numpy has no bfloat16, and most HF checkpoints are stored in it.
     return handle.get_tensor(hf_name).float().numpy()
+
+
+def _load_cut(handles: dict[str, Any], cut: gguf_experts.Cut) -> np.ndarray:
+    """The fused tensor ``cut`` reads, rows first in float32, then its cut: MXFP4 decoded
+    as transformers decodes it (exact in float32), a float ``x @ W`` weight transposed."""
+    if cut.source in handles:
+        array = _load_array(handles[cut.source], cut.source)
+        array = array.swapaxes(1, 2) if cut.x_at_w else array
+    else:
+        import torch
+
+        from llmctl.quant import mxfp4
+
+        blocks, scales = (handles[f"{cut.source}{s}"].get_tensor(f"{cut.source}{s}")
+                          for s in ("_blocks", "_scales"))
+        array = mxfp4.dequantize(blocks, scales, torch.float32).numpy()
+    return np.ascontiguousarray(cut.take(array))
 
 
 def _encode(array: np.ndarray, type_name: str, threads: int | None) -> np.ndarray:
@@ -316,6 +365,8 @@ def write_gguf(directory: Path, out: Path, plan: list[TensorPlan], ftype: int, *
         for done, p in enumerate(plan, start=1):
             if p.source is None:
                 array = extra[p.name]
+            elif p.cut is not None:  # gpt-oss's gate, up or down experts (or their biases)
+                array = _load_cut(handles, p.cut)
             elif p.parts:  # a layer's experts, stacked [E, out, in]
                 array = np.stack([to_gguf(arch, part, _load_array(handles[part], part),
                                           n_head, n_kv) for part in p.parts])

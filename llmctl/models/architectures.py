@@ -39,6 +39,7 @@ GGUF_ARCH_KEYS: dict[str, dict[str, str]] = {
                "{arch}.final_logit_softcapping": "final_logit_softcapping",
                "{arch}.attention.sliding_window": "sliding_window"},
     "gemma3": {"{arch}.attention.sliding_window": "sliding_window"},
+    "gpt-oss": {"{arch}.attention.sliding_window": "sliding_window"},
     "granite": {"{arch}.embedding_scale": "embedding_multiplier",
                 "{arch}.residual_scale": "residual_multiplier",
                 "{arch}.attention.scale": "attention_multiplier",

@@ -76,6 +76,18 @@ PHI3_TENSORS: dict[str, str] = {
     "model.layers.{bid}.mlp.gate_up_proj.weight": "blk.{bid}.ffn_up.weight",
 }
 
+# gpt-oss: Llama's attention names with q/k/v/o biases and the sinks; its norm before the
+# experts is llama.cpp's ATTN_POST_NORM (the openai-moe graph's attn_post_norm); router and
+# experts: llmctl.models.gguf_experts
+GPT_OSS_TENSORS: dict[str, str] = {
+    **{k: v for k, v in LLAMA_TENSORS.items()
+       if ".mlp." not in k and "post_attention_layernorm" not in k},
+    **QKV_BIAS_TENSORS,
+    "model.layers.{bid}.self_attn.o_proj.bias": "blk.{bid}.attn_output.bias",
+    "model.layers.{bid}.self_attn.sinks": "blk.{bid}.attn_sinks.weight",
+    "model.layers.{bid}.post_attention_layernorm.weight": "blk.{bid}.post_attention_norm.weight",
+}
+
 
 @dataclass(frozen=True)
 class MoeLayout:
@@ -168,8 +180,9 @@ class Family:
     # gpt-oss: self_attn.sinks); every attention path of the engine computes it
     attn_sinks: bool = False
     # the commands past the engine (serve, generate, the LLM class) that do not take this
-    # family yet: quantize, GGUF export, build targets, importance matrix refuse it in one
-    # line (llmctl.models.architectures.get_architecture)
+    # family yet: quantize, build targets, importance matrix refuse it in one line
+    # (llmctl.models.architectures.get_architecture); GGUF export takes any row with a
+    # gguf_arch (gpt-oss), refusing what llama.cpp's graph cannot compute (llmctl.gguf.families)
     engine_only: bool = False
 
     @property
@@ -292,9 +305,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # gpt-oss: attention sinks and q/k/v/o biases, sliding (window 128) and full layers
     # alternating by layer_types, YaRN RoPE; experts routed top-k then softmax, with
     # biases and the clamped SwiGLU, on disk in MXFP4 or float. The engine runs it (sinks
-    # in its native attention kernels too); quantize, GGUF export and the build targets
-    # refuse it.
-    Family("gpt_oss", "GptOssForCausalLM", None, windows="alternating", attn_sinks=True,
+    # in its native attention kernels too) and GGUF export writes it (llama.cpp's
+    # "gpt-oss" graph); quantize and the build targets refuse it.
+    Family("gpt_oss", "GptOssForCausalLM", "gpt-oss", tensors=GPT_OSS_TENSORS,
+           windows="alternating", attn_sinks=True,
            head_dim_default=64, engine_only=True, config_defaults=_GPT_OSS_DEFAULTS,
            moe=MoeLayout(("num_local_experts", "num_experts"), "intermediate_size",
                          "mlp.router", _QWEN_MOE_EXPERTS, renormalize=False,

@@ -1,7 +1,7 @@
 """Mixtures of experts through GGUF export (llmctl.gguf.experts): Mixtral (llama.cpp's
-llama graph with experts), Qwen2-MoE with its shared expert and Qwen3-MoE, run by the
-pinned llama.cpp against transformers; what its graphs cannot compute refused in one
-line."""
+llama graph with experts), Qwen2-MoE with its shared expert, Qwen3-MoE and gpt-oss (its
+fused, interleaved experts cut into llama.cpp's gate/up/down stacks), run by the pinned
+llama.cpp against transformers; what its graphs cannot compute refused in one line."""
 
 from __future__ import annotations
 
@@ -13,17 +13,23 @@ import pytest
 from llmctl.errors import UnsupportedArchitectureError
 from llmctl.gguf.export import quantize_to_gguf
 from llmctl.gguf.writer import build_plan
+from tests.tiny import FAMILY_CONFIGS
 
 IDS = list(range(3, 43))
 # float32 on both sides, routing included: the dense families' SiLU bound
 TOLERANCE = 2e-5
-# llama.cpp's qwen2moe graph has no dense layers: the tiny config's mlp_only_layers [1] out
-VARIANTS = {"mixtral": {}, "qwen2_moe": {"mlp_only_layers": []}, "qwen3_moe": {}}
+# llama.cpp's qwen2moe graph has no dense layers: the tiny config's mlp_only_layers [1] out;
+# its gpt-oss graph fixes the SwiGLU limit at 7.0 (the tiny config's 1.5 makes the engine's
+# clamps bite) and always rounds YaRN's correction range (truncate: true)
+_GPT_OSS_ROPE = json.loads((FAMILY_CONFIGS / "gpt_oss.json").read_text())["rope_parameters"]
+VARIANTS = {"mixtral": {}, "qwen2_moe": {"mlp_only_layers": []}, "qwen3_moe": {},
+            "gpt_oss": {"swiglu_limit": 7.0, "rope_parameters": {**_GPT_OSS_ROPE,
+                                                                 "truncate": True}}}
 
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
-    from tests.tiny import FAMILY_CONFIGS, build_tiny_llama
+    from tests.tiny import build_tiny_llama
 
     root, built = tmp_path_factory.mktemp("gguf-moe"), {}
 
@@ -91,6 +97,9 @@ def test_experts_are_stacked_per_layer_in_expert_order(moe_model):
     ("qwen2_moe", {"mlp_only_layers": [1]}, r"no dense layers among the experts \(layers \[1\]\)"),
     ("qwen3_moe", {"norm_topk_prob": False}, "its graph renormalises the top-k"),
     ("qwen2_moe", {"norm_topk_prob": True}, "does not renormalise the top-k"),
+    ("gpt_oss", {"swiglu_limit": 1.5}, "fixes swiglu_limit at 7.0, the model's is 1.5"),
+    ("gpt_oss", {"swiglu_alpha": 1.5}, "fixes swiglu_alpha at 1.702"),
+    ("gpt_oss", {"rope_parameters": _GPT_OSS_ROPE}, "has truncate: false"),
 ])
 def test_what_the_moe_graphs_do_not_compute_is_refused(moe_model, tmp_path, name, change,
                                                        reason):
@@ -125,3 +134,85 @@ def test_q8_0_experts_run_in_llama_cpp(llama_cpp, moe_model, tmp_path):
     ref, ours = _logits(model, summary["path"])
     assert np.median(np.abs(ours - ref).max(-1)) <= 0.03 * np.abs(ref).max()
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def _gguf_tensors(path) -> dict[str, np.ndarray]:
+    import gguf
+
+    return {t.name: np.asarray(t.data).reshape(tuple(int(d) for d in reversed(t.shape)))
+            for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_gpt_oss_experts_are_cut_from_the_fused_tensors(moe_model):
+    """The plan: gate_up_proj [E, H, 2I] (x @ W, gate and up columns interleaved) becomes
+    ffn_gate_exps (its even output features) and ffn_up_exps (the odd ones), rows first
+    [E, I, H]; down_proj [E, I, H] becomes ffn_down_exps [E, H, I]; each bias cut the same
+    way and kept F32 whatever the type; the router's bias and the sinks one to one."""
+    from safetensors.numpy import load_file
+
+    from llmctl.gguf.writer import write_gguf
+
+    model = moe_model("gpt_oss")
+    _, _, plan = build_plan(model, "Q8_0")
+    by_name = {p.name: p for p in plan}
+    gate, up = by_name["blk.1.ffn_gate_exps.weight"], by_name["blk.1.ffn_up_exps.weight"]
+    assert gate.shape == up.shape == (4, 32, 64) and gate.type == "Q8_0"
+    assert gate.source == up.source == "model.layers.1.mlp.experts.gate_up_proj"
+    assert (gate.cut.part, gate.cut.parts, up.cut.part) == (0, 2, 1)
+    assert by_name["blk.1.ffn_down_exps.weight"].shape == (4, 64, 32)
+    for name, shape in (("ffn_gate_exps.bias", (4, 32)), ("ffn_up_exps.bias", (4, 32)),
+                        ("ffn_down_exps.bias", (4, 64)), ("ffn_gate_inp.bias", (4,)),
+                        ("attn_sinks.weight", (4,)), ("attn_output.bias", (64,))):
+        assert by_name[f"blk.1.{name}"].shape == shape and by_name[f"blk.1.{name}"].type == "F32"
+    assert by_name["blk.1.post_attention_norm.weight"].source \
+        == "model.layers.1.post_attention_layernorm.weight"
+    _, _, plan = build_plan(model, "F32")
+    got = _gguf_tensors(write_gguf(model, model.parent / "cut.gguf", plan, 0))
+    weights = load_file(str(model / "model.safetensors"))
+    fused = weights["model.layers.1.mlp.experts.gate_up_proj"].transpose(0, 2, 1)
+    np.testing.assert_array_equal(got["blk.1.ffn_gate_exps.weight"], fused[:, 0::2])
+    np.testing.assert_array_equal(got["blk.1.ffn_up_exps.weight"], fused[:, 1::2])
+    np.testing.assert_array_equal(got["blk.1.ffn_down_exps.weight"],
+                                  weights["model.layers.1.mlp.experts.down_proj"].transpose(0, 2, 1))
+    bias = weights["model.layers.1.mlp.experts.gate_up_proj_bias"]
+    np.testing.assert_array_equal(got["blk.1.ffn_up_exps.bias"], bias[:, 1::2])
+
+
+def test_gpt_oss_mxfp4_experts_export_as_their_decoded_values(moe_model, tmp_path):
+    """A checkpoint with the experts in MXFP4 (``_blocks``/``_scales``, as gpt-oss ships
+    them) exports, tensor for tensor, the file of the float checkpoint holding the decoded
+    values (transformers' decoding, exact in float32): the float file is the one llama.cpp
+    runs like transformers above."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from llmctl.quant import mxfp4
+
+    model = moe_model("gpt_oss")
+    packed, decoded = tmp_path / "mxfp4", tmp_path / "decoded"
+    shutil.copytree(model, packed)
+    shutil.copytree(model, decoded)
+    weights = load_file(str(model / "model.safetensors"))
+    packed_weights, decoded_weights = dict(weights), dict(weights)
+    for name in [n for n in weights if n.endswith(("gate_up_proj", "down_proj"))]:
+        blocks, scales = mxfp4.quantize(weights[name].transpose(1, 2))  # [E, out, in]
+        del packed_weights[name]
+        packed_weights[f"{name}_blocks"], packed_weights[f"{name}_scales"] = blocks, scales
+        values = mxfp4.dequantize(blocks, scales, torch.float32).transpose(1, 2)
+        decoded_weights[name] = values.contiguous()
+    save_file(packed_weights, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    save_file(decoded_weights, str(decoded / "model.safetensors"), metadata={"format": "pt"})
+    plan = build_plan(packed, "F32")[2]
+    assert {p.name: p.shape for p in plan} == {p.name: p.shape
+                                               for p in build_plan(decoded, "F32")[2]}
+    a = quantize_to_gguf(packed, tmp_path / "packed.gguf", "F32")["path"]
+    b = quantize_to_gguf(decoded, tmp_path / "decoded.gguf", "F32")["path"]
+    got, want = _gguf_tensors(a), _gguf_tensors(b)
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert not np.array_equal(got["blk.0.ffn_gate_exps.weight"],
+                              weights["model.layers.0.mlp.experts.gate_up_proj"]
+                              .numpy().transpose(0, 2, 1)[:, 0::2])  # really decoded

@@ -65,14 +65,15 @@ class Cut:
 
 
 def join(cuts: list[tuple[Cut, np.ndarray]]) -> np.ndarray:
-    """The inverse of :meth:`Cut.take` for the cuts of one source: the rows-first tensor,
-    each part's output features back in their interleaved places."""
-    first = cuts[0][1]
-    out = np.empty((first.shape[0], first.shape[1] * cuts[0][0].parts, *first.shape[2:]),
+    """The inverse of :meth:`Cut.take` for every cut of one source: the fused tensor as
+    the checkpoint stores it (each part's output features back in their interleaved
+    places, a weight transposed back to ``x @ W``)."""
+    first_cut, first = cuts[0]
+    out = np.empty((first.shape[0], first.shape[1] * first_cut.parts, *first.shape[2:]),
                    dtype=np.float32)
     for cut, array in cuts:
         out[:, cut.part::cut.parts] = array
-    return out
+    return np.ascontiguousarray(out.swapaxes(1, 2)) if first_cut.x_at_w else out
 
 
 def cut_names(row: Family, n_blocks: int) -> dict[str, Cut]:

@@ -29,9 +29,10 @@ def _save_tokenizer(ckpt: GGUFCheckpoint, out: Path) -> None:
     where, name = str(ckpt.path.parent), ckpt.path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-    except ValueError:
+    except (ValueError, TypeError):
         # AutoTokenizer reads the whole config through transformers' GGUF loader, which
         # knows fewer architectures (olmo2, granite) than its tokenizer converter does
+        # and fails on some keys it does not know (gpt-oss's per-layer SWA array: TypeError)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(where, gguf_file=name)
     vocab = {i: t for t, i in tokenizer.get_vocab().items()}
     eos_id = ckpt.config.get("eos_token_id")

@@ -28,8 +28,8 @@ from llmctl.models.architectures import (
 # tensors a converter computes from the config: read back into config.json, not weights
 _ROPE_FACTORS = {"rope_factors_long.weight": "long_factor",
                  "rope_factors_short.weight": "short_factor"}
-# llama.cpp's defaults where its Gemma graphs find no key (llama-model.cpp)
-_GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
+# llama.cpp's sliding-window periods where its graphs find no per-layer key (llama-model.cpp)
+_SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 _GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -101,9 +101,12 @@ class GGUFCheckpoint:
 
     @property
     def tensor_count(self) -> int:
-        """The file's tensors, a stacked expert tensor counted once per expert (what
-        :meth:`tensors` yields, rope factors aside)."""
-        return len(self.reader.tensors) + sum(len(v) - 1 for v in self.expert_names().values())
+        """The file's tensors, a stacked expert tensor counted once per expert and
+        gpt-oss's cuts once per fused tensor (what :meth:`tensors` yields, rope factors
+        aside)."""
+        cuts = self.cut_names()
+        return (len(self.reader.tensors) + sum(len(v) - 1 for v in self.expert_names().values())
+                - len(cuts) + len({c.source for c in cuts.values()}))
 
     @property
     def num_experts(self) -> int:
@@ -125,13 +128,21 @@ class GGUFCheckpoint:
         return gguf_experts.stacked_names(self.arch, self.config["num_hidden_layers"],
                                           self.num_experts)
 
+    def cut_names(self) -> dict[str, gguf_experts.Cut]:
+        """GGUF tensor -> its cut of a fused HF tensor (gpt-oss's experts)."""
+        if not self.arch.moe:
+            return {}
+        return gguf_experts.cut_names(self.arch, self.config["num_hidden_layers"])
+
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array) in file order, dequantized and un-permuted; a stacked
-        expert tensor gives one array per expert."""
+        expert tensor gives one array per expert; gpt-oss's cuts one fused tensor, once
+        the last of its cuts is read."""
         import gguf
 
         to_hf = self.hf_names()
         stacked = self.expert_names()
+        cuts, pending = self.cut_names(), {}
         n_head = self.config["num_attention_heads"]
         n_kv = self.config["num_key_value_heads"]
         for t in self.reader.tensors:
@@ -142,7 +153,7 @@ class GGUFCheckpoint:
                 raise GGUFError(
                     f"{self.path.name}: Llama 3.1 RoPE scaling (rope_freqs) cannot be read "
                     "back into rope_parameters", "convert from the HF checkpoint instead")
-            if hf_name is None and t.name not in stacked:
+            if hf_name is None and t.name not in stacked and t.name not in cuts:
                 raise GGUFError(
                     f"{self.path.name}: unexpected tensor {t.name!r} for a "
                     f"{self.arch.gguf_arch} model",
@@ -158,6 +169,12 @@ class GGUFCheckpoint:
                 ) from None
             array = np.asarray(array, dtype=np.float32).reshape(
                 tuple(int(d) for d in reversed(t.shape)))
+            if t.name in cuts:  # rows first: joined with the source's other cuts
+                got = pending.setdefault(cuts[t.name].source, [])
+                got.append((cuts[t.name], array))
+                if len(got) == cuts[t.name].parts:
+                    yield cuts[t.name].source, gguf_experts.join(pending.pop(cuts[t.name].source))
+                continue
             if hf_name is None:  # [E, out, in]: expert e is slice e (no permutation, shift)
                 for name, part in zip(stacked[t.name], array, strict=True):
                     yield name, np.array(part, order="C")
@@ -196,9 +213,10 @@ def _arch_fields(reader, gguf_arch: str) -> dict[str, Any]:
 
 
 def _layer_types(reader, gguf_arch: str, n_layers: int) -> list[str]:
-    """Gemma 2/3's sliding layers: the per-layer pattern array, else llama.cpp's period."""
+    """Gemma 2/3's and gpt-oss's sliding layers: the per-layer pattern array, else
+    llama.cpp's period."""
     pattern = field_value(reader, f"{gguf_arch}.attention.sliding_window_pattern",
-                          _GEMMA_SWA_PERIOD[gguf_arch])
+                          _SWA_PERIOD[gguf_arch])
     if isinstance(pattern, list):
         swa = [bool(x) for x in pattern][:n_layers]
     else:  # llama_hparams::set_swa_pattern: the last layer of each period is dense
@@ -245,11 +263,24 @@ def _phi3_fields(reader, config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _gpt_oss_fields(reader, config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's gpt-oss graph fixes rather than reads, as GptOssConfig's fields:
+    biases on q/k/v/o, the sliding layers, YaRN's correction range rounded (truncate) with
+    llama.cpp's betas (its SwiGLU constants: gguf_experts.config_fields)."""
+    rope = dict(config["rope_parameters"])
+    if rope["rope_type"] == "yarn":
+        rope.update(truncate=True, beta_fast=32.0, beta_slow=1.0)
+    return {"hidden_act": "silu", "attention_bias": True, "rope_parameters": rope,
+            "layer_types": _layer_types(reader, "gpt-oss", config["num_hidden_layers"])}
+
+
 def _family_fields(reader, gguf_arch: str, config: dict[str, Any]) -> dict[str, Any]:
     if gguf_arch.startswith("gemma"):
         return _gemma_fields(reader, gguf_arch, config)
     if gguf_arch == "phi3":
         return _phi3_fields(reader, config)
+    if gguf_arch == "gpt-oss":
+        return _gpt_oss_fields(reader, config)
     return {"hidden_act": "silu"}
 
 

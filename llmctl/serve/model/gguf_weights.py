@@ -11,7 +11,8 @@ own RoPE interleaving, which is the permutation llama.cpp's converter stored), G
 weights without the +1 llama.cpp's converter added
 (:func:`llmctl.models.architectures.from_gguf`). A mixture of experts' stacked
 ``ffn_*_exps`` tensors answer for the per-expert names (:mod:`llmctl.models.gguf_experts`),
-each expert dequantized from its own slice: the engine's experts run in float.
+each expert dequantized from its own slice: the engine's experts run in float; gpt-oss's
+answer for its fused ``gate_up_proj``/``down_proj`` (and ``_bias``), joined from their cuts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from llmctl.errors import GGUFError
 from llmctl.gguf.quants import QUANTS
+from llmctl.models import gguf_experts
 from llmctl.models.architectures import from_gguf, rope_unpermute
 from llmctl.models.gguf_reader import open_checkpoint
 from llmctl.serve.layers.lowbit import AffineCodes
@@ -57,11 +59,16 @@ class GGUFWeights:
         # so each is dequantized alone from its own bytes (not the whole stack E times)
         self._experts = {hf: (by_gguf[g], e) for g, parts in self._ckpt.expert_names().items()
                          if g in by_gguf for e, hf in enumerate(parts)}
+        # gpt-oss: a fused HF tensor -> its cuts (gate and up, or the whole of down)
+        self._fused: dict[str, list] = {}
+        for g, cut in self._ckpt.cut_names().items():
+            if g in by_gguf:
+                self._fused.setdefault(cut.source, []).append((by_gguf[g], cut))
         self._heads = {"q_proj": config["num_attention_heads"],
                        "k_proj": config["num_key_value_heads"]}
 
     def __contains__(self, name: str) -> bool:
-        return name in self._tensors or name in self._experts
+        return name in self._tensors or name in self._experts or name in self._fused
 
     def _entry(self, name: str):
         try:
@@ -87,6 +94,10 @@ class GGUFWeights:
                             ) from None
 
     def __call__(self, name: str) -> torch.Tensor:
+        if name in self._fused:
+            cuts = [(cut, self._dequantize(t, t.data).reshape(tuple(map(int, reversed(t.shape)))))
+                    for t, cut in self._fused[name]]
+            return torch.from_numpy(gguf_experts.join(cuts))
         if name in self._experts:
             t, e = self._experts[name]
             cols, rows, n = (int(d) for d in t.shape)

@@ -75,8 +75,9 @@ FAMILY_CONFIGS = Path(__file__).parent / "data" / "families"
 # tests/gguf/test_moe_export.py); the static engines refuse them, so they stay out of
 # FAMILY_NAMES, which the dense family tests of every command run
 MOE_FAMILY_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe")
-# mixtures of experts only the engine runs (quantize, GGUF export and the build targets
-# refuse them): tested by their own files (gpt_oss: tests/serve/model/test_gpt_oss.py)
+# mixtures of experts only the engine runs (quantize and the build targets refuse them):
+# tested by their own files (gpt_oss: tests/serve/model/test_gpt_oss.py; its GGUF export:
+# tests/gguf/test_moe_export.py)
 ENGINE_ONLY_FAMILY_NAMES = ("gpt_oss",)
 # per model type, the 1-D parameters (name suffixes) drawn at random as well: their
 # transformers init is zero (attention biases) or too small to matter (sinks, router bias)

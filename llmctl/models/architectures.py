@@ -67,9 +67,9 @@ def get_architecture(model_type: str, *, refuse_moe: str | None = None,
     """The row of ``model_type``. ``refuse_moe``: the name of a command that does not
     handle mixtures of experts yet (the engine, quantize and GGUF export do; the build
     targets and the importance matrix do not): such a row is refused in one line rather
-    than failing midway. ``refuse_engine_only``: the name of any command past the engine
-    (quantize, GGUF export): a row only the engine runs (``Family.engine_only``: gpt-oss)
-    is refused in one line; ``refuse_moe`` refuses it too."""
+    than failing midway. ``refuse_engine_only``: the name of a command past the engine
+    (quantize): a row only the engine runs (``Family.engine_only``: gpt-oss, which GGUF
+    export takes) is refused in one line; ``refuse_moe`` refuses it too."""
     try:
         row = ARCHITECTURES[model_type]
     except KeyError:

@@ -216,3 +216,50 @@ def test_gpt_oss_mxfp4_experts_export_as_their_decoded_values(moe_model, tmp_pat
     assert not np.array_equal(got["blk.0.ffn_gate_exps.weight"],
                               weights["model.layers.0.mlp.experts.gate_up_proj"]
                               .numpy().transpose(0, 2, 1)[:, 0::2])  # really decoded
+
+
+def test_gpt_oss_tensor_names_are_gguf_pys():
+    """Every name the export writes is where gguf-py's tensor map (llama.cpp's converter)
+    puts the HF tensor it comes from: the sinks under the ``.weight`` the converter's
+    filter_tensors adds, each cut under the name its modify_tensors gives that part
+    (``gate_up_proj`` -> ``gate_proj`` / ``up_proj``, ``down_proj``, each ``.weight`` or
+    ``.bias``)."""
+    import gguf
+
+    from llmctl.models import gguf_experts
+    from llmctl.models.architectures import expand_tensor_names, get_architecture
+
+    arch = get_architecture("gpt_oss")
+    mapping = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, 2)
+    names = {**expand_tensor_names(arch, 2), **gguf_experts.single_names(arch, 2)}
+    for hf, ours in names.items():
+        hf = f"{hf}.weight" if hf.endswith(".sinks") else hf
+        assert mapping.get_name(hf, try_suffixes=(".weight", ".bias")) == ours, hf
+    cuts = gguf_experts.cut_names(arch, 2)
+    assert len(cuts) == 2 * 3 * 2  # layers x (gate, up, down) x (weight, bias)
+    for ours, cut in cuts.items():
+        base = cut.source.removesuffix("_bias")
+        if cut.parts == 2:
+            base = base.replace("gate_up_proj", ("gate_proj", "up_proj")[cut.part])
+        hf = base + (".bias" if cut.source.endswith("_bias") else ".weight")
+        assert mapping.get_name(hf, try_suffixes=(".weight", ".bias")) == ours, hf
+
+
+def test_llmctl_quantize_writes_gpt_oss_gguf(moe_model, tmp_path):
+    """``llmctl quantize --format gguf`` takes gpt-oss (no longer refused as engine-only):
+    the file holds llama.cpp's gpt-oss tensors."""
+    import gguf
+    from typer.testing import CliRunner
+
+    from llmctl.cli.app import build_app
+
+    out = tmp_path / "gpt-oss-q8.gguf"
+    result = CliRunner().invoke(build_app(), ["quantize", str(moe_model("gpt_oss")), "--format",
+                                              "gguf", "--type", "Q8_0", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    reader = gguf.GGUFReader(str(out))
+    assert reader.fields["general.architecture"].contents() == "gpt-oss"
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.2.ffn_up_exps.weight"] == "Q8_0" and types["blk.2.ffn_up_exps.bias"] == "F32"
+    assert reader.fields["gpt-oss.attention.sliding_window_pattern"].contents() == [True, False,
+                                                                                    True]

@@ -1,5 +1,6 @@
 """Mixture-of-experts GGUF files read back (llmctl.models.gguf_experts): the stacked
-``ffn_*_exps`` tensors become per-expert tensors again, the metadata the config fields
+``ffn_*_exps`` tensors become per-expert tensors again (gpt-oss's: its fused, interleaved
+``x @ W`` tensors, joined from their cuts), the metadata the config fields
 llama.cpp's graphs imply, so that transformers runs the imported checkpoint to the
 original's logits and the engine serves the .gguf itself (float, and Q8_0 read from each
 expert's own bytes)."""

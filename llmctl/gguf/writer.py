@@ -290,20 +290,20 @@ def _load_array(handle, hf_name: str) -> np.ndarray:
 
 
 def _load_cut(handles: dict[str, Any], cut: gguf_experts.Cut) -> np.ndarray:
-    """The fused tensor ``cut`` reads, rows first in float32, then its cut: MXFP4 decoded
-    as transformers decodes it (exact in float32), a float ``x @ W`` weight transposed."""
+    """The part of a fused tensor ``cut`` takes, rows first in float32: cut before it is
+    widened or decoded (a layer's gate_up is the largest tensor gpt-oss has), a float
+    ``x @ W`` weight transposed, MXFP4 decoded as transformers decodes it (exact)."""
+    import torch
+
     if cut.source in handles:
-        array = _load_array(handles[cut.source], cut.source)
-        array = array.swapaxes(1, 2) if cut.x_at_w else array
-    else:
-        import torch
+        tensor = handles[cut.source].get_tensor(cut.source)
+        tensor = cut.take(tensor.transpose(1, 2) if cut.x_at_w else tensor)
+        return np.ascontiguousarray(tensor.float().numpy())
+    from llmctl.quant import mxfp4
 
-        from llmctl.quant import mxfp4
-
-        blocks, scales = (handles[f"{cut.source}{s}"].get_tensor(f"{cut.source}{s}")
-                          for s in ("_blocks", "_scales"))
-        array = mxfp4.dequantize(blocks, scales, torch.float32).numpy()
-    return np.ascontiguousarray(cut.take(array))
+    blocks, scales = (cut.take(handles[f"{cut.source}{s}"].get_tensor(f"{cut.source}{s}"))
+                      for s in ("_blocks", "_scales"))  # [E, out, in / 32, 16], [E, out, in / 32]
+    return mxfp4.dequantize(blocks, scales, torch.float32).numpy()
 
 
 def _encode(array: np.ndarray, type_name: str, threads: int | None) -> np.ndarray:

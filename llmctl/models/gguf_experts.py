@@ -57,7 +57,8 @@ class Cut:
     parts: int = 1
     x_at_w: bool = False
 
-    def take(self, rows_first: np.ndarray) -> np.ndarray:
+    def take(self, rows_first):
+        """The part's output features (a numpy array or a torch tensor, rows first)."""
         return rows_first[:, self.part::self.parts]
 
     def shape(self, rows_first: tuple[int, ...]) -> tuple[int, ...]:

@@ -189,8 +189,9 @@ def _prepare(model_dir: Path, recipe: GGUFRecipe, work: Path | None):
             raise UsageError(f"{recipe.type} needs an importance matrix",
                              "add --imatrix (computed from --calibration) or an imatrix file")
     if engine == "llmctl":
-        config, tensors, plan = build_plan(model_dir, file_type(recipe.type).tensor_type,
-                                           **_rules(recipe))
+        ft = file_type(recipe.type)
+        config, tensors, plan = build_plan(model_dir, ft.tensor_type,
+                                           expert_type=ft.expert_type, **_rules(recipe))
         vocab = read_hf_vocab(model_dir, config)
         return engine, config, vocab, plan, None, None, []
     config, tensors, _ = build_plan(model_dir, "F32")

@@ -1,4 +1,4 @@
-"""GGML's legacy block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and BF16, both ways, as pure numpy.
+"""GGML's legacy block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), MXFP4 and BF16, both ways, as pure numpy.
 
 One class per GGUF tensor type, registered in :data:`QUANTS` under the type's name, as
 gguf-py's ``quants.py`` does. ``encode`` takes float32 blocks and returns uint8 rows laid
@@ -237,6 +237,47 @@ class BF16(Quant, qtype="BF16", block_size=1, type_size=2):
 
 # Rows per work item: 4096 x 576 floats is ~9 MB in, a few temporaries of that size.
 _CHUNK_ELEMENTS = 1 << 21
+
+
+class MXFP4(Quant, qtype="MXFP4", type_size=1 + 16):
+    """OCP MXFP4 as ggml stores it: ``| e | nibbles[16] |``, ``e`` an E8M0 exponent and
+    the E2M1 codes read doubled (:data:`MXFP4_VALUES`) against ``2^(e - 128)``, the same
+    numbers and the same ``e`` byte as :mod:`llmctl.quant.mxfp4` (gpt-oss's checkpoints).
+    ``nibbles[j]`` holds code j low and code j + 16 high. The scale puts the block's
+    largest magnitude in [4, 8) (``e = floor(log2 amax) + 125``), each value the nearest
+    code (the first on ties): a block already on that grid (decoded MXFP4) comes back
+    exactly."""
+
+    @staticmethod
+    def half_scale(e: np.ndarray) -> np.ndarray:
+        """``2^(e - 128)`` built from its float32 bits (ggml_e8m0_to_fp32_half; subnormal
+        for e < 2)."""
+        return np.where(e < 2, np.uint32(0x00200000) << np.uint32(e),
+                        np.uint32(e - 1) << np.uint32(23)).view(_F32)
+
+    @staticmethod
+    def encode(blocks: np.ndarray) -> np.ndarray:
+        amax = np.abs(blocks).max(axis=-1, keepdims=True)
+        with np.errstate(divide="ignore"):
+            e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).astype(np.uint8)
+        d = MXFP4.half_scale(e)
+        codes = np.empty(blocks.shape, dtype=np.uint8)
+        for s in range(0, len(blocks), _MXFP4_SEARCH):  # 16 candidates a value: bounded
+            part = slice(s, s + _MXFP4_SEARCH)
+            errs = np.abs(d[part, :, None] * MXFP4_VALUES - blocks[part, :, None])
+            codes[part] = errs.argmin(axis=-1)
+        return np.concatenate([e, codes[:, :16] | (codes[:, 16:] << np.uint8(4))], axis=-1)
+
+    @classmethod
+    def dequantize(cls, blocks: np.ndarray) -> np.ndarray:
+        e, qs = blocks[..., :1], blocks[..., 1:]
+        codes = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+        return cls.half_scale(e) * MXFP4_VALUES[codes]
+
+
+# the E2M1 codes doubled (ggml's kvalues_mxfp4): integers, against a half scale
+MXFP4_VALUES = np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), dtype=_F32)
+_MXFP4_SEARCH = 4096  # blocks per nearest-code search (4096 x 32 x 16 float32: 8 MiB)
 
 
 def quantize(array: np.ndarray, type_name: str, threads: int | None = None) -> np.ndarray:

@@ -22,6 +22,7 @@ class FileType:
     tensor_type: str  # the ggml type most 2-D weights get
     needs_imatrix: bool = False  # llama.cpp refuses without one (very low-bit i-quants)
     note: str = ""
+    expert_type: str | None = None  # the ggml type of the stacked experts ([E, out, in])
 
 
 FILE_TYPES: dict[str, FileType] = {
@@ -35,6 +36,10 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q4_1", 3, "llmctl", "Q4_1", note="5.0 bpw, min/max per 32"),
         FileType("Q5_0", 8, "llmctl", "Q5_0", note="5.5 bpw, absmax per 32"),
         FileType("Q5_1", 9, "llmctl", "Q5_1", note="6.0 bpw, min/max per 32"),
+        # llama-quantize's MXFP4_MOE: 3-D expert stacks MXFP4, every other matrix Q8_0;
+        # gpt-oss's MXFP4 experts come through exactly (llmctl.gguf.quants.MXFP4)
+        FileType("MXFP4_MOE", 38, "llmctl", "Q8_0", expert_type="MXFP4",
+                 note="experts MXFP4 (4.25 bpw), the rest Q8_0"),
         FileType("Q2_K", 10, "llama.cpp", "Q2_K", note="2-bit K-quant mix"),
         FileType("Q2_K_S", 21, "llama.cpp", "Q2_K"),
         FileType("Q3_K_S", 11, "llama.cpp", "Q3_K"),

@@ -210,14 +210,16 @@ def _fits(shape: tuple[int, ...], type_name: str) -> bool:
 def plan_tensors(tensors: list[SourceTensor], default_type: str, *,
                  overrides: list[tuple[str, str]] = (), output_type: str | None = None,
                  token_embd_type: str | None = None, tied: bool = False,
-                 extra: list[TensorPlan] = ()) -> list[TensorPlan]:
+                 extra: list[TensorPlan] = (), expert_type: str | None = None
+                 ) -> list[TensorPlan]:
     """Per-tensor types for a file llmctl writes itself.
 
     Mirrors llama-quantize's rules where they apply to the types llmctl writes:
     1-D tensors (norms, biases) stay F32; ``output_type``/``token_embd_type`` win
     (with tied embeddings token_embd *is* the output and takes ``output_type``);
-    then the first override whose regex is found in the name; a row length that does
-    not fit the type's block falls back to F16.
+    then the first override whose regex is found in the name; else ``expert_type`` for
+    the 3-D expert stacks (MXFP4_MOE's MXFP4) and ``default_type`` for the rest; a row
+    length that does not fit the type's block falls back to F16.
     """
     plans = []
     for t in tensors:
@@ -235,7 +237,7 @@ def plan_tensors(tensors: list[SourceTensor], default_type: str, *,
         elif t.gguf_name == "token_embd.weight" and token_embd_type:
             kind, note = token_embd_type, "token_embd_type"
         else:
-            kind = default_type
+            kind = expert_type if expert_type and len(t.shape) == 3 else default_type
             for pattern, type_name in overrides:
                 if re.search(pattern, t.gguf_name):
                     kind, note = type_name, f"override {pattern!r}"
@@ -404,7 +406,7 @@ def export_gguf(directory: Path, out: Path, out_type: str = "F32",
         raise UsageError(f"{ft.name} is written by llama.cpp, not by export_gguf",
                          "use llmctl.gguf.export.quantize_to_gguf")
     directory = Path(directory)
-    config, _, plan = build_plan(directory, ft.tensor_type)
+    config, _, plan = build_plan(directory, ft.tensor_type, expert_type=ft.expert_type)
     vocab = read_hf_vocab(directory, config, pre=pre)
     return write_gguf(directory, out, plan, ft.ftype, vocab=vocab, progress=progress)
 

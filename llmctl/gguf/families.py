@@ -78,11 +78,8 @@ def _problems(arch: str, spec: ModelArch) -> list[str]:
     rope = str(spec.rope["rope_type"]).lower()
     if rope not in _ROPE_TYPES.get(arch, _DEFAULT_ROPE_TYPES):
         out.append(f"it does not read RoPE type {rope!r}")
-    if rope == "yarn" and not spec.rope.get("truncate", True):
-        # ggml_rope_yarn_corr_dims: floor/ceil of the correction range, always
-        out.append("its YaRN rounds the correction range to whole dimensions, the model's "
-                   "rope_parameters has truncate: false (set it true to accept the rounding, "
-                   "as llama.cpp's converter does)")
+    if rope == "yarn":
+        out += _yarn_problems(spec.rope)
     if spec.local_rope is not None and spec.local_rope["rope_type"] != "default":
         out.append("its sliding-window layers take no RoPE scaling")
     if spec.partial_rotary_factor != 1.0 and arch != "phi3":
@@ -94,6 +91,21 @@ def _problems(arch: str, spec: ModelArch) -> list[str]:
         # llama.cpp: "Phi SWA is currently disabled" (ggml-org/llama.cpp#13676)
         out.append(f"it ignores Phi-3's sliding window ({min(windows)} tokens, within the "
                    f"context of {spec.max_position_embeddings})")
+    return out
+
+
+def _yarn_problems(params: dict) -> list[str]:
+    """YaRN as llama.cpp computes it: the correction range rounded to whole dimensions
+    (ggml_rope_yarn_corr_dims: floor/ceil, always) between betas 32 and 1 (its defaults,
+    which llama-cpp-python passes whatever the file says)."""
+    out = []
+    if not params.get("truncate", True):
+        out.append("its YaRN rounds the correction range to whole dimensions, the model's "
+                   "rope_parameters has truncate: false (set it true to accept the rounding, "
+                   "as llama.cpp's converter does)")
+    for key, fixed in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+        if float(params.get(key) or fixed) != fixed:
+            out.append(f"its YaRN takes {key} {fixed:g}, the model's is {params[key]}")
     return out
 
 

@@ -100,6 +100,8 @@ def test_experts_are_stacked_per_layer_in_expert_order(moe_model):
     ("gpt_oss", {"swiglu_limit": 1.5}, "fixes swiglu_limit at 7.0, the model's is 1.5"),
     ("gpt_oss", {"swiglu_alpha": 1.5}, "fixes swiglu_alpha at 1.702"),
     ("gpt_oss", {"rope_parameters": _GPT_OSS_ROPE}, "has truncate: false"),
+    ("gpt_oss", {"rope_parameters": {**_GPT_OSS_ROPE, "truncate": True, "beta_fast": 16.0}},
+     "takes beta_fast 32, the model's is 16.0"),
 ])
 def test_what_the_moe_graphs_do_not_compute_is_refused(moe_model, tmp_path, name, change,
                                                        reason):

@@ -34,9 +34,10 @@ _LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
 _EXPERT_KIND = re.compile(r"^(mlp|block_sparse_moe)\.(experts\.\d+\.(gate_proj|up_proj|down_proj"
                           r"|w1|w2|w3)|shared_expert\.(gate_proj|up_proj|down_proj))$")
 # Kept in full precision whatever the recipe says, and named in the output's ``ignore``:
-# vLLM builds the router (mlp.gate / block_sparse_moe.gate) and Qwen2-MoE's shared-expert
-# sigmoid gate unquantized, and a quantized router's moved logits reroute tokens.
-ROUTER_KINDS = ("mlp.gate", "block_sparse_moe.gate", "mlp.shared_expert_gate")
+# vLLM builds the router (mlp.gate / block_sparse_moe.gate / gpt-oss's mlp.router) and
+# Qwen2-MoE's shared-expert sigmoid gate unquantized, and a quantized router's moved
+# logits reroute tokens.
+ROUTER_KINDS = ("mlp.gate", "block_sparse_moe.gate", "mlp.router", "mlp.shared_expert_gate")
 ROUTER_NOTE = "router: full precision (vLLM expects it unquantized)"
 MIN_GROUP = 16
 

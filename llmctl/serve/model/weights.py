@@ -21,7 +21,10 @@ H]``, transposed here), with ``_bias`` tensors, as float or as MXFP4 ``_blocks``
 LowBitLinear on the exact integer form of its MXFP4 values
 (:func:`llmctl.quant.mxfp4.int8_codes`), its bias inside; elsewhere decoded at load to
 the compute dtype exactly as transformers decodes them (:mod:`llmctl.quant.mxfp4`). Its
-attention sinks are read in float32.
+attention sinks are read in float32. A gpt-oss checkpoint ``llmctl quantize`` wrote (per
+expert, llm-compressor's linearization: ``experts.{e}.gate_proj`` ... with ``.bias``) goes
+through the same per-expert path as the other families (:meth:`_ModelBuilder.experts`),
+its gate and up rows interleaved and its biases joined to match the fused form.
 """
 
 from __future__ import annotations

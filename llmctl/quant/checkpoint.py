@@ -61,7 +61,12 @@ class Checkpoint:
         if fused_layout is not None:
             self.views, self._hidden = fused_experts.expert_views(
                 self.meta, self._stored_dtype, fused_layout)
-        self._decoded: dict[str, torch.Tensor] = {}  # this layer's fused experts
+        self._decoded: dict[str, torch.Tensor] = {}  # fused weights being read
+        self._pending: dict[str, int] = {}  # their views not read yet
+        self._weight_views: dict[str, int] = {}
+        for view in self.views.values():
+            if not view.bias:
+                self._weight_views[view.fused] = self._weight_views.get(view.fused, 0) + 1
 
     @property
     def text_config(self) -> dict:
@@ -99,13 +104,20 @@ class Checkpoint:
         view = self.views.get(name)
         if view is None:
             return self._read(name, dtype, device)
+        if view.bias:
+            tensor = fused_experts.read(view, None, self._read(f"{view.fused}_bias"))
+            return tensor.to(dtype=dtype or view.dtype, device=device, copy=True)
+        # the fused weight decoded once for all its experts' views, dropped when the last
+        # of them is read (a layer's experts are read together) or at close()
         fused = self._decoded.get(view.fused)
-        if fused is None:  # decoded once per layer (close() drops it), sliced per expert
+        if fused is None:
             fused = self._decoded[view.fused] = fused_experts.decode(
-                self._read, lambda n: n in self.file_of, view.fused, self.dtype(
-                    f"{view.fused}_bias"))
-        bias = self._read(f"{view.fused}_bias") if view.bias else None
-        tensor = fused_experts.read(view, fused, bias)
+                self._read, lambda n: n in self.file_of, view.fused, view.dtype)
+            self._pending[view.fused] = self._weight_views[view.fused]
+        self._pending[view.fused] -= 1
+        if self._pending[view.fused] == 0:
+            del self._decoded[view.fused]
+        tensor = fused_experts.read(view, fused, None)
         return tensor.to(dtype=dtype or view.dtype, device=device, copy=True)
 
     def _read(self, name: str, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:

@@ -97,6 +97,7 @@ def decode(get, has, fused: str, dtype: torch.dtype) -> torch.Tensor:
     return get(fused).transpose(1, 2)
 
 
-def read(view: ExpertView, fused: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """The tensor of ``view`` from its decoded fused weight and its stored bias."""
+def read(view: ExpertView, fused: torch.Tensor | None, bias: torch.Tensor | None
+         ) -> torch.Tensor:
+    """The tensor of ``view``: its rows of the decoded fused weight, or of the stored bias."""
     return (bias if view.bias else fused)[view.expert, view.rows].contiguous()

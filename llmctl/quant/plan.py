@@ -320,6 +320,11 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
                           "check `targets` / `ignore` (module names look like "
                           "model.layers.0.self_attn.q_proj)")
     warnings += _layout_warnings(modules, groups)
+    if ckpt.views:  # gpt-oss (llmctl.quant.fused_experts)
+        warnings.append("gpt-oss's experts are written one linear each, as llm-compressor "
+                        "linearizes them (mlp.experts.{e}.gate_proj / up_proj / down_proj "
+                        "with biases): llmctl serves them; transformers 5 does not load them "
+                        "(it expects the fused gate_up_proj / down_proj)")
     out_groups = _output_groups(groups, modules)
     # Every Linear the loader would match but llmctl kept in float must be ignored by
     # name, or transformers / vLLM would expect quantized tensors for it; the routers

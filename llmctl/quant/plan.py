@@ -319,12 +319,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
         raise ConfigError("the recipe's targets match no linear layer of this model",
                           "check `targets` / `ignore` (module names look like "
                           "model.layers.0.self_attn.q_proj)")
-    warnings += _layout_warnings(modules, groups)
-    if ckpt.views:  # gpt-oss (llmctl.quant.fused_experts)
-        warnings.append("gpt-oss's experts are written one linear each, as llm-compressor "
-                        "linearizes them (mlp.experts.{e}.gate_proj / up_proj / down_proj "
-                        "with biases): llmctl serves them; transformers 5 does not load them "
-                        "(it expects the fused gate_up_proj / down_proj)")
+    warnings += _layout_warnings(modules, groups, bool(ckpt.views))
     out_groups = _output_groups(groups, modules)
     # Every Linear the loader would match but llmctl kept in float must be ignored by
     # name, or transformers / vLLM would expect quantized tensors for it; the routers
@@ -351,10 +346,17 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
                      after, dtype, warnings, kv_cache_scheme=kv)
 
 
-def _layout_warnings(modules: list[ModulePlan], groups: dict[str, Any]) -> list[str]:
+def _layout_warnings(modules: list[ModulePlan], groups: dict[str, Any],
+                     split_experts: bool = False) -> list[str]:
     """What the dry run should tell about the planned layout: loaders that will not read
-    it, group sizes changed, routers a target named, experts split across groups."""
+    it, group sizes changed, routers a target named, experts split across groups.
+    ``split_experts``: fused experts written one linear each (gpt-oss, ``fused_experts``)."""
     warnings = []
+    if split_experts:
+        warnings.append("gpt-oss's experts are written one linear each, as llm-compressor "
+                        "linearizes them (mlp.experts.{e}.gate_proj / up_proj / down_proj "
+                        "with biases): llmctl serves them; transformers 5 does not load them "
+                        "(it expects the fused gate_up_proj / down_proj)")
     if any(m.format == "pack-quantized" and not m.weight.symmetric for m in modules if m.quantized):
         warnings.append("asymmetric pack-quantized weights load in vLLM and in llmctl, but not "
                         "in transformers 5.x with compressed-tensors 0.20 (packed zero points; "

@@ -61,6 +61,7 @@ def expert_views(meta: dict[str, dict], dtype_of, layout: MoeLayout
     """(per-expert name -> view, the stored names they replace), from the checkpoint's
     headers (``meta``: name -> safetensors entry; ``dtype_of(name)``)."""
     views: dict[str, ExpertView] = {}
+    order: dict[str, tuple] = {}  # (layer, expert, gate/up/down, bias): the file order
     replaced: set[str] = set()
     for name in meta:
         for which, stored in enumerate(layout.fused):
@@ -75,7 +76,7 @@ def expert_views(meta: dict[str, dict], dtype_of, layout: MoeLayout
             experts, out, inp = (shape[0], shape[1], shape[2] * 2 * shape[3]) if blocks \
                 else (shape[0], shape[2], shape[1])
             dtype = dtype_of(bias) if blocks else dtype_of(name)
-            for pattern, (index, rows) in zip(layout.experts, _PARTS):
+            for part, (pattern, (index, rows)) in enumerate(zip(layout.experts, _PARTS)):
                 if index != which:
                     continue
                 n = len(range(out)[rows])
@@ -85,7 +86,10 @@ def expert_views(meta: dict[str, dict], dtype_of, layout: MoeLayout
                     views[f"{base}.weight"] = ExpertView(full, e, rows, False, (n, inp), dtype)
                     views[f"{base}.bias"] = ExpertView(full, e, rows, True, (n,),
                                                        dtype_of(bias))
-    return views, replaced
+                    layer = int(prefix.split(".")[2])
+                    order[f"{base}.weight"] = (layer, e, part, 0)
+                    order[f"{base}.bias"] = (layer, e, part, 1)
+    return {k: views[k] for k in sorted(views, key=order.__getitem__)}, replaced
 
 
 def decode(get, has, fused: str, dtype: torch.dtype) -> torch.Tensor:

@@ -75,10 +75,10 @@ FAMILY_CONFIGS = Path(__file__).parent / "data" / "families"
 # tests/gguf/test_moe_export.py); the static engines refuse them, so they stay out of
 # FAMILY_NAMES, which the dense family tests of every command run
 MOE_FAMILY_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe")
-# mixtures of experts only the engine runs (quantize and the build targets refuse them):
-# tested by their own files (gpt_oss: tests/serve/model/test_gpt_oss.py; its GGUF export:
-# tests/gguf/test_moe_export.py)
-ENGINE_ONLY_FAMILY_NAMES = ("gpt_oss",)
+# gpt-oss, a mixture of experts with features of its own (sinks, biases, the clamped
+# SwiGLU, fused experts): tested by its own files (tests/serve/model/test_gpt_oss.py,
+# tests/quant/test_gpt_oss_quant.py, tests/gguf/test_moe_export.py)
+GPT_OSS_FAMILY_NAMES = ("gpt_oss",)
 # per model type, the 1-D parameters (name suffixes) drawn at random as well: their
 # transformers init is zero (attention biases) or too small to matter (sinks, router bias)
 RANDOM_VECTORS = {"gpt_oss": ("bias", "sinks")}
@@ -86,7 +86,7 @@ RANDOM_VECTORS = {"gpt_oss": ("bias", "sinks")}
 # exercises its family's features (soft-caps, (1 + w) norms, post-norms, q/k norms,
 # multipliers, per-layer RoPE, LongRoPE with partial rotary, sliding windows)
 FAMILY_NAMES = tuple(sorted(p.stem for p in FAMILY_CONFIGS.glob("*.json")
-                            if p.stem not in MOE_FAMILY_NAMES + ENGINE_ONLY_FAMILY_NAMES))
+                            if p.stem not in MOE_FAMILY_NAMES + GPT_OSS_FAMILY_NAMES))
 
 
 def build_family(out: Path, name: str, *, seed: int = 0) -> Path:

@@ -62,14 +62,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     t: row for t, row in FAMILIES.items() if row.causal_lm_class is not None}
 
 
-def get_architecture(model_type: str, *, refuse_moe: str | None = None,
-                     refuse_engine_only: str | None = None) -> Architecture:
+def get_architecture(model_type: str, *, refuse_moe: str | None = None) -> Architecture:
     """The row of ``model_type``. ``refuse_moe``: the name of a command that does not
     handle mixtures of experts yet (the engine, quantize and GGUF export do; the build
     targets and the importance matrix do not): such a row is refused in one line rather
-    than failing midway. ``refuse_engine_only``: the name of a command past the engine
-    (quantize): a row only the engine runs (``Family.engine_only``: gpt-oss, which GGUF
-    export takes) is refused in one line; ``refuse_moe`` refuses it too."""
+    than failing midway."""
     try:
         row = ARCHITECTURES[model_type]
     except KeyError:
@@ -78,14 +75,6 @@ def get_architecture(model_type: str, *, refuse_moe: str | None = None,
             f"llmctl runs {', '.join(sorted(ARCHITECTURES))}; adding a family: "
             "docs/architecture.md, 'Where to add'",
         ) from None
-    command = refuse_engine_only or refuse_moe
-    if command and row.engine_only:
-        others = sorted(t for t, a in ARCHITECTURES.items() if not a.engine_only
-                        and (a.moe is None or not refuse_moe))
-        raise UnsupportedArchitectureError(
-            f"{command} does not handle {model_type} models yet",
-            f"`llmctl serve` / `generate` run it as it is; {command} takes: "
-            + ", ".join(others))
     if refuse_moe and row.moe is not None:
         dense = sorted(t for t, a in ARCHITECTURES.items() if a.moe is None)
         raise UnsupportedArchitectureError(

@@ -179,11 +179,6 @@ class Family:
     # a learned logit per query head in each softmax's denominator ("attention sinks",
     # gpt-oss: self_attn.sinks); every attention path of the engine computes it
     attn_sinks: bool = False
-    # the commands past the engine (serve, generate, the LLM class) that do not take this
-    # family yet: quantize, build targets, importance matrix refuse it in one line
-    # (llmctl.models.architectures.get_architecture); GGUF export takes any row with a
-    # gguf_arch (gpt-oss), refusing what llama.cpp's graph cannot compute (llmctl.gguf.families)
-    engine_only: bool = False
 
     @property
     def norms_per_layer(self) -> int:
@@ -305,11 +300,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # gpt-oss: attention sinks and q/k/v/o biases, sliding (window 128) and full layers
     # alternating by layer_types, YaRN RoPE; experts routed top-k then softmax, with
     # biases and the clamped SwiGLU, on disk in MXFP4 or float. The engine runs it (sinks
-    # in its native attention kernels too) and GGUF export writes it (llama.cpp's
-    # "gpt-oss" graph); quantize and the build targets refuse it.
+    # in its native attention kernels too), quantize takes it per expert
+    # (llmctl.quant.fused_experts) and GGUF export writes it (llama.cpp's "gpt-oss" graph);
+    # the build targets refuse it as every mixture of experts.
     Family("gpt_oss", "GptOssForCausalLM", "gpt-oss", tensors=GPT_OSS_TENSORS,
            windows="alternating", attn_sinks=True,
-           head_dim_default=64, engine_only=True, config_defaults=_GPT_OSS_DEFAULTS,
+           head_dim_default=64, config_defaults=_GPT_OSS_DEFAULTS,
            moe=MoeLayout(("num_local_experts", "num_experts"), "intermediate_size",
                          "mlp.router", _QWEN_MOE_EXPERTS, renormalize=False,
                          routing="topk_softmax", router_bias=True, gpt_oss_experts=True)),

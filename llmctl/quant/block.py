@@ -5,7 +5,7 @@ must swap weights mid-block, so the block is written out stage by stage instead 
 running transformers' module, one "tap" (a linear's input) at a time::
 
     attn_in  = pre-norm(x) or x                  -> q, k, v   (Phi-3: qkv_proj)
-    attn_out = attention(q/k-norm, RoPE, scale, soft-cap, window)   -> o_proj
+    attn_out = attention(q/k-norm, RoPE, scale, soft-cap, window, sinks)   -> o_proj
     x       += rm * post-norm(o_proj(attn_out))
     mlp_in   = pre-norm(x) or x                  -> gate, up  (Phi-3: gate_up_proj)
     mlp_act  = act(gate) * up                    -> down_proj
@@ -21,7 +21,9 @@ table (Gemma 3's sliding layers rotate with their own), partial rotary, Granite'
 residual multiplier, and Phi-3's fused projections (quantized as the single linears the
 checkpoint has). Each stage is a shared building block of :mod:`llmctl.models.layers`.
 A mixture-of-experts layer (``BlockShape.moe``) runs its MLP through :mod:`moe_block`:
-its taps are per expert (``BlockShape.groups``), the router is read in float.
+its taps are per expert (``BlockShape.groups``), the router is read in float. gpt-oss's
+attention sinks (a logit per head in each softmax) are read in float too, never
+quantized, and its fused experts arrive as per-expert linears (:mod:`fused_experts`).
 
 :data:`SMOOTHING_SOURCES` says, for every layout, where a tap's smoothing scales can be
 folded: the one table AWQ and SmoothQuant read.
@@ -76,6 +78,7 @@ SMOOTHING_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
     "post": {"attn_out": ("rows", "self_attn.v_proj"), "mlp_act": ("rows", "mlp.up_proj")},
 }
 QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+SINKS = "self_attn.sinks"
 
 Linear = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -112,6 +115,7 @@ class BlockShape:
     model_type: str = ""
     moe: MoeShape | None = None  # this layer's mixture of experts (None: the dense MLP)
     layer_moe: tuple[MoeShape | None, ...] = field(default=(), compare=False)
+    sinks: bool = False  # a learned logit per head in the softmax (gpt-oss's self_attn.sinks)
 
     @property
     def norm(self) -> RMSNorm:
@@ -141,9 +145,11 @@ class BlockShape:
 
     @property
     def full_precision(self) -> tuple[str, ...]:
-        """Linears the forward reads but nothing quantizes (the router, the shared
-        expert's sigmoid gate)."""
-        return () if self.moe is None else self.moe.full_precision
+        """Modules the forward reads but nothing quantizes (the router, the shared
+        expert's sigmoid gate, the attention sinks): read in float, written back as they
+        were."""
+        sinks = (SINKS,) if self.sinks else ()
+        return sinks + (() if self.moe is None else self.moe.full_precision)
 
     @property
     def linear_names(self) -> tuple[str, ...]:
@@ -204,7 +210,7 @@ class BlockShape:
                    fused="self_attn.qkv_proj" in fam.fused,
                    layer_windows=arch.layer_windows, has_local_rope=arch.local_rope is not None,
                    model_type=arch.model_type, moe=layer_moe[0] if layer_moe else None,
-                   layer_moe=layer_moe)
+                   layer_moe=layer_moe, sinks=arch.attn_sinks)
 
 
 def rotary_tables(config, seq_len: int, dtype: torch.dtype, device=None, *, local: bool = False
@@ -279,7 +285,8 @@ def attention(h: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linear,
         observe_kv(k, v)
     group = shape.heads // shape.kv_heads
     k, v = repeat_kv(k, group), repeat_kv(v, group)
-    hooks = {"scale": shape.scale, "softcap": shape.softcap}
+    hooks = {"scale": shape.scale, "softcap": shape.softcap,
+             "sinks": weights[SINKS] if shape.sinks else None}
     if shape.sliding_window and t > shape.sliding_window:
         out = attend(q, k, v, sliding_causal_mask(t, shape.sliding_window, h.device), **hooks)
     else:

@@ -2,12 +2,13 @@
 
 The routing is :mod:`llmctl.models.layers.moe`'s (transformers 5's): router logits from the
 post-attention norm's output, softmax in float32, top-k, renormalised where the family
-does. The router (and Qwen2-MoE's shared-expert sigmoid gate) is read with its float
+does (gpt-oss: the router's bias, top-k logits then their softmax). The router (and Qwen2-MoE's shared-expert sigmoid gate) is read with its float
 weights and is never quantized: vLLM loads ``mlp.gate`` / ``block_sparse_moe.gate``
 unquantized, and a router whose logits move reroutes tokens.
 
 Each expert is three linears with their own statistics: gate/up read the tokens routed to
-the expert (``mlp_in``), down reads ``act(gate) * up`` of those tokens (``mlp_act``). With
+the expert (``mlp_in``), down reads ``act(gate) * up`` of those tokens (``mlp_act``;
+gpt-oss: the clamped SwiGLU of ``moe.EXPERT_GATES``, each linear with its bias). With
 ``all_experts`` (``calibrate_all_experts``) every calibration token goes through every
 expert *for the statistics only*; the block's output (what the next layer sees) always
 uses the real routing, so later layers are calibrated on what the quantized model computes.
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from llmctl.models.layers import activation, gated
-from llmctl.models.layers.moe import Routing, route
+from llmctl.models.layers.moe import Routing, expert_gate, route
 from llmctl.models.spec import ModelArch
 
 Linear = Callable[[str, torch.Tensor], torch.Tensor]
@@ -56,6 +57,10 @@ class MoeShape:
     shared: tuple[str, str, str] | None = None
     shared_gate: str | None = None
     shared_width: int = 0
+    # gpt-oss's experts: the clamped SwiGLU (moe.EXPERT_GATES) and its constants
+    expert_act: str | None = None
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @classmethod
     def per_layer(cls, arch: ModelArch) -> tuple[MoeShape | None, ...]:
@@ -68,7 +73,8 @@ class MoeShape:
                     arch.expert_intermediate_size, arch.hidden_act,
                     layout.shared if has_shared else None,
                     layout.shared_gate if has_shared else None,
-                    arch.shared_expert_intermediate_size if has_shared else 0)
+                    arch.shared_expert_intermediate_size if has_shared else 0,
+                    arch.expert_act, arch.swiglu_alpha, arch.swiglu_limit)
         return tuple(shape if sparse else None for sparse in arch.moe_layers)
 
     @property
@@ -99,8 +105,10 @@ class MoeShape:
 
 def _routing(x: torch.Tensor, weights: dict[str, torch.Tensor], moe: MoeShape
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(routing weights, experts), ``[T, k]`` each; the router with its float weights."""
-    return route(F.linear(x, weights[f"{moe.router}.weight"]), moe.routing)
+    """(routing weights, experts), ``[T, k]`` each; the router with its float weights
+    (and gpt-oss's bias)."""
+    return route(F.linear(x, weights[f"{moe.router}.weight"], weights.get(f"{moe.router}.bias")),
+                 moe.routing)
 
 
 def route_inputs(h: torch.Tensor, weights: dict[str, torch.Tensor], moe: MoeShape,
@@ -130,7 +138,7 @@ def moe_forward(h: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linea
     ``all_experts``) and nothing is returned."""
     x = h.reshape(-1, h.shape[-1])
     w, experts = _routing(x, weights, moe)
-    act = activation(moe.hidden_act)
+    act_mul = expert_gate(moe)
     slots = None if sink is not None else torch.zeros(
         *experts.shape, x.shape[-1], dtype=torch.promote_types(x.dtype, w.dtype),
         device=x.device)
@@ -142,12 +150,12 @@ def moe_forward(h: torch.Tensor, weights: dict[str, torch.Tensor], linear: Linea
             continue
         gate, up, down = moe.expert(e)
         xe = x[rows]
-        a = gated(act, linear(gate, xe), linear(up, xe))
+        a = act_mul(linear(gate, xe), linear(up, xe))
         if sink is not None:
             sink.add(f"expert.{e}", a)
             continue
         slots[rows, slot] = linear(down, a) * w[rows, slot].unsqueeze(-1)
-    shared = _shared(x, weights, linear, moe, act, sink)
+    shared = _shared(x, weights, linear, moe, activation(moe.hidden_act), sink)
     if sink is not None:
         return None
     y = slots.sum(dim=1).to(x.dtype)

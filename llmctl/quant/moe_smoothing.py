@@ -10,7 +10,8 @@ The post-attention norm is never smoothed in a sparse layer (see ``smoothing``):
 the router, which must read the same input and stay bit-identical.
 
 A layer's experts fold where the method folds up -> down in a dense layer of the same
-model (AWQ's default mappings do; SmoothQuant's, the pre-norms only, do not).
+model (AWQ's default mappings do; SmoothQuant's, the pre-norms only, do not), and where
+their activation is linear in up (not gpt-oss's clamped SwiGLU).
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ EXPERT_FOLD = "each expert's up_proj -> down_proj (its own statistics)"
 
 
 def folds_experts(method: QuantMethod | None, shape: block.BlockShape) -> bool:
-    """Whether ``method`` folds up -> down in a dense layer of this model."""
-    if method is None:
+    """Whether ``method`` folds up -> down in a dense layer of this model, and the
+    experts' activation is linear in up (gpt-oss's clamped SwiGLU, ``(clamp(up) + 1) *
+    glu``, is not: its experts are never folded)."""
+    moe = shape.moe or next((m for m in shape.layer_moe if m is not None), None)
+    if method is None or (moe is not None and moe.expert_act is not None):
         return False
     return "mlp_act" in smoothing_targets(0, method, None, replace(shape, moe=None))
 

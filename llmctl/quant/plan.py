@@ -34,9 +34,10 @@ _LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
 _EXPERT_KIND = re.compile(r"^(mlp|block_sparse_moe)\.(experts\.\d+\.(gate_proj|up_proj|down_proj"
                           r"|w1|w2|w3)|shared_expert\.(gate_proj|up_proj|down_proj))$")
 # Kept in full precision whatever the recipe says, and named in the output's ``ignore``:
-# vLLM builds the router (mlp.gate / block_sparse_moe.gate) and Qwen2-MoE's shared-expert
-# sigmoid gate unquantized, and a quantized router's moved logits reroute tokens.
-ROUTER_KINDS = ("mlp.gate", "block_sparse_moe.gate", "mlp.shared_expert_gate")
+# vLLM builds the router (mlp.gate / block_sparse_moe.gate / gpt-oss's mlp.router) and
+# Qwen2-MoE's shared-expert sigmoid gate unquantized, and a quantized router's moved
+# logits reroute tokens.
+ROUTER_KINDS = ("mlp.gate", "block_sparse_moe.gate", "mlp.router", "mlp.shared_expert_gate")
 ROUTER_NOTE = "router: full precision (vLLM expects it unquantized)"
 MIN_GROUP = 16
 
@@ -318,7 +319,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
         raise ConfigError("the recipe's targets match no linear layer of this model",
                           "check `targets` / `ignore` (module names look like "
                           "model.layers.0.self_attn.q_proj)")
-    warnings += _layout_warnings(modules, groups)
+    warnings += _layout_warnings(modules, groups, bool(ckpt.views))
     out_groups = _output_groups(groups, modules)
     # Every Linear the loader would match but llmctl kept in float must be ignored by
     # name, or transformers / vLLM would expect quantized tensors for it; the routers
@@ -345,10 +346,17 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, strict_group_size: bool = Fa
                      after, dtype, warnings, kv_cache_scheme=kv)
 
 
-def _layout_warnings(modules: list[ModulePlan], groups: dict[str, Any]) -> list[str]:
+def _layout_warnings(modules: list[ModulePlan], groups: dict[str, Any],
+                     split_experts: bool = False) -> list[str]:
     """What the dry run should tell about the planned layout: loaders that will not read
-    it, group sizes changed, routers a target named, experts split across groups."""
+    it, group sizes changed, routers a target named, experts split across groups.
+    ``split_experts``: fused experts written one linear each (gpt-oss, ``fused_experts``)."""
     warnings = []
+    if split_experts:
+        warnings.append("gpt-oss's experts are written one linear each, as llm-compressor "
+                        "linearizes them (mlp.experts.{e}.gate_proj / up_proj / down_proj "
+                        "with biases): llmctl serves them; transformers 5 does not load them "
+                        "(it expects the fused gate_up_proj / down_proj)")
     if any(m.format == "pack-quantized" and not m.weight.symmetric for m in modules if m.quantized):
         warnings.append("asymmetric pack-quantized weights load in vLLM and in llmctl, but not "
                         "in transformers 5.x with compressed-tensors 0.20 (packed zero points; "

@@ -54,7 +54,7 @@ def prepare(model: str, recipe: str, *, strict_group_size: bool = False) -> Prep
     ckpt = Checkpoint(resolved.path)
     from llmctl.models.architectures import get_architecture
 
-    get_architecture(ckpt.config.get("model_type", ""), refuse_engine_only="quantize")
+    get_architecture(ckpt.config.get("model_type", ""))
     parsed = load_recipe(recipe)
     plan = build_plan(ckpt, parsed, strict_group_size=strict_group_size)
     plan.smoothing = smoothing_plan(ckpt, parsed)

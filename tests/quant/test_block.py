@@ -71,3 +71,29 @@ def test_the_shape_carries_the_family_norm_and_activation(tiny_llama):
     x, nw = torch.randn(2, 3, shape.hidden), torch.randn(shape.hidden)
     assert torch.equal(block.attn_input(x, {"input_layernorm": nw}, gemma),
                        block.rms_norm(x, nw, shape.eps, 1.0))
+
+
+def test_attention_sinks_equal_transformers_eager():
+    """``attend`` with sinks (and a sliding window) against gpt-oss's eager attention:
+    one more logit per head in every softmax, dropped after it; float32 within 1e-6."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from llmctl.models.layers import attend, repeat_kv, sliding_causal_mask
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 12, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 12, 16, generator=gen) for _ in range(2))
+    sinks = torch.randn(4, generator=gen) * 2
+    mask = sliding_causal_mask(12, 5)
+    additive = torch.zeros(12, 12).masked_fill(~mask, float("-inf"))[None, None]
+    module = SimpleNamespace(num_key_value_groups=2, sinks=sinks, training=False)
+    want, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.25)
+    got = attend(q, repeat_kv(k, 2), repeat_kv(v, 2), mask, scale=0.25, sinks=sinks)
+    torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-6, rtol=1e-6)
+    # a sink of -inf is no sink: SDPA's softmax
+    plain = attend(q, repeat_kv(k, 2), repeat_kv(v, 2), mask, scale=0.25)
+    none = attend(q, repeat_kv(k, 2), repeat_kv(v, 2), mask, scale=0.25,
+                  sinks=torch.full((4,), float("-inf")))
+    torch.testing.assert_close(none, plain, atol=1e-6, rtol=1e-6)

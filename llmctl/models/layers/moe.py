@@ -35,11 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from llmctl.models.layers.mlp import fused_gated
+from llmctl.models.layers.mlp import activation, fused_gated, gated
 from llmctl.models.layers.registry import lookup
 from llmctl.models.layers.scratch import Scratch
 from llmctl.models.spec import ModelArch
@@ -85,21 +86,40 @@ def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.T
     return weights, experts
 
 
+def clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float,
+                limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of the gate and up outputs (transformers'
+    ``GptOssExperts._apply_gate``, the same ops in the same order)."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def clamped_swiglu(alpha: float, limit: float) -> ActMul:
-    """gpt-oss's expert activation on the interleaved gate/up product ``[T, 2I] -> [T, I]``
-    (transformers' ``GptOssExperts._apply_gate``, the same ops in the same order)."""
+    """:func:`clamped_glu` on the interleaved gate/up product ``[T, 2I] -> [T, I]``."""
     def act_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(min=None, max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        return clamped_glu(gate_up[..., ::2], gate_up[..., 1::2], alpha, limit)
 
     return act_mul
 
 
 # the experts' activations that are not a family's gated MLP (ModelArch.expert_act):
-# name -> (alpha, limit) -> act_mul
+# name -> (alpha, limit) -> act_mul on the fused product, and -> (gate, up) -> act on
+# the two outputs apart (the quantizer's per-expert linears)
 EXPERT_ACTS: dict[str, Callable[[float, float], ActMul]] = {"clamped_swiglu": clamped_swiglu}
+GateUp = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+EXPERT_GATES: dict[str, Callable[[float, float], GateUp]] = {
+    "clamped_swiglu": lambda alpha, limit: partial(clamped_glu, alpha=alpha, limit=limit)}
+
+
+def expert_gate(spec) -> GateUp:
+    """``(gate, up) -> act(gate) * up`` of the experts of a ``ModelArch`` (or a shape with
+    its ``hidden_act``, ``expert_act``, ``swiglu_alpha``, ``swiglu_limit``): gpt-oss's
+    clamped SwiGLU, else the gated MLP of ``hidden_act``."""
+    if spec.expert_act:
+        return lookup(EXPERT_GATES, spec.expert_act, "expert activation")(
+            spec.swiglu_alpha, spec.swiglu_limit)
+    return partial(gated, activation(spec.hidden_act))
 
 
 def expert_act_mul(spec) -> ActMul:

@@ -21,7 +21,10 @@ H]``, transposed here), with ``_bias`` tensors, as float or as MXFP4 ``_blocks``
 LowBitLinear on the exact integer form of its MXFP4 values
 (:func:`llmctl.quant.mxfp4.int8_codes`), its bias inside; elsewhere decoded at load to
 the compute dtype exactly as transformers decodes them (:mod:`llmctl.quant.mxfp4`). Its
-attention sinks are read in float32.
+attention sinks are read in float32. A gpt-oss checkpoint ``llmctl quantize`` wrote (per
+expert, llm-compressor's linearization: ``experts.{e}.gate_proj`` ... with ``.bias``) goes
+through the same per-expert path as the other families (:meth:`_ModelBuilder.experts`),
+its gate and up rows interleaved and its biases joined to match the fused form.
 """
 
 from __future__ import annotations
@@ -80,6 +83,15 @@ def _joined(weights: list):
     return (torch.cat(weights) if torch.Tensor in kinds
             else AffineCodes.cat(weights) if AffineCodes in kinds
             else concat_quant(weights))
+
+
+def _paired(weight, interleave: bool):
+    """gate rows then up rows (a tensor, integer codes, a bias) as gpt-oss's fused
+    experts hold them, interleaved (gate row j at 2j, up row j at 2j + 1: the clamped
+    SwiGLU reads ``[..., ::2]`` and ``[..., 1::2]``); as they are unless ``interleave``."""
+    if not interleave:
+        return weight
+    return _map_rows(weight, lambda t: t.unflatten(0, (2, -1)).transpose(0, 1).flatten(0, 1))
 
 
 def _interleave(weight, num_heads: int, rotated: int | None = None):
@@ -354,11 +366,13 @@ class _ModelBuilder:
             linears.append(linear)
         return linears
 
-    def lowbit_experts(self, names: tuple[str, str, str]) -> tuple[list, list] | None:
-        """``(gate_up, down)``: one low-bit linear per expert (gate and up rows joined)
-        from the integer codes of the experts ``names`` (``{e}`` patterns), or None when
-        they are float or the kernel does not take them (:func:`kernel_linear`, every
-        expert decided alike: the layer's experts are all linears or all stacked)."""
+    def lowbit_experts(self, names: tuple[str, str, str], biases: list,
+                       interleave: bool) -> list | None:
+        """``[gate_up, down]``: one low-bit linear per expert (gate and up rows joined,
+        interleaved for gpt-oss: :func:`_paired`; ``biases``: :meth:`expert_biases`, put
+        inside) from the integer codes of the experts ``names`` (``{e}`` patterns), or
+        None when they are float or the kernel does not take them (:func:`kernel_linear`,
+        every expert decided alike: the layer's experts are all linears or all stacked)."""
         gate, up, down = names
         gate_up, downs = [], []
         for e in range(self.spec.num_experts):
@@ -368,35 +382,59 @@ class _ModelBuilder:
             joined = _joined(parts[:2])
             if joined is None:
                 return None
-            pair = [kernel_linear(w, None, backend=self.backend, device=self.device,
-                                  one_copy=True) for w in (joined, parts[2])]
+            pair = [kernel_linear(w, None if b is None else b[e], backend=self.backend,
+                                  device=self.device, one_copy=True)
+                    for w, b in zip((_paired(joined, interleave), parts[2]), biases)]
             if None in pair:
                 return None
             gate_up.append(pair[0])
             downs.append(pair[1])
-        return gate_up, downs
+        return [gate_up, downs]
 
-    def experts(self, p: str, layout: MoeLayout) -> tuple:
-        """``(gate_up, down)`` of layer ``p``'s experts: stacked ``[E, 2I, H]`` and ``[E,
-        H, I]`` tensors, or one low-bit linear per expert (:meth:`lowbit_experts`)."""
-        gate, up, down = (f"{p}.{name}" for name in layout.experts)
-        if f"{gate.format(e=0)}.weight" in self.read \
-                or f"{gate.format(e=0)}.weight_packed" in self.read:
-            lowbit = self.lowbit_experts((gate, up, down))
+    def expert_biases(self, names: tuple[str, str, str]) -> list:
+        """gpt-oss's per-expert biases as the fused form holds them: ``[E, 2I]`` (gate
+        and up interleaved) and ``[E, H]``."""
+        gate, up, down = names
+        e_range = range(self.spec.num_experts)
+        gate_up = torch.stack([_paired(torch.cat([self.tensor(f"{gate.format(e=e)}.bias"),
+                                                  self.tensor(f"{up.format(e=e)}.bias")]), True)
+                               for e in e_range])
+        return [gate_up, torch.stack([self.tensor(f"{down.format(e=e)}.bias") for e in e_range])]
+
+    def per_expert(self, p: str, layout: MoeLayout) -> bool:
+        """Whether layer ``p``'s experts are stored one linear each (float or quantized)."""
+        gate = f"{p}.{layout.experts[0].format(e=0)}"
+        return f"{gate}.weight" in self.read or f"{gate}.weight_packed" in self.read
+
+    def experts(self, p: str, layout: MoeLayout) -> list:
+        """``[gate_up, down, gate_up_bias, down_bias]`` of layer ``p``'s per-expert or
+        stacked experts: ``[E, 2I, H]`` and ``[E, H, I]`` tensors, or one low-bit linear
+        per expert (:meth:`lowbit_experts`, the biases inside); the biases (gpt-oss's
+        per-expert linears, written by ``llmctl quantize``) else None."""
+        names = tuple(f"{p}.{name}" for name in layout.experts)
+        if self.per_expert(p, layout):
+            paired = layout.gpt_oss_experts
+            biases = self.expert_biases(names) if paired else [None, None]
+            lowbit = self.lowbit_experts(names, biases, paired)
             if lowbit is not None:
-                return lowbit
+                return lowbit + [None, None]
+            gate, up, down = names
             e_range = range(self.spec.num_experts)
-            gate_up = torch.stack([torch.cat([self.float_weight(gate.format(e=e)),
-                                              self.float_weight(up.format(e=e))])
-                                   for e in e_range])
-            return gate_up, torch.stack([self.float_weight(down.format(e=e)) for e in e_range])
+            gate_up = torch.stack([_paired(torch.cat([self.float_weight(gate.format(e=e)),
+                                                      self.float_weight(up.format(e=e))]),
+                                           paired) for e in e_range])
+            return [gate_up, torch.stack([self.float_weight(down.format(e=e))
+                                          for e in e_range]), *biases]
+        if layout.gpt_oss_experts:
+            return self.gpt_oss_experts(p, layout)
         stacked = [f"{p}.{name}" for name in layout.fused]
         missing = [n for n in stacked if n not in self.read]
         if missing:
             raise NotAModelError(
-                f"the checkpoint has neither {gate.format(e=0)}.weight nor {missing[0]}",
+                f"the checkpoint has neither {names[0].format(e=0)}.weight nor {missing[0]}",
                 "the weights do not match config.json; re-export the model")
-        return tuple(self.read(n).to(device=self.device, dtype=self.dtype) for n in stacked)
+        return [self.read(n).to(device=self.device, dtype=self.dtype) for n in stacked] \
+            + [None, None]
 
     def moe(self, p: str) -> MoeWeights:
         """Layer ``p``'s router, stacked experts and shared expert (module doc)."""
@@ -405,14 +443,11 @@ class _ModelBuilder:
         routing = Routing(spec.num_experts, spec.experts_per_token, spec.norm_topk_prob,
                           layout.float32_weights, layout.routing)
         router = self.float_weight(f"{p}.{layout.router}")
-        if layout.gpt_oss_experts:
-            gate_up, down, gate_up_bias, down_bias = self.gpt_oss_experts(p, layout)
-            return self.packed_experts(MoeWeights(
-                router, gate_up, down, routing, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                router_bias=self.tensor(f"{p}.{layout.router}.bias")
-                if layout.router_bias else None))
-        gate_up, down = self.experts(p, layout)
-        weights = self.packed_experts(MoeWeights(router, gate_up, down, routing))
+        gate_up, down, gate_up_bias, down_bias = self.experts(p, layout)
+        weights = self.packed_experts(MoeWeights(
+            router, gate_up, down, routing, gate_up_bias=gate_up_bias, down_bias=down_bias,
+            router_bias=self.tensor(f"{p}.{layout.router}.bias") if layout.router_bias
+            else None))
         if layout.shared is not None and spec.shared_expert_intermediate_size:
             s_gate, s_up, s_down = (f"{p}.{name}" for name in layout.shared)
             weights.shared_gate_up = torch.cat([self.float_weight(s_gate),

@@ -1,7 +1,7 @@
 """gpt-oss on the engine, against transformers 5's ``GptOssForCausalLM`` in float32.
 
 The model is the tiny random checkpoint of ``tests/data/families/gpt_oss.json``
-(``tests.tiny.ENGINE_ONLY_FAMILY_NAMES``): 3 layers (sliding, full, sliding; a window of
+(``tests.tiny.GPT_OSS_FAMILY_NAMES``): 3 layers (sliding, full, sliding; a window of
 8 that every prompt here outgrows), 4 heads over 2 KV heads with q/k/v/o biases and
 attention sinks, 4 experts top-2 (the router's top-k logits, then their softmax) with
 biases and the clamped SwiGLU (limit 1.5 so that the clamps bite), YaRN RoPE (factor 4,
@@ -406,32 +406,31 @@ def test_mxfp4_on_another_family_is_refused(tiny_family, tmp_path):
 
 # --- what refuses it ---------------------------------------------------------------------
 def test_commands_past_the_engine_refuse_it_in_one_line(tiny_family):
-    """quantize, the importance matrix and the build targets stop before any work, naming
-    the command and what it takes (GGUF export takes it: tests/gguf/test_moe_export.py)."""
+    """The importance matrix and the build targets stop before any work, naming the command
+    and what it takes (quantize and GGUF export take it: tests/quant/test_gpt_oss_quant.py,
+    tests/gguf/test_moe_export.py)."""
     from llmctl.engines.targets import get_target
     from llmctl.models.architectures import get_architecture
 
     with pytest.raises(UnsupportedArchitectureError,
-                       match="quantize does not handle gpt_oss models yet") as err:
-        get_architecture("gpt_oss", refuse_engine_only="quantize")
-    assert "\n" not in str(err.value)
-    with pytest.raises(UnsupportedArchitectureError, match="the importance matrix does not"):
+                       match="the importance matrix does not handle mixture-of-experts") as err:
         get_architecture("gpt_oss", refuse_moe="the importance matrix")
+    assert "\n" not in str(err.value)
     for target in ("torch-compile", "onnx", "tensorrt-llm"):
         with pytest.raises(UnsupportedArchitectureError, match=f"the {target} target does"):
             get_target(target).check_source(SimpleNamespace(model_type=NAME, config={}))
     assert get_architecture("gpt_oss").causal_lm_class == "GptOssForCausalLM"
 
 
+# (compressed-tensors quantization takes it per expert: tests/quant/test_gpt_oss_quant.py)
 @pytest.mark.parametrize("args, reason", [
-    (["-r", "w4a16-rtn", "--dry-run"], "does not handle gpt_oss models yet"),
     # GGUF export takes gpt-oss; this tiny config is one llama.cpp's graph cannot run
     # (swiglu_limit 1.5, YaRN not truncated): refused naming the fields
     (["--format", "gguf", "--type", "Q8_0", "--dry-run"], "swiglu_limit at 7.0"),
 ])
 def test_llmctl_quantize_refuses_it_in_one_line(tiny_family, args, reason):
-    """``llmctl quantize`` (compressed-tensors; GGUF for what llama.cpp cannot compute)
-    stops before any work."""
+    """``llmctl quantize --format gguf`` of what llama.cpp cannot compute stops before
+    any work."""
     from typer.testing import CliRunner
 
     from llmctl.cli.app import build_app

@@ -27,8 +27,10 @@
 // E2M1 codebook (bits = -4, MXFP4's experts read in place): the int4 layout, but each
 // nibble indexes the table T of twice the E2M1 values (llmctl/quant/mxfp4.py FP4_TIMES_2:
 // 0 1 2 3 4 6 8 12, bit 3 the sign), w = s T[u] with s = 2^(e - 128) per group, no
-// offset. vpermw looks the 32 nibble lanes of a step up in T as bfloat16 (integers up to
-// 12: exact), so sum w x = s D, D = sum T[u] x, the products exact in float32 as for int8.
+// offset (llama.cpp's ggml-cpu has the same doubled table, kvalues_mxfp4, with the half
+// E8M0 scale, for its int8 dot products). vpermw looks the 32 nibble lanes of a step up in
+// T as bfloat16 (integers up to 12: exact), so sum w x = s D, D = sum T[u] x, the
+// products exact in float32 as for int8.
 // The table is repeated to 32 entries, so the low nibble needs no mask (vpermw reads 5
 // bits of each index: the fifth, the high nibble's lowest, picks the same value).
 

@@ -18,7 +18,8 @@ numbers (tests/quant/test_mxfp4.py). :func:`quantize` is the inverse for tests a
 
 :func:`nibble_codes` gives the 4-bit codes as they are and the scale ``2^(s - 128)`` of
 :data:`FP4_TIMES_2`: the engine's low-bit kernels read them in place, looking each
-nibble up in that table (0.5 bytes per weight and 4 per scale of 32: 0.625).
+nibble up in that table, and hold the scale as its E8M0 byte again (0.5 bytes per weight
+and 1 per block of 32: 0.53, MXFP4's own size).
 :func:`int8_codes` gives the same numbers as integers with a scale per block, for the
 engine's int8 kernel (the path before the codebook one, kept as a reference): every
 E2M1 value is a multiple of 1/2, so ``2 * value`` is one of the integers 0, 1, 2, 3, 4,

@@ -16,8 +16,8 @@ MXFP4 (E2M1, blocks of 32)        T[e]       2^(e8m0 - 128)      none
 
 MXFP4's nibbles stay 4-bit codes: ``codebook`` (:data:`llmctl.quant.mxfp4.FP4_TIMES_2`,
 twice the E2M1 values) names the table ``T`` each nibble indexes, ``w = s * T[q]``, and
-the kernels look the nibbles up in place (0.5 bytes per weight and a float32 scale per
-32, against the int8 codes' 1.125).
+the kernels look the nibbles up in place, the scales held as their E8M0 bytes (0.5
+bytes per weight and 1 per 32: 0.53, against the int8 codes' 1.125).
 
 :class:`LowBitLinear` packs them once into the kernel's layout (the C file's header
 has it and the int4 encoding: scales go in as ``16 s`` and ``z - 16 s``) and applies
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmctl.quant.mxfp4 import FP4_TIMES_2
+from llmctl.quant import mxfp4
 from llmctl.serve.kernels.cpu import lowbit_avx2_kernel, lowbit_kernel, lowbit_vnni_kernel
 
 BLOCK = 16  # output columns per kernel block
@@ -107,7 +107,8 @@ def _codes_fit(codes: AffineCodes) -> bool:
     """4 or 8 bits, and a codebook only the kernels' own (E2M1's, 4 bits, no offset)."""
     if codes.codebook is None:
         return codes.bits in (4, 8)
-    return codes.bits == 4 and codes.codebook == FP4_TIMES_2 and codes.zero is None
+    return (codes.bits == 4 and codes.codebook == mxfp4.FP4_TIMES_2 and codes.zero is None
+            and e8m0(codes.scale) is not None)
 
 
 def kernel_fits(codes: AffineCodes) -> bool:
@@ -156,9 +157,20 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
     return (torch.cat([t, t.new_zeros(n_pad, t.shape[1])]) if n_pad else t), n_pad
 
 
+def e8m0(scale: torch.Tensor) -> torch.Tensor | None:
+    """E2M1 codes' scales ``2^(e - 128)`` -> the E8M0 bytes ``e`` the kernels hold
+    (``frexp``: exact, subnormal ``2^-128`` too), or None where one is not such a power."""
+    mantissa, exponent = torch.frexp(scale.float())
+    e = exponent + mxfp4.E8M0_BIAS
+    if not bool(((mantissa == 0.5) & (e >= 0) & (e <= 255)).all()):
+        return None
+    return e.to(torch.uint8)
+
+
 def _blocked(t: torch.Tensor, n_pad: int, width: int = BLOCK) -> torch.Tensor:
-    """``[N, G]`` per-row values -> ``[N/width, G, width]`` float32, zero rows for padding."""
-    t = t.float()
+    """``[N, G]`` per-row values -> ``[N/width, G, width]`` float32 (uint8 stays uint8),
+    zero rows for padding."""
+    t = t if t.dtype == torch.uint8 else t.float()
     if n_pad:
         t = torch.cat([t, t.new_zeros(n_pad, t.shape[1])])
     return t.view(-1, width, t.shape[1]).transpose(1, 2).contiguous()
@@ -169,9 +181,10 @@ def pack(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     n, k = codes.shape
     q, n_pad = _pad_rows(codes.q, BLOCK)
     blocks = (n + n_pad) // BLOCK
-    if codes.codebook is not None:  # the int4 layout, the scales as they are, no offset
+    if codes.codebook is not None:  # the int4 layout, the scales as E8M0 bytes, no offset
         u = q.to(torch.uint8).view(blocks, BLOCK, k // 4, 2, 2).permute(0, 2, 3, 1, 4)
-        return (u[:, :, 0] | (u[:, :, 1] << 4)).contiguous(), _blocked(codes.scale, n_pad), None
+        return ((u[:, :, 0] | (u[:, :, 1] << 4)).contiguous(),
+                _blocked(e8m0(codes.scale), n_pad), None)
     if codes.bits == 4:
         # byte 2c+p of step t = q[c, 4t+p] | q[c, 4t+2+p] << 4
         u = q.to(torch.uint8).view(blocks, BLOCK, k // 4, 2, 2).permute(0, 2, 3, 1, 4)
@@ -236,7 +249,8 @@ def pack_avx2(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         packed = q.to(torch.int8).view(blocks, 4, 8, k // 2, 2).permute(0, 3, 1, 2, 4)
         packed = packed.contiguous().view(torch.uint8)
     zero = None if codes.zero is None else _blocked(codes.zero, n_pad, AVX2_BLOCK)
-    return packed, _blocked(codes.scale, n_pad, AVX2_BLOCK), zero
+    scale = codes.scale if codes.codebook is None else e8m0(codes.scale)  # E8M0 bytes
+    return packed, _blocked(scale, n_pad, AVX2_BLOCK), zero
 
 
 class LowBitLinear:

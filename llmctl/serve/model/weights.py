@@ -19,7 +19,7 @@ gpt-oss's experts come only fused and stored as ``x @ W`` (``[E, H, 2I]``, ``[E,
 H]``, transposed here), with ``_bias`` tensors, as float or as MXFP4 ``_blocks`` /
 ``_scales`` (``quant_method: mxfp4``): on the kernel path each expert is a LowBitLinear
 holding its 4-bit E2M1 codes as they are, looked up in the kernels' table
-(:func:`llmctl.quant.mxfp4.nibble_codes`: exact, 0.625 bytes per weight), its bias
+(:func:`llmctl.quant.mxfp4.nibble_codes`: exact; 0.53 bytes per weight: the scales as E8M0 bytes), its bias
 inside; elsewhere decoded at load to
 the compute dtype exactly as transformers decodes them (:mod:`llmctl.quant.mxfp4`). Its
 attention sinks are read in float32.

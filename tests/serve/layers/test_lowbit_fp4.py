@@ -16,6 +16,7 @@ from llmctl.serve.layers.lowbit import (
     LowBitLinear,
     avx2_available,
     avx2_fits,
+    e8m0,
     kernel_fits,
     simd_available,
     vnni_fits,
@@ -141,8 +142,8 @@ def test_the_codebook_is_the_int8_codes_path_with_half_the_bytes(isa, portable):
     """The same MXFP4 expert as E2M1 nibbles and as the int8 codes (the path before):
     the AVX512-BF16 body and the scalar path compute the same float32 outputs bit for
     bit (the same exact products, summed in the same order); the AVX2 body sums the
-    codes offset by 12 and so differs by float32 rounding only. 0.625 bytes per weight
-    held against 1.125."""
+    codes offset by 12 and so differs by float32 rounding only. 0.53 bytes per weight
+    held (the nibbles and an E8M0 byte per 32) against 1.125."""
     gen = torch.Generator().manual_seed(4)
     blocks, scales = mxfp4.quantize(torch.randn(96, 256, generator=gen) * 0.02)
     fp4 = LowBitLinear(AffineCodes(*mxfp4.nibble_codes(blocks, scales), None, 32, 4,
@@ -150,7 +151,7 @@ def test_the_codebook_is_the_int8_codes_path_with_half_the_bytes(isa, portable):
                        vnni_copy=False)
     int8 = LowBitLinear(AffineCodes(*mxfp4.int8_codes(blocks, scales), None, 32, 8),
                         out_float=True, portable=portable, vnni_copy=False)
-    assert fp4.nbytes == 0.625 * 96 * 256 and int8.nbytes == 1.125 * 96 * 256
+    assert fp4.nbytes == (0.5 + 1 / 32) * 96 * 256 and int8.nbytes == 1.125 * 96 * 256
     for rows in (1, 2, 5):
         x = torch.randn(rows, 256, generator=gen).bfloat16()
         if fp4.avx2:
@@ -158,3 +159,15 @@ def test_the_codebook_is_the_int8_codes_path_with_half_the_bytes(isa, portable):
             torch.testing.assert_close(fp4(x), want, rtol=0, atol=1e-6 * want.abs().max().item())
         else:
             assert torch.equal(fp4(x), int8(x))
+
+
+def test_the_scales_are_held_as_e8m0_bytes():
+    """Every E8M0 byte survives the float32 scale and back (frexp: 2^-128 and 2^-127,
+    float32 subnormals, too); a scale that is no such power of two does not fit."""
+    e = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    assert torch.equal(e8m0(mxfp4.half_scales(e)), e)
+    codes = _fp4_codes(16, 64, seed=1)
+    assert e8m0(codes.scale * 3) is None
+    assert not kernel_fits(AffineCodes(codes.q, codes.scale * 3, None, 32, 4, mxfp4.FP4_TIMES_2))
+    layer = LowBitLinear(codes)
+    assert layer.scales.dtype == torch.uint8 and layer.scales.shape[1] == 64 // 32

@@ -40,8 +40,10 @@
 //         vpshufb maps j to u = 2 E2M1(e) + 12 in 0..24 (the low byte; the high byte,
 //         index 0, to T[0] = 0: why j and not e, whose T[0] would be 12), so w = s (u -
 //         12): the int4 body plus one vpshufb per vector, and the offset z = -12 s made
-//         from s, not stored (z is null). u <= 24 keeps I_b below 2^25: exact in int32,
-//         rounded once to float32 (the int4 codes' I_b < 2^24 converts exactly).
+//         from s, not stored (z is null); s is the E8M0 byte e per group ([block][group]
+//         [32] uint8), 2^(e - 128) made here from its bits. u <= 24 keeps I_b below
+//         2^25: exact in int32, rounded once to float32 (the int4 codes' I_b < 2^24
+//         converts exactly).
 // s and z are [block][group][32] float32 (z may be null: no offset). Groups must be
 // whole multiples of the 32-input activation block.
 //
@@ -149,6 +151,24 @@ void store(const Problem& p, int64_t row, int64_t col0, __m256 v) {
   }
 }
 
+// 8 groups' scales from s + at: float32, or for E2M1 E8M0 bytes e made into 2^(e - 128)
+// by their bits: (e - 1) << 23 for e >= 2, the subnormals 2^-128 and 2^-127 (0x00200000
+// << e) for e < 2
+template <int BITS>
+inline __m256 scales(const Problem& p, int64_t at) {
+  if constexpr (BITS != kFp4) {
+    return _mm256_loadu_ps(p.s + at);
+  } else {
+    const __m256i e = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(p.s) + at)));
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(2), e)));
+  }
+}
+
 // MT rows from m0 times NT sub-blocks from j0 of column block b, all of k.
 template <int MT, int NT, int BITS>
 void tile(const Problem& p, int64_t b, int j0, int64_t m0) {
@@ -205,7 +225,7 @@ void tile(const Problem& p, int64_t b, int j0, int64_t m0) {
         }
       }
       for (int j = 0; j < NT; ++j) {
-        const __m256 sv = _mm256_loadu_ps(p.s + (b * groups + g) * kCols + (j0 + j) * kSub);
+        const __m256 sv = scales<BITS>(p, (b * groups + g) * kCols + (j0 + j) * kSub);
         for (int i = 0; i < MT; ++i) {
           const __m256 d = _mm256_set1_ps(p.d[(m0 + i) * nb + kb]);
           if constexpr (BITS == kFp4) {  // (I d) s: an E8M0 scale's power of two, exact
@@ -224,7 +244,7 @@ void tile(const Problem& p, int64_t b, int j0, int64_t m0) {
       for (int j = 0; j < NT; ++j) {
         const int64_t at = (b * groups + g) * kCols + (j0 + j) * kSub;
         const __m256 zv = BITS == kFp4
-            ? _mm256_mul_ps(_mm256_loadu_ps(p.s + at), _mm256_set1_ps(-kFp4Offset))
+            ? _mm256_mul_ps(scales<BITS>(p, at), _mm256_set1_ps(-kFp4Offset))
             : _mm256_loadu_ps(p.z + at);
         for (int i = 0; i < MT; ++i)
           tot[i][j] = _mm256_fmadd_ps(zv, _mm256_set1_ps(p.zx[(m0 + i) * groups + g]), tot[i][j]);

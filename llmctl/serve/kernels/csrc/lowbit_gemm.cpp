@@ -27,13 +27,16 @@
 // E2M1 codebook (bits = -4, MXFP4's experts read in place): the int4 layout, but each
 // nibble indexes the table T of twice the E2M1 values (llmctl/quant/mxfp4.py FP4_TIMES_2:
 // 0 1 2 3 4 6 8 12, bit 3 the sign), w = s T[u] with s = 2^(e - 128) per group, no
-// offset (llama.cpp's ggml-cpu has the same doubled table, kvalues_mxfp4, with the half
+// offset, and s held as the checkpoint's E8M0 byte e ([block][g][16] uint8: 0.5 + 1/32
+// bytes per weight), made into float32 here (vscalefps, or ldexp: exact for every e,
+// 2^-128 and 2^-127 as float32 subnormals) (llama.cpp's ggml-cpu has the same doubled table, kvalues_mxfp4, with the half
 // E8M0 scale, for its int8 dot products). vpermw looks the 32 nibble lanes of a step up in
 // T as bfloat16 (integers up to 12: exact), so sum w x = s D, D = sum T[u] x, the
 // products exact in float32 as for int8.
 // The table is repeated to 32 entries, so the low nibble needs no mask (vpermw reads 5
 // bits of each index: the fifth, the high nibble's lowest, picks the same value).
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -70,6 +73,11 @@ constexpr int kFp4 = -4;  // the bits value of E2M1 codebook codes
 // twice the E2M1 values by nibble (bit 3 the sign), llmctl.quant.mxfp4.FP4_TIMES_2
 constexpr float kFp4Times2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+// An E2M1 group's scale 2^(e - 128) from its E8M0 byte (s then points at bytes).
+inline float fp4_scale(const Problem& p, int64_t at) {
+  return std::ldexp(0.5f, static_cast<int>(reinterpret_cast<const uint8_t*>(p.s)[at]) - 127);
+}
+
 void store_row(const Problem& p, int64_t row, int64_t col0, const float* vals) {
   const int64_t n = p.n_valid - col0 < kCols ? p.n_valid - col0 : kCols;
   if (p.out_f32) {
@@ -101,7 +109,8 @@ void tile_portable(const Problem& p, int64_t b, int64_t m0, int64_t rows) {
     const uint16_t* xr = p.x + (m0 + i) * p.ldx;
     for (int64_t c = 0; c < kCols; ++c) acc[c] = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
-      const float* s = p.s + (b * groups + g) * kCols;
+      const int64_t at = (b * groups + g) * kCols;
+      const float* s = p.bits == kFp4 ? nullptr : p.s + at;
       const float* z = p.z ? p.z + (b * groups + g) * kCols : nullptr;
       for (int64_t c = 0; c < kCols; ++c) {
         float dot = 0.f, xs = 0.f;
@@ -112,7 +121,7 @@ void tile_portable(const Problem& p, int64_t b, int64_t m0, int64_t rows) {
         }
         // the packer's int4 encoding: s holds 16 s, z holds z - 16 s (see the header)
         if (p.bits == 4) acc[c] += s[c] / 16.f * dot + (z[c] + s[c]) * xs;
-        else if (p.bits == kFp4) acc[c] += s[c] * dot;
+        else if (p.bits == kFp4) acc[c] += fp4_scale(p, at + c) * dot;
         else acc[c] += s[c] * dot + (z ? z[c] * xs : 0.f);
       }
     }
@@ -131,6 +140,16 @@ alignas(64) constexpr uint16_t kFp4Bf16[32] = {
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140,
     0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0, 0xC100, 0xC140};
 inline __m512i fp4_table() { return _mm512_load_si512(kFp4Bf16); }
+
+// 16 E8M0 bytes -> 2^(e - 128): vscalefps computes 0.5 * 2^(e - 127) exactly, subnormal
+// results included
+inline __m512 fp4_scales(const Problem& p, int64_t at) {
+  const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+      reinterpret_cast<const uint8_t*>(p.s) + at));
+  const __m512 pow = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e)),
+                                   _mm512_set1_ps(127.f));
+  return _mm512_scalef_ps(_mm512_set1_ps(0.5f), pow);
+}
 
 inline __m512bh pair(const uint16_t* x) {
   int32_t v;
@@ -187,7 +206,7 @@ void tile_simd(const Problem& p, int64_t b0, int64_t m0) {
     }
     for (int j = 0; j < NT; ++j) {
       const int64_t at = ((b0 + j) * groups + g) * kCols;
-      const __m512 sv = _mm512_loadu_ps(p.s + at);
+      const __m512 sv = BITS == kFp4 ? fp4_scales(p, at) : _mm512_loadu_ps(p.s + at);
       for (int i = 0; i < MT; ++i) tot[i][j] = _mm512_fmadd_ps(sv, acc[i][j], tot[i][j]);
       if (p.z != nullptr) {
         const __m512 zv = _mm512_loadu_ps(p.z + at);

@@ -16,12 +16,17 @@ is the same table lookup and ``torch.ldexp`` in the target dtype, so bit for bit
 numbers (tests/quant/test_mxfp4.py). :func:`quantize` is the inverse for tests and tools
 (round to the nearest code under the block's scale ``2^(floor(log2 amax) - 2)``).
 
+:func:`nibble_codes` gives the 4-bit codes as they are and the scale ``2^(s - 128)`` of
+:data:`FP4_TIMES_2`: the engine's low-bit kernels read them in place, looking each
+nibble up in that table, and hold the scale as its E8M0 byte again (0.5 bytes per weight
+and 1 per block of 32: 0.53, MXFP4's own size).
 :func:`int8_codes` gives the same numbers as integers with a scale per block, for the
-engine's int8 kernel: every E2M1 value is a multiple of 1/2, so ``2 * value`` is one of
-the integers 0, 1, 2, 3, 4, 6, 8, 12 (and negatives) and ``value * 2^(s - 127) = (2 *
-value) * 2^(s - 128)``, exactly: the codes are MXFP4 held as int8 (1 byte per weight and
-a float32 scale per 32: 1.125 bytes against MXFP4's 0.53 and bf16's 2), not the FP4
-nibbles read in place. Every scale is a power of two float32 holds exactly, ``2^-128``
+engine's int8 kernel (the path before the codebook one, kept as a reference): every
+E2M1 value is a multiple of 1/2, so ``2 * value`` is one of the integers 0, 1, 2, 3, 4,
+6, 8, 12 (and negatives) and ``value * 2^(s - 127) = (2 * value) * 2^(s - 128)``,
+exactly: there the codes are MXFP4 held as int8 (1 byte per weight and a float32 scale
+per 32: 1.125 bytes against MXFP4's 0.53 and bf16's 2). Both share that scale
+(:func:`half_scales`): every scale is a power of two float32 holds exactly, ``2^-128``
 for ``s = 0`` and ``2^-127`` for ``s = 1`` (subnormals: float32's reach ``2^-149``, and
 each ``q * scale`` is a multiple of the scale, so exact) up to ``2^127`` for ``s = 255``
 (NaN in the MX spec; transformers' ``torch.ldexp`` decodes it as the power ``2^128``,
@@ -102,6 +107,22 @@ def int8_codes(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
     q = torch.empty(*pairs.shape[:-1], BLOCK, dtype=torch.int8, device=blocks.device)
     q[..., 0::2] = lut[(pairs & 0x0F).to(torch.int)]  # the even element: the low nibble
     q[..., 1::2] = lut[(pairs >> 4).to(torch.int)]
+    return q.view(*scales.shape[:-1], scales.shape[-1] * BLOCK), half_scales(scales)
+
+
+def half_scales(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 ``scales`` uint8 -> float32 ``0.5 * 2^(s - 127) = 2^(s - 128)``, the scale of
+    :data:`FP4_TIMES_2` codes (module doc: exact for every ``s``, 2^-128 a subnormal)."""
     half = torch.full(scales.shape, 0.5, dtype=torch.float32, device=scales.device)
-    scale = torch.ldexp(half, scales.to(torch.int32) - E8M0_BIAS)
-    return q.view(*scales.shape[:-1], scales.shape[-1] * BLOCK), scale
+    return torch.ldexp(half, scales.to(torch.int32) - E8M0_BIAS)
+
+
+def nibble_codes(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``blocks [..., G, 16]`` and ``scales [..., G]`` uint8 -> ``(e [..., G * 32]`` uint8
+    E2M1 codes 0..15, ``scale [..., G]`` float32``)``: ``FP4_TIMES_2[e] * scale`` are the
+    MXFP4 values, exactly, as for :func:`int8_codes`, but the code stays the 4-bit
+    index the low-bit kernels look up in place (one byte each here, for their packers)."""
+    _check(blocks, scales)
+    pairs = blocks.to(torch.uint8)
+    e = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1)  # the even element: the low nibble
+    return e.view(*scales.shape[:-1], scales.shape[-1] * BLOCK), half_scales(scales)

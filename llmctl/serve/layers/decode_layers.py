@@ -118,8 +118,8 @@ def matrix(layer) -> tuple[Matrix, int] | None:
         n, k = layer.weight.shape
         return Matrix(2, layer.weight.data_ptr(), None, None, 16, 0, k, 0, n, b), \
             min(WideningBF16Linear.KERNEL_MAX_ROWS, MAX_ROWS)
-    if not isinstance(layer, LowBitLinear) or layer.out_float:
-        return None
+    if not isinstance(layer, LowBitLinear) or layer.out_float or layer.codebook is not None:
+        return None  # decode_layer.cpp has no E2M1 table (MXFP4 experts: MoE has no C form)
     if layer.vnni_rows:
         packed, scales, zeros = layer.vnni_codes
         return Matrix(1, packed.data_ptr(), scales.data_ptr(),

@@ -11,7 +11,13 @@ compressed-tensors int8           q          scale               -scale * zp (or
 GGUF Q4_0 (blocks of 32)          u          d                   -8 d
 GGUF Q4_1                         u          d                   m
 GGUF Q8_0                         q          d                   none
+MXFP4 (E2M1, blocks of 32)        T[e]       2^(e8m0 - 128)      none
 ================================  =========  ==================  ======================
+
+MXFP4's nibbles stay 4-bit codes: ``codebook`` (:data:`llmctl.quant.mxfp4.FP4_TIMES_2`,
+twice the E2M1 values) names the table ``T`` each nibble indexes, ``w = s * T[q]``, and
+the kernels look the nibbles up in place, the scales held as their E8M0 bytes (0.5
+bytes per weight and 1 per 32: 0.53, against the int8 codes' 1.125).
 
 :class:`LowBitLinear` packs them once into the kernel's layout (the C file's header
 has it and the int4 encoding: scales go in as ``16 s`` and ``z - 16 s``) and applies
@@ -32,12 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
+from llmctl.quant import mxfp4
 from llmctl.serve.kernels.cpu import lowbit_avx2_kernel, lowbit_kernel, lowbit_vnni_kernel
 
 BLOCK = 16  # output columns per kernel block
 VNNI_BLOCK = 32  # inputs per activation block of the VNNI and AVX2 kernels
 AVX2_BLOCK = 32  # output columns per block of the AVX2 kernel (4 vectors of 8)
 _AVX2_INPUTS = (torch.float32, torch.bfloat16)  # activation dtypes the AVX2 kernel reads
+FP4_FORMAT = -4  # the kernels' ``bits`` argument for E2M1 codebook codes
 
 
 @dataclass
@@ -49,6 +57,7 @@ class AffineCodes:
     zero: torch.Tensor | None  # [N, G] float32, or None (symmetric int8)
     group_size: int
     bits: int
+    codebook: tuple[float, ...] | None = None  # bits=4: q indexes it (w = s * codebook[q])
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,7 +65,9 @@ class AffineCodes:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.q.shape
-        w = self.q.float().view(n, -1, self.group_size) * self.scale.float().unsqueeze(-1)
+        values = (self.q.float() if self.codebook is None
+                  else torch.tensor(self.codebook, dtype=torch.float32)[self.q.long()])
+        w = values.view(n, -1, self.group_size) * self.scale.float().unsqueeze(-1)
         if self.zero is not None:
             w = w + self.zero.float().unsqueeze(-1)
         return w.view(n, k).to(dtype)
@@ -65,20 +76,21 @@ class AffineCodes:
         """The same codes with ``fn`` (a reordering of output rows, e.g. RoPE's
         interleaving) applied to the codes, scales and offsets alike."""
         return AffineCodes(fn(self.q), fn(self.scale), None if self.zero is None else fn(self.zero),
-                           self.group_size, self.bits)
+                           self.group_size, self.bits, self.codebook)
 
     @staticmethod
     def cat(parts: list[AffineCodes]) -> AffineCodes | None:
         """Stack layers sharing an input (q/k/v, gate/up); None if their schemes differ."""
         first = parts[0]
-        if any(p.bits != first.bits or p.group_size != first.group_size for p in parts):
+        if any(p.bits != first.bits or p.group_size != first.group_size
+               or p.codebook != first.codebook for p in parts):
             return None
         zeros = [p.zero for p in parts]
         if any(z is None for z in zeros) and not all(z is None for z in zeros):
             zeros = [torch.zeros_like(p.scale) if p.zero is None else p.zero for p in parts]
         return AffineCodes(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                            None if zeros[0] is None else torch.cat(zeros),
-                           first.group_size, first.bits)
+                           first.group_size, first.bits, first.codebook)
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int) -> AffineCodes:
@@ -91,23 +103,32 @@ def quantize_int8(weight: torch.Tensor, group_size: int) -> AffineCodes:
     return AffineCodes(q.clamp(-127, 127).to(torch.int8).view(n, k), scale, None, group_size, 8)
 
 
+def _codes_fit(codes: AffineCodes) -> bool:
+    """4 or 8 bits, and a codebook only the kernels' own (E2M1's, 4 bits, no offset)."""
+    if codes.codebook is None:
+        return codes.bits in (4, 8)
+    return (codes.bits == 4 and codes.codebook == mxfp4.FP4_TIMES_2 and codes.zero is None
+            and e8m0(codes.scale) is not None)
+
+
 def kernel_fits(codes: AffineCodes) -> bool:
     """Whether the kernel takes this layout: 4 or 8 bits, whole groups of a multiple of 4."""
     _, k = codes.shape
-    return (codes.bits in (4, 8) and codes.group_size % 4 == 0 and k % codes.group_size == 0)
+    return _codes_fit(codes) and codes.group_size % 4 == 0 and k % codes.group_size == 0
 
 
 def vnni_fits(codes: AffineCodes) -> bool:
-    """Whether the VNNI kernel takes this layout: groups of whole 32-input blocks."""
-    _, k = codes.shape
-    return (codes.bits in (4, 8) and codes.group_size % VNNI_BLOCK == 0
-            and k % codes.group_size == 0)
+    """Whether the VNNI kernel takes this layout: groups of whole 32-input blocks, no
+    codebook (it has no table lookup: a mixture's experts, the one user, keep one copy)."""
+    return codes.codebook is None and avx2_fits(codes)
 
 
 def avx2_fits(codes: AffineCodes) -> bool:
-    """Whether the AVX2 kernel takes this layout: the VNNI kernel's rule (it quantizes
-    activations in the same 32-input blocks)."""
-    return vnni_fits(codes)
+    """Whether the AVX2 kernel takes this layout: groups of whole 32-input blocks (it
+    quantizes activations in 32-input blocks)."""
+    _, k = codes.shape
+    return (_codes_fit(codes) and codes.group_size % VNNI_BLOCK == 0
+            and k % codes.group_size == 0)
 
 
 def simd_available() -> bool:
@@ -136,9 +157,20 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
     return (torch.cat([t, t.new_zeros(n_pad, t.shape[1])]) if n_pad else t), n_pad
 
 
+def e8m0(scale: torch.Tensor) -> torch.Tensor | None:
+    """E2M1 codes' scales ``2^(e - 128)`` -> the E8M0 bytes ``e`` the kernels hold
+    (``frexp``: exact, subnormal ``2^-128`` too), or None where one is not such a power."""
+    mantissa, exponent = torch.frexp(scale.float())
+    e = exponent + mxfp4.E8M0_BIAS
+    if not bool(((mantissa == 0.5) & (e >= 0) & (e <= 255)).all()):
+        return None
+    return e.to(torch.uint8)
+
+
 def _blocked(t: torch.Tensor, n_pad: int, width: int = BLOCK) -> torch.Tensor:
-    """``[N, G]`` per-row values -> ``[N/width, G, width]`` float32, zero rows for padding."""
-    t = t.float()
+    """``[N, G]`` per-row values -> ``[N/width, G, width]`` float32 (uint8 stays uint8),
+    zero rows for padding."""
+    t = t if t.dtype == torch.uint8 else t.float()
     if n_pad:
         t = torch.cat([t, t.new_zeros(n_pad, t.shape[1])])
     return t.view(-1, width, t.shape[1]).transpose(1, 2).contiguous()
@@ -149,6 +181,10 @@ def pack(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     n, k = codes.shape
     q, n_pad = _pad_rows(codes.q, BLOCK)
     blocks = (n + n_pad) // BLOCK
+    if codes.codebook is not None:  # the int4 layout, the scales as E8M0 bytes, no offset
+        u = q.to(torch.uint8).view(blocks, BLOCK, k // 4, 2, 2).permute(0, 2, 3, 1, 4)
+        return ((u[:, :, 0] | (u[:, :, 1] << 4)).contiguous(),
+                _blocked(e8m0(codes.scale), n_pad), None)
     if codes.bits == 4:
         # byte 2c+p of step t = q[c, 4t+p] | q[c, 4t+2+p] << 4
         u = q.to(torch.uint8).view(blocks, BLOCK, k // 4, 2, 2).permute(0, 2, 3, 1, 4)
@@ -196,6 +232,12 @@ def pack_avx2(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     n, k = codes.shape
     q, n_pad = _pad_rows(codes.q, AVX2_BLOCK)
     blocks = (n + n_pad) // AVX2_BLOCK
+    if codes.codebook is not None:
+        # the kernel reads j = q ^ 15 as T[q] + 12 (zero rows: j = 0 reads 0) and makes
+        # the offset -12 s from the scales itself
+        q = q.to(torch.uint8) ^ 15
+        if n_pad:
+            q[n:] = 0
     if codes.bits == 4:
         # step t, sub-block j, 16-bit word 2c+p: bits 4i..4i+3 = q[8j+c, 8t+2i+p]
         u = q.to(torch.int32).view(blocks, 4, 8, k // 8, 4, 2).permute(0, 3, 1, 2, 5, 4)
@@ -207,11 +249,12 @@ def pack_avx2(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         packed = q.to(torch.int8).view(blocks, 4, 8, k // 2, 2).permute(0, 3, 1, 2, 4)
         packed = packed.contiguous().view(torch.uint8)
     zero = None if codes.zero is None else _blocked(codes.zero, n_pad, AVX2_BLOCK)
-    return packed, _blocked(codes.scale, n_pad, AVX2_BLOCK), zero
+    scale = codes.scale if codes.codebook is None else e8m0(codes.scale)  # E8M0 bytes
+    return packed, _blocked(scale, n_pad, AVX2_BLOCK), zero
 
 
 class LowBitLinear:
-    """A weight-only int4/int8 layer on the native kernel, any batch size.
+    """A weight-only int4/int8 (or E2M1 codebook) layer on the native kernel, any batch size.
 
     ``out_float`` returns float32 (the logits of an int8 ``lm_head``) instead of the
     activation dtype. ``portable`` runs the kernel's scalar reference path (tests);
@@ -226,7 +269,7 @@ class LowBitLinear:
 
     __slots__ = ("packed", "scales", "zeros", "bits", "group_size", "bias", "out_features",
                  "in_features", "out_float", "portable", "_wide", "_vnni", "vnni_rows",
-                 "_out_args", "vnni_codes", "avx2")
+                 "_out_args", "vnni_codes", "avx2", "codebook")
 
     def __init__(self, codes: AffineCodes, bias: torch.Tensor | None = None, *,
                  out_float: bool = False, portable: bool = False, vnni: bool = True,
@@ -234,7 +277,7 @@ class LowBitLinear:
         kernel = lowbit_kernel()
         if kernel is None or not kernel_fits(codes):
             raise ValueError("the low-bit kernel is not available for this layer")
-        self.bits, self.group_size = codes.bits, codes.group_size
+        self.bits, self.group_size, self.codebook = codes.bits, codes.group_size, codes.codebook
         self.out_features, self.in_features = codes.shape
         self._out_args = (self.out_features, self.out_features, int(out_float))
         # without AVX512-BF16, lowbit_gemm.cpp has only its scalar path: the AVX2 kernel
@@ -265,13 +308,14 @@ class LowBitLinear:
               blocks: int) -> tuple:
         """``(fn, arguments before the row count, arguments after it)``: the tensors are
         attributes of self, so their pointers stay valid as long as the layer does."""
-        return (fn, (packed.data_ptr(), self.bits, scales.data_ptr(),
+        bits = self.bits if self.codebook is None else FP4_FORMAT
+        return (fn, (packed.data_ptr(), bits, scales.data_ptr(),
                      None if zeros is None else zeros.data_ptr()),
                 (blocks, self.in_features, self.group_size))
 
     @property
     def kind(self) -> str:
-        return f"int{self.bits}"
+        return f"int{self.bits}" if self.codebook is None else "fp4"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step makes ~120 of these calls per token, so the per-call Python is

@@ -17,9 +17,10 @@ where the dense layers would get that kernel (:func:`kernel_linear`: the CPU,
 ``quant_backend`` "kernel", a layout it fits), else are dequantized once at load.
 gpt-oss's experts come only fused and stored as ``x @ W`` (``[E, H, 2I]``, ``[E, I,
 H]``, transposed here), with ``_bias`` tensors, as float or as MXFP4 ``_blocks`` /
-``_scales`` (``quant_method: mxfp4``): on the kernel path each expert is an int8
-LowBitLinear on the exact integer form of its MXFP4 values
-(:func:`llmctl.quant.mxfp4.int8_codes`), its bias inside; elsewhere decoded at load to
+``_scales`` (``quant_method: mxfp4``): on the kernel path each expert is a LowBitLinear
+holding its 4-bit E2M1 codes as they are, looked up in the kernels' table
+(:func:`llmctl.quant.mxfp4.nibble_codes`: exact; 0.53 bytes per weight: the scales as E8M0 bytes), its bias
+inside; elsewhere decoded at load to
 the compute dtype exactly as transformers decodes them (:mod:`llmctl.quant.mxfp4`). Its
 attention sinks are read in float32. A gpt-oss checkpoint ``llmctl quantize`` wrote (per
 expert, llm-compressor's linearization: ``experts.{e}.gate_proj`` ... with ``.bias``) goes
@@ -325,8 +326,8 @@ class _ModelBuilder:
 
     def gpt_oss_experts(self, p: str, layout: MoeLayout) -> list:
         """``[gate_up, down, gate_up_bias, down_bias]`` of layer ``p``'s gpt-oss experts
-        (gate/up rows interleaved as stored): MXFP4 on the kernel path, one int8 linear
-        per expert each with its bias inside (the biases then None); else ``[E, 2I, H]``,
+        (gate/up rows interleaved as stored): MXFP4 on the kernel path, one 4-bit E2M1
+        linear per expert each with its bias inside (the biases then None); else ``[E, 2I, H]``,
         ``[E, H, I]``, ``[E, 2I]``, ``[E, H]`` from float ``x @ W`` tensors or decoded
         MXFP4 (module doc)."""
         names = [f"{p}.{name}" for name in layout.fused]
@@ -351,16 +352,19 @@ class _ModelBuilder:
         return weights + biases
 
     def mxfp4_linears(self, name: str, bias: torch.Tensor) -> list | None:
-        """The MXFP4 experts ``name`` (``[E, out, in / 32, 16]`` blocks) as one int8
-        low-bit linear each on :func:`llmctl.quant.mxfp4.int8_codes` (exact: the same
-        numbers transformers decodes), ``bias [E, out]`` inside; None off the kernel
-        path (:func:`kernel_linear`: every expert has the first one's layout)."""
+        """The MXFP4 experts ``name`` (``[E, out, in / 32, 16]`` blocks) as one low-bit
+        linear each on their E2M1 codes (:func:`llmctl.quant.mxfp4.nibble_codes`, the
+        kernels' codebook :data:`~llmctl.quant.mxfp4.FP4_TIMES_2`: exact, the same
+        numbers transformers decodes), repacked per expert, never widened to int8;
+        ``bias [E, out]`` inside; None off the kernel path (:func:`kernel_linear`: every
+        expert has the first one's layout)."""
         blocks, scales = self.read(f"{name}_blocks"), self.read(f"{name}_scales")
         linears = []
         for e in range(blocks.shape[0]):
-            q, scale = mxfp4.int8_codes(blocks[e], scales[e])
-            linear = kernel_linear(AffineCodes(q, scale, None, mxfp4.BLOCK, 8), bias[e],
-                                   backend=self.backend, device=self.device, one_copy=True)
+            q, scale = mxfp4.nibble_codes(blocks[e], scales[e])
+            codes = AffineCodes(q, scale, None, mxfp4.BLOCK, 4, mxfp4.FP4_TIMES_2)
+            linear = kernel_linear(codes, bias[e], backend=self.backend, device=self.device,
+                                   one_copy=True)
             if linear is None:
                 return None
             linears.append(linear)

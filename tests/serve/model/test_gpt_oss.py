@@ -367,7 +367,7 @@ def _mxfp4_checkpoint(path, out):
 
 def test_mxfp4_experts_equal_transformers_on_the_dequantized_weights(tiny_family, tmp_path):
     """The MXFP4 checkpoint on the engine, decoded at load (quant_backend "dequantize";
-    the int8 kernel path: tests/serve/model/test_moe_lowbit_experts.py): its logits
+    the 4-bit kernel path: tests/serve/model/test_moe_lowbit_experts.py): its logits
     within 1e-4 of transformers' model whose experts are ``convert_moe_packed_tensors`` of
     the same blocks and scales; and the quantization moved them (it is not the float
     checkpoint by another name)."""

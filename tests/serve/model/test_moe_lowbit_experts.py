@@ -181,9 +181,18 @@ def test_mxfp4_int8_codes_are_transformers_decoding_for_every_scale(dtype):
     assert torch.equal(_bits(ours)[signed], _bits(theirs)[signed])
 
 
+def _mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor, form: str) -> AffineCodes:
+    """An expert's codes as the engine holds them ("fp4": the E2M1 nibbles and the
+    kernels' table) or as it held them before ("int8": twice the values as int8)."""
+    if form == "fp4":
+        return AffineCodes(*mxfp4.nibble_codes(blocks, scales), None, 32, 4, mxfp4.FP4_TIMES_2)
+    return AffineCodes(*mxfp4.int8_codes(blocks, scales), None, 32, 8)
+
+
 @pytest.mark.parametrize("isa", KERNEL_ISAS, indirect=True)
+@pytest.mark.parametrize("form", ["fp4", "int8"])
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_an_mxfp4_expert_on_the_kernel_is_the_decoded_product(isa, rows):
+def test_an_mxfp4_expert_on_the_kernel_is_the_decoded_product(isa, form, rows):
     """One MXFP4 expert as the engine builds it (:func:`kernel_linear`, one copy) against
     ``F.linear`` on the decoded weight in float32 for the same bf16 activations: on the
     AVX512-BF16 kernel the products are exact and only the sum's order and the bf16
@@ -195,7 +204,7 @@ def test_an_mxfp4_expert_on_the_kernel_is_the_decoded_product(isa, rows):
     blocks, scales = mxfp4.quantize(torch.randn(96, 256, generator=gen) * 0.05)
     weight = mxfp4.dequantize(blocks, scales, torch.float32)
     bias = torch.randn(96, generator=gen)
-    linear = kernel_linear(AffineCodes(*mxfp4.int8_codes(blocks, scales), None, 32, 8), bias,
+    linear = kernel_linear(_mxfp4_codes(blocks, scales, form), bias,
                            backend="kernel", device=CPU, one_copy=True)
     assert isinstance(linear, LowBitLinear) and linear.vnni_codes is None
     assert linear.avx2 == (not simd_available())
@@ -229,10 +238,12 @@ def mxfp4_gpt_oss(tiny_family, tmp_path_factory):
 
 
 @pytest.mark.parametrize("isa", KERNEL_ISAS, indirect=True)
-def test_mxfp4_experts_are_int8_linears_near_transformers(mxfp4_gpt_oss, isa):
-    """gpt-oss's MXFP4 experts on the kernel path: one int8 linear per expert with its
-    bias inside (gate/up rows interleaved as stored), 1.125 bytes per weight held (the
-    codes and a float32 scale per 32; bf16 would be 2) plus the bias; logits near
+def test_mxfp4_experts_are_4_bit_codes_near_transformers(mxfp4_gpt_oss, isa):
+    """gpt-oss's MXFP4 experts on the kernel path: one linear per expert on its E2M1
+    nibbles as they are (the kernels' table, no offset) with its bias inside (gate/up
+    rows interleaved as stored), 0.53 bytes per weight held (the 4-bit codes and the
+    E8M0 scale byte per 32, as the checkpoint stores them; the int8 codes were 1.125,
+    bf16 would be 2) plus the bias; logits near
     transformers' (:func:`_bound`: within 1 % of the largest logit with bf16 activations,
     measured 0.2 %: the experts are the only low-bit layers) and the same top-1 at 90 %
     of positions or more (measured 100 %)."""
@@ -245,12 +256,12 @@ def test_mxfp4_experts_are_int8_linears_near_transformers(mxfp4_gpt_oss, isa):
     for moe in _sparse(model):
         assert moe.gate_up_bias is None and moe.down_bias is None
         for linear in [*moe.gate_up, *moe.down]:
-            assert isinstance(linear, LowBitLinear) and linear.kind == "int8"
-            assert linear.group_size == 32 and linear.zeros is None
-            assert linear.avx2 == (not simd_available())
+            assert isinstance(linear, LowBitLinear) and linear.kind == "fp4"
+            assert linear.codebook == mxfp4.FP4_TIMES_2 and linear.group_size == 32
+            assert linear.avx2 == (not simd_available()) and linear.zeros is None
             weights = linear.out_features * linear.in_features
             bias = linear.bias.numel() * linear.bias.element_size()
-            assert _held(linear) + bias == linear.nbytes == 1.125 * weights + bias
+            assert _held(linear) + bias == linear.nbytes == (0.5 + 1 / 32) * weights + bias
         assert moe.gate_up[0].out_features == 2 * spec.expert_intermediate_size
     got = teacher_forced_logits(llm.engine, ids, 10)
     with torch.inference_mode():

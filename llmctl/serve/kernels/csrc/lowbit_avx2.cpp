@@ -36,6 +36,14 @@
 //         codes, no shuffle; q unsigned 0..15 as stored
 //   int8, 2 k per step, 16 bytes a sub-block: byte 2c + p = q[c, k + p], widened by one
 //         vpmovsxbw
+//   E2M1 (bits = -4, MXFP4), the int4 layout holding j = e ^ 15 for the E2M1 nibble e:
+//         vpshufb maps j to u = 2 E2M1(e) + 12 in 0..24 (the low byte; the high byte,
+//         index 0, to T[0] = 0: why j and not e, whose T[0] would be 12), so w = s (u -
+//         12): the int4 body plus one vpshufb per vector, and the offset z = -12 s made
+//         from s, not stored (z is null); s is the E8M0 byte e per group ([block][group]
+//         [32] uint8), 2^(e - 128) made here from its bits. u <= 24 keeps I_b below
+//         2^25: exact in int32, rounded once to float32 (the int4 codes' I_b < 2^24
+//         converts exactly).
 // s and z are [block][group][32] float32 (z may be null: no offset). Groups must be
 // whole multiples of the 32-input activation block.
 //
@@ -60,6 +68,8 @@ namespace {
 constexpr bool kAvx2 = true;
 constexpr int64_t kSub = 8, kSubs = 4, kCols = kSub * kSubs, kBlock = 32;
 constexpr float kQmax = 32767.f;
+constexpr int kFp4 = -4;  // the bits value of E2M1 codebook codes
+constexpr float kFp4Offset = 12.f;  // their codes u = 2 E2M1 + 12 (see the header)
 // Software prefetch distance along a thread's stream of codes: one row of a 1536 x 576
 // int4 layer streamed from memory (150 such layers cycled, 1 thread, Zen 3 under load,
 // development measurement) took 74-105 us without it, 53-76 with 4 KiB or 8 KiB ahead.
@@ -141,14 +151,35 @@ void store(const Problem& p, int64_t row, int64_t col0, __m256 v) {
   }
 }
 
+// 8 groups' scales from s + at: float32, or for E2M1 E8M0 bytes e made into 2^(e - 128)
+// by their bits: (e - 1) << 23 for e >= 2, the subnormals 2^-128 and 2^-127 (0x00200000
+// << e) for e < 2
+template <int BITS>
+inline __m256 scales(const Problem& p, int64_t at) {
+  if constexpr (BITS != kFp4) {
+    return _mm256_loadu_ps(p.s + at);
+  } else {
+    const __m256i e = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(p.s) + at)));
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(2), e)));
+  }
+}
+
 // MT rows from m0 times NT sub-blocks from j0 of column block b, all of k.
 template <int MT, int NT, int BITS>
 void tile(const Problem& p, int64_t b, int j0, int64_t m0) {
-  constexpr int64_t kPerStep = BITS == 4 ? 8 : 2, kSubBytes = BITS == 4 ? 32 : 16;
+  constexpr int64_t kPerStep = BITS == 8 ? 2 : 8, kSubBytes = BITS == 8 ? 16 : 32;
   constexpr int64_t steps = kBlock / kPerStep;
   const int64_t groups = p.k / p.group, per_group = p.group / kBlock, nb = p.k / kBlock;
   const uint8_t* wb = p.w + b * (p.k / kPerStep) * kSubs * kSubBytes;  // block b's stream
   const __m256i nib = _mm256_set1_epi16(15);
+  // E2M1: j = e ^ 15 -> 2 E2M1(e) + 12 (see the header), in both 128-bit halves
+  const __m256i fp4 = _mm256_setr_epi8(0, 4, 6, 8, 9, 10, 11, 12, 24, 20, 18, 16, 15, 14, 13, 12,
+                                       0, 4, 6, 8, 9, 10, 11, 12, 24, 20, 18, 16, 15, 14, 13, 12);
   __m256 tot[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) tot[i][j] = _mm256_setzero_ps();
@@ -164,12 +195,18 @@ void tile(const Problem& p, int64_t b, int j0, int64_t m0) {
           _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetch + line, _MM_HINT_T0);
         const uint8_t* src = step + j0 * kSubBytes;
         for (int j = 0; j < NT; ++j) {
-          if constexpr (BITS == 4) {
+          if constexpr (BITS != 8) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j * kSubBytes));
-            const __m256i w0 = _mm256_and_si256(v, nib);
-            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nib);
-            const __m256i w3 = _mm256_srli_epi16(v, 12);
+            __m256i w0 = _mm256_and_si256(v, nib);
+            __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nib);
+            __m256i w3 = _mm256_srli_epi16(v, 12);
+            if constexpr (BITS == kFp4) {
+              w0 = _mm256_shuffle_epi8(fp4, w0);
+              w1 = _mm256_shuffle_epi8(fp4, w1);
+              w2 = _mm256_shuffle_epi8(fp4, w2);
+              w3 = _mm256_shuffle_epi8(fp4, w3);
+            }
             for (int i = 0; i < MT; ++i) {
               const int16_t* x = p.xq + (m0 + i) * p.k + k0;
               const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(w0, bcast2(x)),
@@ -188,16 +225,27 @@ void tile(const Problem& p, int64_t b, int j0, int64_t m0) {
         }
       }
       for (int j = 0; j < NT; ++j) {
-        const __m256 sv = _mm256_loadu_ps(p.s + (b * groups + g) * kCols + (j0 + j) * kSub);
+        const __m256 sv = scales<BITS>(p, (b * groups + g) * kCols + (j0 + j) * kSub);
         for (int i = 0; i < MT; ++i) {
-          const __m256 sd = _mm256_mul_ps(sv, _mm256_set1_ps(p.d[(m0 + i) * nb + kb]));
-          tot[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), sd, tot[i][j]);
+          const __m256 d = _mm256_set1_ps(p.d[(m0 + i) * nb + kb]);
+          if constexpr (BITS == kFp4) {  // (I d) s: an E8M0 scale's power of two, exact
+            // unless the result is itself subnormal (s d would be, for s = 2^-128)
+            const __m256 id = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][j]), d);
+            tot[i][j] = _mm256_fmadd_ps(id, sv, tot[i][j]);
+          } else {
+            tot[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), _mm256_mul_ps(sv, d),
+                                        tot[i][j]);
+          }
         }
       }
     }
-    if (p.z != nullptr) {  // symmetric int8 has none: its bytes are not read at all
+    // symmetric int8 has no z: its bytes are not read at all; E2M1's is -12 s, not stored
+    if (BITS == kFp4 || p.z != nullptr) {
       for (int j = 0; j < NT; ++j) {
-        const __m256 zv = _mm256_loadu_ps(p.z + (b * groups + g) * kCols + (j0 + j) * kSub);
+        const int64_t at = (b * groups + g) * kCols + (j0 + j) * kSub;
+        const __m256 zv = BITS == kFp4
+            ? _mm256_mul_ps(scales<BITS>(p, at), _mm256_set1_ps(-kFp4Offset))
+            : _mm256_loadu_ps(p.z + at);
         for (int i = 0; i < MT; ++i)
           tot[i][j] = _mm256_fmadd_ps(zv, _mm256_set1_ps(p.zx[(m0 + i) * groups + g]), tot[i][j]);
       }
@@ -254,8 +302,10 @@ void lowbit_gemv_avx2(const void* x, int64_t ldx, int x_f32, const uint8_t* w, i
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t m0 = 0; m0 < m; m0 += 4) {
-      if (bits == 4) run_rows<4>(p, b, m0, m - m0 < 4 ? m - m0 : 4);
-      else run_rows<8>(p, b, m0, m - m0 < 4 ? m - m0 : 4);
+      const int64_t rows = m - m0 < 4 ? m - m0 : 4;
+      if (bits == 4) run_rows<4>(p, b, m0, rows);
+      else if (bits == kFp4) run_rows<kFp4>(p, b, m0, rows);
+      else run_rows<8>(p, b, m0, rows);
     }
   }
 #else

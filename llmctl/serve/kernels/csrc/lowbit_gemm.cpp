@@ -2,12 +2,13 @@
 //
 //   y[m, n] = sum_k x[m, k] * w[n, k],   w[n, k] = s[n, g] * q[n, k] + z[n, g],  g = k / group
 //
-// with q an unsigned 4-bit code (GPTQ/AWQ/RTN int4 as u = q + 8, GGUF Q4_0/Q4_1) or a
-// signed 8-bit one (int8 channel/group, GGUF Q8_0, the int8 lm_head).
+// with q an unsigned 4-bit code (GPTQ/AWQ/RTN int4 as u = q + 8, GGUF Q4_0/Q4_1), a
+// signed 8-bit one (int8 channel/group, GGUF Q8_0, the int8 lm_head), or a 4-bit index
+// into the E2M1 table (MXFP4, below).
 //
 // Layout (llmctl/serve/layers/lowbit.py packs it once at load): output columns in blocks of 16,
 // each block's codes one contiguous stream along k, 32 bytes per step:
-//   int4, 4 k per step: byte 2c+p = q[c, k+p] | q[c, k+2+p] << 4   (c < 16, p < 2)
+//   int4 and E2M1, 4 k per step: byte 2c+p = q[c, k+p] | q[c, k+2+p] << 4   (c < 16, p < 2)
 //   int8, 2 k per step: byte 2c+p = q[c, k+p]
 // so one step widens into one (int8) or two (int4) vectors of 32 bfloat16 in the pair
 // order AVX512-BF16's dot product (vdpbf16ps) takes: lane c accumulates column c, each
@@ -22,7 +23,20 @@
 // about 22 bits after the X term cancels: more precise than rounding the dequantized
 // weight to bfloat16 as a dense bf16 matmul would. int8 codes convert exactly through
 // float32 (|q| <= 128), so there s and z are stored as they are (z may be absent).
+//
+// E2M1 codebook (bits = -4, MXFP4's experts read in place): the int4 layout, but each
+// nibble indexes the table T of twice the E2M1 values (llmctl/quant/mxfp4.py FP4_TIMES_2:
+// 0 1 2 3 4 6 8 12, bit 3 the sign), w = s T[u] with s = 2^(e - 128) per group, no
+// offset, and s held as the checkpoint's E8M0 byte e ([block][g][16] uint8: 0.5 + 1/32
+// bytes per weight), made into float32 here (vscalefps, or ldexp: exact for every e,
+// 2^-128 and 2^-127 as float32 subnormals) (llama.cpp's ggml-cpu has the same doubled table, kvalues_mxfp4, with the half
+// E8M0 scale, for its int8 dot products). vpermw looks the 32 nibble lanes of a step up in
+// T as bfloat16 (integers up to 12: exact), so sum w x = s D, D = sum T[u] x, the
+// products exact in float32 as for int8.
+// The table is repeated to 32 entries, so the low nibble needs no mask (vpermw reads 5
+// bits of each index: the fifth, the high nibble's lowest, picks the same value).
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -52,8 +66,17 @@ struct Problem {
   bool out_f32;
 
   int64_t groups() const { return k / group; }
-  int64_t k_step() const { return bits == 4 ? 4 : 2; }
+  int64_t k_step() const { return bits == 8 ? 2 : 4; }
 };
+
+constexpr int kFp4 = -4;  // the bits value of E2M1 codebook codes
+// twice the E2M1 values by nibble (bit 3 the sign), llmctl.quant.mxfp4.FP4_TIMES_2
+constexpr float kFp4Times2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An E2M1 group's scale 2^(e - 128) from its E8M0 byte (s then points at bytes).
+inline float fp4_scale(const Problem& p, int64_t at) {
+  return std::ldexp(0.5f, static_cast<int>(reinterpret_cast<const uint8_t*>(p.s)[at]) - 127);
+}
 
 void store_row(const Problem& p, int64_t row, int64_t col0, const float* vals) {
   const int64_t n = p.n_valid - col0 < kCols ? p.n_valid - col0 : kCols;
@@ -70,9 +93,10 @@ void store_row(const Problem& p, int64_t row, int64_t col0, const float* vals) {
 inline float code_at(const Problem& p, int64_t b, int64_t c, int64_t k) {
   const int64_t step = k / p.k_step(), r = k % p.k_step();
   const uint8_t* base = p.w + (b * (p.k / p.k_step()) + step) * kStepBytes;
-  if (p.bits == 4) {
+  if (p.bits != 8) {
     const uint8_t byte = base[2 * c + (r & 1)];
-    return static_cast<float>(r < 2 ? (byte & 15) : (byte >> 4));
+    const int u = r < 2 ? (byte & 15) : (byte >> 4);
+    return p.bits == kFp4 ? kFp4Times2[u] : static_cast<float>(u);
   }
   return static_cast<float>(static_cast<int8_t>(base[2 * c + r]));
 }
@@ -85,7 +109,8 @@ void tile_portable(const Problem& p, int64_t b, int64_t m0, int64_t rows) {
     const uint16_t* xr = p.x + (m0 + i) * p.ldx;
     for (int64_t c = 0; c < kCols; ++c) acc[c] = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
-      const float* s = p.s + (b * groups + g) * kCols;
+      const int64_t at = (b * groups + g) * kCols;
+      const float* s = p.bits == kFp4 ? nullptr : p.s + at;
       const float* z = p.z ? p.z + (b * groups + g) * kCols : nullptr;
       for (int64_t c = 0; c < kCols; ++c) {
         float dot = 0.f, xs = 0.f;
@@ -96,6 +121,7 @@ void tile_portable(const Problem& p, int64_t b, int64_t m0, int64_t rows) {
         }
         // the packer's int4 encoding: s holds 16 s, z holds z - 16 s (see the header)
         if (p.bits == 4) acc[c] += s[c] / 16.f * dot + (z[c] + s[c]) * xs;
+        else if (p.bits == kFp4) acc[c] += fp4_scale(p, at + c) * dot;
         else acc[c] += s[c] * dot + (z ? z[c] * xs : 0.f);
       }
     }
@@ -106,6 +132,25 @@ void tile_portable(const Problem& p, int64_t b, int64_t m0, int64_t rows) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kSimd = true;
 
+// kFp4Times2 as bfloat16 bit patterns (1 = 0x3F80 ... 12 = 0x4140, bit 15 the sign),
+// twice over: vpermw's 32 entries (see the header)
+alignas(64) constexpr uint16_t kFp4Bf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140,
+    0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0, 0xC100, 0xC140,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140,
+    0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0, 0xC100, 0xC140};
+inline __m512i fp4_table() { return _mm512_load_si512(kFp4Bf16); }
+
+// 16 E8M0 bytes -> 2^(e - 128): vscalefps computes 0.5 * 2^(e - 127) exactly, subnormal
+// results included
+inline __m512 fp4_scales(const Problem& p, int64_t at) {
+  const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+      reinterpret_cast<const uint8_t*>(p.s) + at));
+  const __m512 pow = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e)),
+                                   _mm512_set1_ps(127.f));
+  return _mm512_scalef_ps(_mm512_set1_ps(0.5f), pow);
+}
+
 inline __m512bh pair(const uint16_t* x) {
   int32_t v;
   std::memcpy(&v, x, sizeof(v));
@@ -115,9 +160,10 @@ inline __m512bh pair(const uint16_t* x) {
 // MT rows of x times NT column blocks, all of k.
 template <int MT, int NT, int BITS>
 void tile_simd(const Problem& p, int64_t b0, int64_t m0) {
-  constexpr int64_t KS = BITS == 4 ? 4 : 2;
+  constexpr int64_t KS = BITS == 8 ? 2 : 4;
   const int64_t groups = p.groups(), steps = p.k / KS;
   const __m512i mask = _mm512_set1_epi16(0x78), one = _mm512_set1_epi16(0x3F80);
+  const __m512i fp4 = fp4_table();
   __m512 tot[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) tot[i][j] = _mm512_setzero_ps();
@@ -141,6 +187,14 @@ void tile_simd(const Problem& p, int64_t b0, int64_t m0) {
             acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pair(xr[i] + k), lo);
             acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pair(xr[i] + k + 2), hi);
           }
+        } else if constexpr (BITS == kFp4) {
+          const __m512i v = _mm512_cvtepu8_epi16(raw);
+          const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(v, fp4);
+          const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), fp4);
+          for (int i = 0; i < MT; ++i) {
+            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pair(xr[i] + k), lo);
+            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pair(xr[i] + k + 2), hi);
+          }
         } else {
           const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
           const __m512 f1 = _mm512_cvtepi32_ps(
@@ -152,7 +206,7 @@ void tile_simd(const Problem& p, int64_t b0, int64_t m0) {
     }
     for (int j = 0; j < NT; ++j) {
       const int64_t at = ((b0 + j) * groups + g) * kCols;
-      const __m512 sv = _mm512_loadu_ps(p.s + at);
+      const __m512 sv = BITS == kFp4 ? fp4_scales(p, at) : _mm512_loadu_ps(p.s + at);
       for (int i = 0; i < MT; ++i) tot[i][j] = _mm512_fmadd_ps(sv, acc[i][j], tot[i][j]);
       if (p.z != nullptr) {
         const __m512 zv = _mm512_loadu_ps(p.z + at);
@@ -247,6 +301,7 @@ void lowbit_gemm(const uint16_t* x, int64_t ldx, const uint8_t* w, int bits, con
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
       if (simd) {
         if (bits == 4) tile_rows<4>(p, b0, nt, m0, rows);
+        else if (bits == kFp4) tile_rows<kFp4>(p, b0, nt, m0, rows);
         else tile_rows<8>(p, b0, nt, m0, rows);
         continue;
       }

@@ -373,8 +373,9 @@ def _layout_warnings(modules: list[ModulePlan], groups: dict[str, Any],
     expert_groups = {m.group for m in modules if m.quantized and _EXPERT_KIND.match(m.kind)}
     if len(expert_groups) > 1 or any(g and "_g" in g for g in expert_groups):
         warnings.append("the experts' linears fall in several config groups (group sizes "
-                        "changed): transformers 5 decodes a mixture's fused experts with one "
-                        "group's scheme; use a group size that divides every expert's width")
+                        "changed): vLLM refuses such a mixture (one scheme per fused expert "
+                        "layer) and transformers 5 decodes its fused experts with one group's "
+                        "scheme; use a group size that divides every expert's width")
     return warnings
 
 

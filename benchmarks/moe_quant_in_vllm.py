@@ -35,24 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.kv_scheme_in_vllm import run_side, windows  # noqa: E402
-from benchmarks.quant_common import llmctl_quantize  # noqa: E402
+from benchmarks.quant_common import RECIPE, llmctl_quantize  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 # vLLM's CPU attention takes head_dim 32 and up; 2 heads of 64 keep the model tiny
 WIDEN = {"hidden_size": 128, "head_dim": 64, "num_attention_heads": 2,
          "num_key_value_heads": 1}
-W4 = """quant_stage:
-  quant_modifiers:
-    {modifier}:
-      ignore: [lm_head]
-      config_groups:
-        group_0:
-          targets: [Linear]
-          weights: {{num_bits: 4, type: int, strategy: group, group_size: 16, symmetric: true}}
-"""
 RECIPES: dict[str, str] = {
-    "w4a16-rtn-g16": W4.format(modifier="QuantizationModifier"),
-    "w4a16-gptq-g16": W4.format(modifier="GPTQModifier"),
+    "w4a16-rtn-g16": RECIPE.format(modifier="QuantizationModifier", extra="", bits=4, group=16),
+    "w4a16-gptq-g16": RECIPE.format(modifier="GPTQModifier", extra="", bits=4, group=16),
     "w8a8-int8": "w8a8-int8",
     "fp8-weight-only": "fp8-weight-only",
 }

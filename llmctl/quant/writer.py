@@ -115,13 +115,16 @@ class PlannedWriter:
     Every output tensor's name, dtype and shape is known from the plan, so the headers
     are written first and each tensor goes straight to its offset as soon as it is
     computed: nothing accumulates in memory, whatever the model size. ``finish`` checks
-    that every planned tensor arrived.
+    that every planned tensor arrived. ``transform`` (gpt-oss's experts in vLLM's form,
+    :class:`llmctl.quant.vllm_gpt_oss.Interleaver`) renames and joins the tensors given
+    to :meth:`add` into the planned ones; ``specs`` are then its output's.
     """
 
     def __init__(self, directory: Path, specs: dict[str, TensorSpec],
-                 max_shard_bytes: int = 2 << 30) -> None:
+                 max_shard_bytes: int = 2 << 30, transform=None) -> None:
         self.directory = Path(directory)
         self.specs = specs
+        self.transform = transform
         shards: list[list[str]] = [[]]
         size = 0
         for name, spec in specs.items():
@@ -156,6 +159,13 @@ class PlannedWriter:
         self.written: set[str] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.transform is None:
+            self._put(name, tensor)
+            return
+        for out_name, out_tensor in self.transform.feed(name, tensor):
+            self._put(out_name, out_tensor)
+
+    def _put(self, name: str, tensor: torch.Tensor) -> None:
         spec = self.specs.get(name)
         if spec is None:
             raise RuntimeError(f"internal error: {name} is not in the output plan")

@@ -25,7 +25,9 @@ the compute dtype exactly as transformers decodes them (:mod:`llmctl.quant.mxfp4
 attention sinks are read in float32. A gpt-oss checkpoint ``llmctl quantize`` wrote (per
 expert, llm-compressor's linearization: ``experts.{e}.gate_proj`` ... with ``.bias``) goes
 through the same per-expert path as the other families (:meth:`_ModelBuilder.experts`),
-its gate and up rows interleaved and its biases joined to match the fused form.
+its gate and up rows interleaved and its biases joined to match the fused form; in vLLM's
+streamed form (``experts.{e}.w13_weight_packed`` ..., :mod:`llmctl.quant.vllm_gpt_oss`) the
+reader answers those per-linear names from the stored rows.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 from llmctl.errors import NotAModelError, UnsupportedArchitectureError
 from llmctl.models.layers.moe import MoeWeights, Routing
 from llmctl.models.spec import FAMILIES, NORM_LAYOUTS, ModelArch, MoeLayout
-from llmctl.quant import mxfp4
+from llmctl.quant import mxfp4, vllm_gpt_oss
 from llmctl.serve.layers.lowbit import (
     AffineCodes,
     LowBitLinear,
@@ -158,9 +160,16 @@ class CheckpointReader:
         for handle in self._handles:
             for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 self._where[key] = handle
+        # gpt-oss experts in vLLM's streamed form, answered by their per-linear names
+        self._aliases = vllm_gpt_oss.aliases(self._where)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or name in self._aliases
+
+    def names(self) -> list[str]:
+        """Every tensor name as the per-linear form has it (streamed experts replaced)."""
+        stored = [n for n in self._where if not vllm_gpt_oss.is_streamed(n)]
+        return sorted(stored + list(self._aliases))
 
     def layer_weight(self, name: str) -> torch.Tensor | QuantWeight:
         """A linear layer's weight as a float tensor or a QuantWeight (not yet a kernel)."""
@@ -172,6 +181,12 @@ class CheckpointReader:
     def __call__(self, name: str) -> torch.Tensor:
         """An owned copy: a tensor viewing the memory map would keep the whole file
         mapped (and counted in RSS) after loading."""
+        alias = self._aliases.get(name)
+        if alias is not None:
+            scheme = self._quant.scheme_for(name.rsplit(".", 1)[0])
+            bits = int(scheme.args.get("num_bits", 4)) if scheme is not None else 4
+            return vllm_gpt_oss.read_alias(alias, self, bits, lambda n: self._where[n].get_slice(
+                n).get_shape())
         try:
             return self._where[name].get_tensor(name).clone()
         except KeyError:

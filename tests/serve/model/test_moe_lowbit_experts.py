@@ -310,8 +310,8 @@ def test_quantized_gpt_oss_experts_run_on_the_lowbit_kernel(tiny_family, quantiz
     from safetensors.torch import load_file
 
     written = load_file(str(path / "model.safetensors"))
-    paired = torch.stack([written[f"{prefix}.gate_proj.bias"],
-                          written[f"{prefix}.up_proj.bias"]], dim=1).reshape(-1)
+    # written in vLLM's streamed form: w13's rows already gate/up interleaved
+    paired = written[f"{prefix}.w13_bias"]
     for moe in _sparse(model):
         assert moe.gate_up_bias is None and moe.down_bias is None
         for linear in [*moe.gate_up, *moe.down]:

@@ -7,6 +7,8 @@ Three things past the shared keys and tensor names (:mod:`llmctl.models.architec
    head size, Gemma 2's soft-caps always on, the Gemma graphs' output tied to the
    embeddings, GeLU or SiLU by arch): a model that differs is refused with one line
    naming the arch, rather than written as a file llama.cpp runs differently.
+   :func:`export_warnings`: what it computes differently in a way its converter accepts
+   too (YaRN's rounded correction range): written, with a warning.
 2. :func:`write_arch_metadata`: the arch's own keys (soft-caps, windows and which layers
    use them, Granite's multipliers, partial rotary, LongRoPE's attention factor).
 3. :func:`generated_tensors`: tensors computed from the config (Llama 3.1's
@@ -95,18 +97,31 @@ def _problems(arch: str, spec: ModelArch) -> list[str]:
 
 
 def _yarn_problems(params: dict) -> list[str]:
-    """YaRN as llama.cpp computes it: the correction range rounded to whole dimensions
-    (ggml_rope_yarn_corr_dims: floor/ceil, always) between betas 32 and 1 (its defaults,
-    which llama-cpp-python passes whatever the file says)."""
+    """YaRN as llama.cpp computes it: between betas 32 and 1 (its defaults, which
+    llama-cpp-python passes whatever the file says)."""
     out = []
-    if not params.get("truncate", True):
-        out.append("its YaRN rounds the correction range to whole dimensions, the model's "
-                   "rope_parameters has truncate: false (set it true to accept the rounding, "
-                   "as llama.cpp's converter does)")
     for key, fixed in (("beta_fast", 32.0), ("beta_slow", 1.0)):
         if float(params.get(key) or fixed) != fixed:
             out.append(f"its YaRN takes {key} {fixed:g}, the model's is {params[key]}")
     return out
+
+
+def export_warnings(config: dict[str, Any]) -> list[str]:
+    """What llama.cpp computes differently but every llama.cpp user of the model accepts:
+    written, with a warning. YaRN's correction range is rounded to whole dimensions
+    (ggml_rope_yarn_corr_dims: floor/ceil, always) where the config says ``truncate:
+    false`` (gpt-oss's own config): the few dimensions inside the ramp get slightly
+    different frequencies, a phase error that grows with the position (measured ~0.9 rad
+    at position 4096 in one dimension pair of gpt-oss-20b). llama.cpp's converter writes
+    these models all the same, so a refusal would only stop the user doing what it does."""
+    spec = ModelArch.from_config(config)
+    rope = spec.rope or {}
+    if str(rope.get("rope_type", "")).lower() == "yarn" and not rope.get("truncate", True):
+        return [("llama.cpp rounds YaRN's correction range to whole dimensions; the model's "
+                 "rope_parameters has truncate: false, so a few rotary dimensions turn at "
+                 "slightly different rates than in transformers (set truncate: true in "
+                 "config.json to export the rounded model without this warning)")]
+    return []
 
 
 def check_exportable(config: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ reading or writing any weights.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from llmctl.gguf import quants
 from llmctl.gguf.families import (
     check_exportable,
     export_config,
+    export_warnings,
     generated_tensors,
     write_arch_metadata,
 )
@@ -52,6 +54,8 @@ Progress = Callable[[int, int], None]
 _FLOAT_KEYS = {"rope_theta", "rms_norm_eps"}
 # ggml types llmctl can produce itself: floats plus the legacy block quantizers.
 WRITABLE = ("F32", "F16", *quants.QUANTS)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -390,6 +394,8 @@ def build_plan(directory: Path, default_type: str, **rules: Any
     config = read_config(directory)
     arch = get_architecture(config["model_type"])
     check_exportable(config)
+    for warning in export_warnings(config):
+        log.warning("GGUF export: %s", warning)
     tensors = source_tensors(directory, config, arch)
     extra = [TensorPlan(name, None, a.shape, "F32", a.nbytes, "generated")
              for name, a in generated_tensors(config).items()]

@@ -99,7 +99,6 @@ def test_experts_are_stacked_per_layer_in_expert_order(moe_model):
     ("qwen2_moe", {"norm_topk_prob": True}, "does not renormalise the top-k"),
     ("gpt_oss", {"swiglu_limit": 1.5}, "fixes swiglu_limit at 7.0, the model's is 1.5"),
     ("gpt_oss", {"swiglu_alpha": 1.5}, "fixes swiglu_alpha at 1.702"),
-    ("gpt_oss", {"rope_parameters": _GPT_OSS_ROPE}, "has truncate: false"),
     ("gpt_oss", {"rope_parameters": {**_GPT_OSS_ROPE, "truncate": True, "beta_fast": 16.0}},
      "takes beta_fast 32, the model's is 16.0"),
 ])
@@ -109,6 +108,24 @@ def test_what_the_moe_graphs_do_not_compute_is_refused(moe_model, tmp_path, name
         quantize_to_gguf(moe_model(name, **change), tmp_path / "x.gguf", "F32")
     assert "\n" not in caught.value.args[0]
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_gpt_oss_yarn_without_truncation_exports_with_a_warning(moe_model, tmp_path, caplog):
+    """gpt-oss's own config says truncate: false; llama.cpp always rounds YaRN's correction
+    range (its converter writes these models anyway): the export goes ahead and says so,
+    and a config with truncate: true exports silently."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="llmctl.gguf.writer"):
+        quantize_to_gguf(moe_model("gpt_oss", rope_parameters=_GPT_OSS_ROPE),
+                         tmp_path / "x.gguf", "F32")
+    assert (tmp_path / "x.gguf").exists()
+    warned = [r.getMessage() for r in caplog.records if "truncate: false" in r.getMessage()]
+    assert len(warned) == 1 and "set truncate: true" in warned[0], caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmctl.gguf.writer"):
+        quantize_to_gguf(moe_model("gpt_oss"), tmp_path / "y.gguf", "F32")
+    assert "truncate" not in caplog.text
 
 
 def test_q8_0_experts_run_in_llama_cpp(llama_cpp, moe_model, tmp_path):

@@ -44,7 +44,8 @@ named instruction-set variant instead (:data:`VARIANTS`: ``avx512-bf16``, ``avx5
 ``avx2``, ``portable``), so one machine can run every body its CPU supports (the kernel
 tests do), so a changed source or a
 different machine sharing the cache never loads a stale or illegal binary. The C ABI
-needs no torch headers: a build takes about a second. The library links ``libgomp``,
+needs no torch headers; the units compile side by side, one compiler process per core
+(a first build ~8-10 s on 2 cores, then cached). The library links ``libgomp``,
 the OpenMP runtime torch itself loads, so both share one thread pool.
 
 No compiler, a failed build or ``LLMCTL_CPU_KERNELS=0``: :func:`paged_attention_kernel`
@@ -63,13 +64,14 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from llmctl.home import llmctl_home
-from llmctl.utils.cpu import cpu_flags
+from llmctl.utils.cpu import cpu_flags, usable_cpus
 
 log = logging.getLogger("llmctl.serve")
 
@@ -229,16 +231,36 @@ def _build(cxx: str, variant: str = "native") -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".llmctl_cpu-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        units = [str(src) for src in SOURCES if src.suffix == ".cpp"]
-        proc = subprocess.run([cxx, *flags, "-o", tmp, *units], capture_output=True, text=True,
-                              check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr.strip()[-2000:])
+        _compile_and_link(cxx, flags, tmp, out_dir)
         os.replace(tmp, target)  # concurrent builders each rename a complete file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _compile_and_link(cxx: str, flags: tuple[str, ...], out: str, work_root: Path) -> None:
+    """Each translation unit compiled in its own compiler process, as many at once as the
+    CPU has cores, then one link: a first build is about twice as fast on 2 cores as one
+    ``c++`` call with every unit (which compiles them one after another). The largest
+    units start first so no long one is left running alone at the end."""
+    units = sorted((src for src in SOURCES if src.suffix == ".cpp"),
+                   key=lambda src: src.stat().st_size, reverse=True)
+    with tempfile.TemporaryDirectory(prefix=".llmctl_cpu-objs-", dir=work_root) as work:
+        objects = [str(Path(work) / f"{src.stem}.o") for src in units]
+        commands = [[cxx, *flags, "-c", "-o", obj, str(src)]
+                    for src, obj in zip(units, objects, strict=True)]
+        with ThreadPoolExecutor(max_workers=usable_cpus()) as pool:
+            procs = list(pool.map(_run_compiler, commands))
+        if all(p.returncode == 0 for p in procs):
+            procs.append(_run_compiler([cxx, *flags, "-o", out, *objects]))
+        failed = [p for p in procs if p.returncode != 0]
+        if failed:
+            raise RuntimeError(failed[0].stderr.strip()[-2000:])
+
+
+def _run_compiler(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, check=False)
 
 
 def native_enabled() -> bool:

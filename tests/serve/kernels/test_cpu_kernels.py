@@ -218,6 +218,28 @@ def test_editing_the_shared_header_rebuilds(monkeypatch, tmp_path):
     assert second != first and second.is_file()
 
 
+def test_each_unit_compiles_in_its_own_process_then_one_link(monkeypatch, tmp_path):
+    """The build runs one compiler process per .cpp (side by side, as many as there are
+    cores) and links their objects once, with the same flags."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "c++"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
+                    'while [ $# -gt 0 ]; do [ "$1" = -o ] && { shift; : > "$1"; }; shift; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("LLMCTL_HOME", str(tmp_path / "home"))
+    built = cpu_kernels._build(str(fake), "avx2")
+    calls = [line.split() for line in log.read_text().splitlines() if "--version" not in line]
+    units = sorted(str(src) for src in cpu_kernels.SOURCES if src.suffix == ".cpp")
+    compiles = [c for c in calls if "-c" in c]
+    assert sorted(c[-1] for c in compiles) == units
+    (link,) = [c for c in calls if "-c" not in c]
+    objects = sorted(c[c.index("-o") + 1] for c in compiles)
+    assert sorted(a for a in link if a.endswith(".o")) == objects
+    flags = (*cpu_kernels.FLAGS, *cpu_kernels.VARIANTS["avx2"][0])
+    assert all(set(flags) <= set(c) for c in calls)
+    assert built.is_file() and not list(built.parent.glob(".llmctl_cpu-objs-*"))
+
+
 @pytest.mark.usefixtures("kernels_off")
 def test_engine_greedy_on_the_torch_path_equals_transformers(tiny_llama):
     from llmctl.serve.engine.llm import LLM

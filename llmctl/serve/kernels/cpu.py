@@ -45,7 +45,7 @@ named instruction-set variant instead (:data:`VARIANTS`: ``avx512-bf16``, ``avx5
 tests do), so a changed source or a
 different machine sharing the cache never loads a stale or illegal binary. The C ABI
 needs no torch headers; the units compile side by side, one compiler process per core
-(a first build ~8-10 s on 2 cores, then cached). The library links ``libgomp``,
+(a first build waits for the longest unit, then it is cached). The library links ``libgomp``,
 the OpenMP runtime torch itself loads, so both share one thread pool.
 
 No compiler, a failed build or ``LLMCTL_CPU_KERNELS=0``: :func:`paged_attention_kernel`
@@ -241,8 +241,8 @@ def _build(cxx: str, variant: str = "native") -> Path:
 
 def _compile_and_link(cxx: str, flags: tuple[str, ...], out: str, work_root: Path) -> None:
     """Each translation unit compiled in its own compiler process, as many at once as the
-    CPU has cores, then one link: a first build is about twice as fast on 2 cores as one
-    ``c++`` call with every unit (which compiles them one after another). The largest
+    CPU has cores, then one link: one ``c++`` call with every unit compiles them one after
+    another. The largest
     units start first so no long one is left running alone at the end."""
     units = sorted((src for src in SOURCES if src.suffix == ".cpp"),
                    key=lambda src: src.stat().st_size, reverse=True)

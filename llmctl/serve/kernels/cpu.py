@@ -240,14 +240,19 @@ def _build(cxx: str, variant: str = "native") -> Path:
 
 
 def _compile_and_link(cxx: str, flags: tuple[str, ...], out: str, work_root: Path) -> None:
+    compile_units(cxx, flags, [src for src in SOURCES if src.suffix == ".cpp"], out, work_root)
+
+
+def compile_units(cxx: str, flags: tuple[str, ...] | list[str], units: list[Path], out: str,
+                  work_root: Path | None = None) -> None:
     """Each translation unit compiled in its own compiler process, as many at once as the
-    CPU has cores, then one link: one ``c++`` call with every unit compiles them one after
-    another. The largest
-    units start first so no long one is left running alone at the end."""
-    units = sorted((src for src in SOURCES if src.suffix == ".cpp"),
-                   key=lambda src: src.stat().st_size, reverse=True)
+    CPU has cores, then one link into ``out`` (``flags`` say what: ``-shared`` here, an
+    executable for the tests' drivers): one ``c++`` call with every unit compiles them
+    one after another. The largest units start first so no long one is left running
+    alone at the end. A failure raises RuntimeError with the compiler's message."""
+    units = sorted(units, key=lambda src: Path(src).stat().st_size, reverse=True)
     with tempfile.TemporaryDirectory(prefix=".llmctl_cpu-objs-", dir=work_root) as work:
-        objects = [str(Path(work) / f"{src.stem}.o") for src in units]
+        objects = [str(Path(work) / f"{i}-{Path(src).stem}.o") for i, src in enumerate(units)]
         commands = [[cxx, *flags, "-c", "-o", obj, str(src)]
                     for src, obj in zip(units, objects, strict=True)]
         with ThreadPoolExecutor(max_workers=usable_cpus()) as pool:

@@ -20,8 +20,9 @@ vLLM matches a config's groups against (``experts.0.gate_proj``)::
 
 so planning, statistics, quantization and writing run as for Qwen3-MoE's per-expert
 experts. (vLLM's gpt-oss loader does not read these tensor names: symmetric WNA16 experts
-are written in its streamed form instead, :mod:`llmctl.quant.vllm_gpt_oss`.) The views' dtype is the stored float dtype (MXFP4: the biases' dtype, the form
-transformers decodes to); their bytes are of that float form.
+are written in its streamed form instead, :mod:`llmctl.quant.vllm_gpt_oss`.) The views'
+dtype is the stored float dtype (MXFP4: the biases' dtype, the form transformers decodes
+to); their bytes are of that float form.
 """
 
 from __future__ import annotations

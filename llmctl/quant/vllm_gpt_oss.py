@@ -37,8 +37,6 @@ _PER_LINEAR = re.compile(r"^(?P<expert>.+\.mlp\.experts\.\d+)\.(?P<part>gate_pro
                          r"\.(?P<tensor>weight_packed|weight_scale|weight_shape|bias)$")
 _STREAMED = re.compile(r"^(?P<expert>.+\.mlp\.experts\.\d+)\.(?P<fused>w13|w2)_"
                        r"(?P<tensor>weight_packed|weight_scale|bias)$")
-# the per-linear tensor -> the streamed suffix; weight_shape has none (see the module doc)
-_SUFFIX = {"weight_packed": "weight_packed", "weight_scale": "weight_scale", "bias": "bias"}
 _EXPERT_MODULE = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
 
 FORM = ("vLLM's streamed per-expert form (mlp.experts.{e}.w13_weight_packed / w13_weight_scale "
@@ -72,11 +70,10 @@ def streamed_name(name: str) -> str | None:
     match = _PER_LINEAR.match(name)
     if match is None:
         return None
-    suffix = _SUFFIX.get(match["tensor"])
-    if suffix is None:
+    if match["tensor"] == "weight_shape":  # the streamed form has none (see the module doc)
         return ""
     fused = "w2" if match["part"] == "down_proj" else "w13"
-    return f"{match['expert']}.{fused}_{suffix}"
+    return f"{match['expert']}.{fused}_{match['tensor']}"
 
 
 def stream_specs(specs: dict) -> dict:
@@ -130,12 +127,12 @@ class Interleaver:
 @dataclass(frozen=True)
 class Alias:
     """A per-linear expert tensor answered from a streamed one: its rows ``rows`` of
-    ``stored``; ``shape_of`` set: the ``weight_shape`` ``[rows, packed cols * 32 / bits]``
-    of module ``shape_of`` (computed, as the streamed form stores none)."""
+    ``stored``; ``shape``: instead the module's ``weight_shape`` ``[rows, packed cols * 32 /
+    bits]`` (computed, as the streamed form stores none)."""
 
     stored: str
     rows: slice
-    shape_of: str | None = None
+    shape: bool = False
 
 
 def aliases(names: Iterable[str]) -> dict[str, Alias]:
@@ -153,7 +150,7 @@ def aliases(names: Iterable[str]) -> dict[str, Alias]:
             module = f"{expert}.{part}"
             out[f"{module}.{tensor}"] = Alias(name, rows)
             if tensor == "weight_packed":
-                out[f"{module}.weight_shape"] = Alias(name, rows, module)
+                out[f"{module}.weight_shape"] = Alias(name, rows, shape=True)
     return out
 
 
@@ -166,8 +163,8 @@ def read_alias(alias: Alias, get: Callable[[str], torch.Tensor], bits: int,
     """The tensor ``alias`` stands for: ``get(name)`` reads a stored tensor; ``bits`` are
     the module's weight bits (for ``weight_shape``, computed from the stored shape, read
     with ``stored_shape(name)`` where given: the codes themselves are not needed)."""
-    if alias.shape_of is None:
-        return get(alias.stored)[alias.rows].contiguous()
+    if not alias.shape:  # one owned, contiguous copy of the rows (get may view a memory map)
+        return get(alias.stored)[alias.rows].clone(memory_format=torch.contiguous_format)
     shape = stored_shape(alias.stored) if stored_shape else get(alias.stored).shape
     rows = len(range(shape[0])[alias.rows])
     return torch.tensor([rows, shape[1] * 32 // bits], dtype=torch.int64)

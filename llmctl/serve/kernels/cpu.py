@@ -231,16 +231,12 @@ def _build(cxx: str, variant: str = "native") -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".llmctl_cpu-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        _compile_and_link(cxx, flags, tmp, out_dir)
+        compile_units(cxx, flags, [src for src in SOURCES if src.suffix == ".cpp"], tmp, out_dir)
         os.replace(tmp, target)  # concurrent builders each rename a complete file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
-
-
-def _compile_and_link(cxx: str, flags: tuple[str, ...], out: str, work_root: Path) -> None:
-    compile_units(cxx, flags, [src for src in SOURCES if src.suffix == ".cpp"], out, work_root)
 
 
 def compile_units(cxx: str, flags: tuple[str, ...] | list[str], units: list[Path], out: str,

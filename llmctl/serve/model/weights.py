@@ -185,8 +185,10 @@ class CheckpointReader:
         if alias is not None:
             scheme = self._quant.scheme_for(name.rsplit(".", 1)[0])
             bits = int(scheme.args.get("num_bits", 4)) if scheme is not None else 4
-            return vllm_gpt_oss.read_alias(alias, self, bits, lambda n: self._where[n].get_slice(
-                n).get_shape())
+            # the stored w13 read in place (not copied whole for gate, then for up): only
+            # the alias's rows are copied
+            return vllm_gpt_oss.read_alias(alias, lambda n: self._where[n].get_tensor(n), bits,
+                                           lambda n: self._where[n].get_slice(n).get_shape())
         try:
             return self._where[name].get_tensor(name).clone()
         except KeyError:
